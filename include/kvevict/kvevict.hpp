@@ -1,0 +1,2 @@
+// kvevict: KV-cache eviction policies for transformer inference (umbrella header).
+#pragma once
