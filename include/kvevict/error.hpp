@@ -1,0 +1,24 @@
+// kvevict::Error: the one exception type the library throws for bad input or misuse.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace kvevict {
+
+/// Thrown for invalid configurations, malformed input and API misuse. The message names the
+/// problem and, where it helps, the offending value. Never thrown across the C API.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+/// Throws kvevict::Error(message) unless `condition` holds.
+inline void require(bool condition, const std::string& message) {
+  if (!condition) throw Error(message);
+}
+
+}  // namespace detail
+}  // namespace kvevict

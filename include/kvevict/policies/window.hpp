@@ -1,0 +1,56 @@
+// Window (sliding window; Beltagy et al. 2020, the baseline of StreamingLLM and TOVA).
+//
+// Score: none. Keep rule: the last `recent` tokens. Trigger: after every forward, once a head holds
+// more than `recent` slots; a multi-token chunk is trimmed after its forward, so the chunk itself
+// attended to everything before it. Granularity: the same keep-set in every layer and head.
+// Positions: cache_index by default, as in the streaming-llm repository's window baseline.
+// Known failure: once token 0 leaves the cache perplexity explodes (StreamingLLM §3.1); the sink
+// variant (streaming_llm.hpp) fixes exactly that.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "kvevict/error.hpp"
+#include "kvevict/policy.hpp"
+#include "kvevict/selection.hpp"
+
+namespace kvevict {
+
+struct WindowConfig {
+  int recent = 0;  ///< tokens kept, R > 0
+};
+
+class WindowPolicy final : public Policy {
+ public:
+  explicit WindowPolicy(const WindowConfig& config) : config_(config) {
+    detail::require(config.recent > 0,
+                    "window: recent must be positive, got " + std::to_string(config.recent));
+  }
+
+  [[nodiscard]] std::string_view name() const override { return "window"; }
+  [[nodiscard]] PositionMode default_position_mode() const override {
+    return PositionMode::cache_index;
+  }
+  [[nodiscard]] std::optional<int> retained_limit() const override { return config_.recent; }
+
+  bool select(const EvictionContext& context, CompactionPlan& plan) override {
+    bool changed = false;
+    for (int l = 0; l < context.slots.layers(); ++l) {
+      for (int g = 0; g < context.slots.kv_heads(); ++g) {
+        const int live = context.slots.live(l, g);
+        builder_.begin(live);
+        builder_.keep_range(live - config_.recent, live);
+        changed = builder_.write(plan, l, g) || changed;
+      }
+    }
+    return changed;
+  }
+
+ private:
+  WindowConfig config_;
+  KeepSetBuilder builder_;
+};
+
+}  // namespace kvevict
