@@ -1,7 +1,8 @@
-// CompactionPlan: a policy's decision, one keep-list (plus new RoPE positions) per (layer, KV head).
+// CompactionPlan: a policy's decision, one keep-list (plus new RoPE positions) per (layer, KV
+// head).
 //
-// This is the whole contract between selection and storage. kvevict's own KvStore applies it, and an
-// engine that owns its K/V buffers applies it itself: for every head that changes(), gather rows
+// This is the whole contract between selection and storage. kvevict's own KvStore applies it, and
+// an engine that owns its K/V buffers applies it itself: for every head that changes(), gather rows
 // keep()[i] -> i of keys, values and any per-slot data, then (if keys are stored after RoPE) rotate
 // kept key i by position_deltas()[i] (= new position - old position, see reposition.hpp).
 #pragma once
@@ -72,8 +73,8 @@ class CompactionPlan {
     return {deltas_.data() + h * capacity_, static_cast<std::size_t>(counts_[h])};
   }
 
-  /// Writer side: the full-capacity buffer of head (layer, kv_head); fill its first `count` entries,
-  /// then call set_keep_count.
+  /// Writer side: the full-capacity buffer of head (layer, kv_head); fill its first `count`
+  /// entries, then call set_keep_count.
   [[nodiscard]] std::span<std::int32_t> keep_buffer(int layer, int kv_head) {
     return {keep_.data() + index(layer, kv_head) * capacity_, static_cast<std::size_t>(capacity_)};
   }
@@ -102,7 +103,7 @@ class CompactionPlan {
   int layers_ = 0;
   int kv_heads_ = 0;
   int capacity_ = 0;
-  std::vector<std::int32_t> keep_;      // [heads][capacity]
+  std::vector<std::int32_t> keep_;       // [heads][capacity]
   std::vector<std::int64_t> positions_;  // [heads][capacity]
   std::vector<std::int64_t> deltas_;     // [heads][capacity]
   std::vector<int> counts_;              // [heads]; kUnchanged or the kept count

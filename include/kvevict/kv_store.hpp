@@ -89,7 +89,8 @@ class KvStore {
       for (int g = 0; g < shape_.kv_heads; ++g) {
         const std::size_t h = static_cast<std::size_t>(l) * shape_.kv_heads + g;
         const std::size_t n = static_cast<std::size_t>(live(l, g)) * row;
-        std::copy_n(old_keys.begin() + h * old_capacity * row, n, keys_.begin() + h * capacity * row);
+        std::copy_n(old_keys.begin() + h * old_capacity * row, n,
+                    keys_.begin() + h * capacity * row);
         std::copy_n(old_values.begin() + h * old_capacity * row, n,
                     values_.begin() + h * capacity * row);
       }
@@ -167,8 +168,8 @@ class KvStore {
     const auto live_slots = static_cast<std::size_t>(slots_.total_live());
     stats.live_kv_bytes = live_slots * kv_bytes_per_slot();
     stats.live_metadata_bytes = live_slots * slots_.bytes_per_slot();
-    stats.reserved_bytes = static_cast<std::size_t>(capacity()) * shape_.head_caches() *
-                           bytes_per_slot();
+    stats.reserved_bytes =
+        static_cast<std::size_t>(capacity()) * shape_.head_caches() * bytes_per_slot();
     stats.peak_live_bytes = static_cast<std::size_t>(slots_.peak_total_live()) * bytes_per_slot();
     return stats;
   }
@@ -184,7 +185,8 @@ class KvStore {
 
  private:
   void allocate(int capacity) {
-    const std::size_t n = static_cast<std::size_t>(shape_.head_caches()) * capacity * shape_.head_dim;
+    const std::size_t n =
+        static_cast<std::size_t>(shape_.head_caches()) * capacity * shape_.head_dim;
     keys_.assign(n, Scalar(0));
     values_.assign(n, Scalar(0));
   }

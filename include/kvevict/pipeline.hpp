@@ -47,8 +47,9 @@ class EvictionPipeline {
       : slots_(&slots), policy_(std::move(policy)) {
     detail::require(policy_ != nullptr, "EvictionPipeline: policy is null");
     detail::require(slots.score_columns() >= policy_->score_columns(),
-                    "EvictionPipeline: the slot table has " + std::to_string(slots.score_columns()) +
-                        " score columns, policy '" + std::string(policy_->name()) + "' needs " +
+                    "EvictionPipeline: the slot table has " +
+                        std::to_string(slots.score_columns()) + " score columns, policy '" +
+                        std::string(policy_->name()) + "' needs " +
                         std::to_string(policy_->score_columns()));
     position_mode_ = position_mode.value_or(policy_->default_position_mode());
     plan_.resize(slots.layers(), slots.kv_heads(), slots.capacity());
@@ -155,9 +156,9 @@ class EvictionPipeline {
                     std::uint8_t extra_flags) {
     const std::size_t n = token_ids.size();
     detail::require(required_capacity(static_cast<int>(n)) <= slots_->capacity(),
-                    "EvictionPipeline: " + std::to_string(n) +
-                        " new tokens do not fit: capacity " + std::to_string(slots_->capacity()) +
-                        ", largest head holds " + std::to_string(slots_->max_live()) +
+                    "EvictionPipeline: " + std::to_string(n) + " new tokens do not fit: capacity " +
+                        std::to_string(slots_->capacity()) + ", largest head holds " +
+                        std::to_string(slots_->max_live()) +
                         " (reserve more, or feed smaller chunks)");
     chunk_ids_.assign(token_ids.begin(), token_ids.end());
     original_.resize(n);

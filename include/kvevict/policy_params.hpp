@@ -1,4 +1,5 @@
-// PolicyParams: named numeric parameters of a policy, as read from a CLI, a replay file or a config.
+// PolicyParams: named numeric parameters of a policy, as read from a CLI, a replay file or a
+// config.
 #pragma once
 
 #include <cmath>
@@ -32,7 +33,8 @@ class PolicyParams {
   }
 
   /// An integer parameter; `fallback` when absent (error if absent and no fallback).
-  [[nodiscard]] int get_int(const std::string& key, std::optional<int> fallback = std::nullopt) const {
+  [[nodiscard]] int get_int(const std::string& key,
+                            std::optional<int> fallback = std::nullopt) const {
     used_.insert(key);
     const auto it = numbers_.find(key);
     if (it == numbers_.end()) {
@@ -61,7 +63,8 @@ class PolicyParams {
 
   /// An integer list parameter; `fallback` when absent.
   [[nodiscard]] std::vector<std::int64_t> get_list(
-      const std::string& key, std::optional<std::vector<std::int64_t>> fallback = std::nullopt) const {
+      const std::string& key,
+      std::optional<std::vector<std::int64_t>> fallback = std::nullopt) const {
     used_.insert(key);
     const auto it = lists_.find(key);
     if (it == lists_.end()) {

@@ -16,7 +16,8 @@ enum class PositionMode {
   /// Positions are the token's index in its head's cache, 0..n-1, at every step (StreamingLLM,
   /// SirLLM): after an eviction the survivors slide down; a new token sits at index n.
   cache_index,
-  /// InfiniPot's CR-RoPE: after each compaction the C survivors get 0..C-1 in original order and new
+  /// InfiniPot's CR-RoPE: after each compaction the C survivors get 0..C-1 in original order and
+  /// new
   /// tokens continue from C. kvevict only re-positions at compaction, so this assigns the same
   /// positions as cache_index; it is kept as its own name because it states a different intent
   /// (re-rotate once per distillation, not per step) and engines that re-position lazily differ.

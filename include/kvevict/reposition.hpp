@@ -14,7 +14,8 @@ namespace kvevict {
 /// original: the tokens' original positions; cache_index / reset_on_compact: the slot indices they
 /// will occupy (live, live + 1, ...).
 inline void positions_for_append(PositionMode mode, const SlotTable& slots, int layer, int kv_head,
-                                 std::int64_t first_original_position, std::span<std::int64_t> out) {
+                                 std::int64_t first_original_position,
+                                 std::span<std::int64_t> out) {
   const std::int64_t first =
       mode == PositionMode::original ? first_original_position : slots.live(layer, kv_head);
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = first + static_cast<std::int64_t>(i);

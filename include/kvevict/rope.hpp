@@ -1,14 +1,14 @@
 // Rotary position embedding (RoPE): rotate keys to a position, re-rotate them by a delta.
 //
-// RoPE rotates each pair of dimensions (x_a, x_b) of a query or key by the angle p * f_i, where p is
-// the token's position and f_i = theta^(-2i / rotary_dim). Rotations compose, R(a) R(b) = R(a + b),
-// and R(-p) inverts R(p), so a key stored after RoPE at position `old` moves to position `new` by one
-// rotation with the delta `new - old`; nothing has to be recomputed from the pre-RoPE key.
+// RoPE rotates each pair of dimensions (x_a, x_b) of a query or key by the angle p * f_i, where p
+// is the token's position and f_i = theta^(-2i / rotary_dim). Rotations compose, R(a) R(b) = R(a +
+// b), and R(-p) inverts R(p), so a key stored after RoPE at position `old` moves to position `new`
+// by one rotation with the delta `new - old`; nothing has to be recomputed from the pre-RoPE key.
 //
-// Precision: angles are formed in double from integer positions (never accumulated), the rotation is
-// done in double and rounded once to the storage type. A re-rotated key therefore carries at most one
-// extra rounding per re-rotation; see docs/design.md for why the number of re-rotations per key is
-// bounded in every position mode kvevict offers.
+// Precision: angles are formed in double from integer positions (never accumulated), the rotation
+// is done in double and rounded once to the storage type. A re-rotated key therefore carries at
+// most one extra rounding per re-rotation; see docs/design.md for why the number of re-rotations
+// per key is bounded in every position mode kvevict offers.
 #pragma once
 
 #include <cmath>
@@ -107,14 +107,15 @@ class Rope {
  private:
   void fill_cos_sin(std::int64_t steps, double* out) const {
     for (int i = 0; i < pairs(); ++i) {
-      const double angle = static_cast<double>(steps) * inverse_frequency_[static_cast<std::size_t>(i)];
+      const double angle =
+          static_cast<double>(steps) * inverse_frequency_[static_cast<std::size_t>(i)];
       out[2 * i] = std::cos(angle);
       out[2 * i + 1] = std::sin(angle);
     }
   }
 
-  // Interleaved [cos_0, sin_0, cos_1, sin_1, ...] for `steps`: from the table when it covers |steps|
-  // (negative steps negate the sines), else computed into `scratch`.
+  // Interleaved [cos_0, sin_0, cos_1, sin_1, ...] for `steps`: from the table when it covers
+  // |steps| (negative steps negate the sines), else computed into `scratch`.
   const double* cos_sin_for(std::int64_t steps, double* scratch) const {
     const std::int64_t magnitude = steps < 0 ? -steps : steps;
     if (magnitude < config_.table_positions) {

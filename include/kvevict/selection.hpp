@@ -47,8 +47,8 @@ class KeepSetBuilder {
     }
   }
 
-  /// Keeps the `k` highest-scoring slots among those not kept yet (all of them if fewer). Ties go to
-  /// the lower slot, i.e. the lower original position. A NaN score is an error, never a silent
+  /// Keeps the `k` highest-scoring slots among those not kept yet (all of them if fewer). Ties go
+  /// to the lower slot, i.e. the lower original position. A NaN score is an error, never a silent
   /// choice: it would make the order undefined.
   void keep_top_k(std::span<const float> scores, int k) {
     detail::require(static_cast<int>(scores.size()) >= slots_,
@@ -82,7 +82,8 @@ class KeepSetBuilder {
 
   /// Writes the kept slots, ascending, to `out`; returns how many.
   int write(std::span<std::int32_t> out) const {
-    detail::require(static_cast<int>(out.size()) >= kept_count_, "KeepSetBuilder: output too small");
+    detail::require(static_cast<int>(out.size()) >= kept_count_,
+                    "KeepSetBuilder: output too small");
     int n = 0;
     for (int s = 0; s < slots_; ++s) {
       if (is_kept(s)) out[static_cast<std::size_t>(n++)] = s;

@@ -14,20 +14,20 @@ namespace kvevict {
 /// Inputs a policy may consume. A policy declares the set it needs; an engine computes only those
 /// (attention probabilities in particular cost memory traffic and are skipped when nobody asks).
 enum class Signal : std::uint32_t {
-  token_ids = 1u << 0,            ///< ids of the tokens fed (AnLLM anchors are recognised by id)
-  surprisal = 1u << 1,            ///< -log p(x_i | context) per token (SirLLM, InfiniPot NuC)
-  attention_rows = 1u << 2,       ///< softmax rows of every query of the forward (H2O)
-  last_attention_row = 1u << 3,   ///< softmax row of the forward's last query only (TOVA)
-  turn_boundaries = 1u << 4,      ///< the engine says where a turn starts (SirLLM)
-  catalyst_attention = 1u << 5,   ///< attention of a catalyst prompt run and rolled back (InfiniPot)
+  token_ids = 1u << 0,           ///< ids of the tokens fed (AnLLM anchors are recognised by id)
+  surprisal = 1u << 1,           ///< -log p(x_i | context) per token (SirLLM, InfiniPot NuC)
+  attention_rows = 1u << 2,      ///< softmax rows of every query of the forward (H2O)
+  last_attention_row = 1u << 3,  ///< softmax row of the forward's last query only (TOVA)
+  turn_boundaries = 1u << 4,     ///< the engine says where a turn starts (SirLLM)
+  catalyst_attention = 1u << 5,  ///< attention of a catalyst prompt run and rolled back (InfiniPot)
 };
 
 /// When a policy may evict. Each trigger calls Policy::select with the trigger named.
 enum class Trigger : std::uint8_t {
   after_forward,  ///< after every forward, once its signals were observed (Window, H2O, TOVA)
   before_turn,    ///< before a turn is fed, knowing its size (SirLLM)
-  pot_full,       ///< the cache reached the policy's pot size; catalyst attention is ready (InfiniPot)
-  anchor,         ///< after a forward whose input held an anchor token (AnLLM)
+  pot_full,  ///< the cache reached the policy's pot size; catalyst attention is ready (InfiniPot)
+  anchor,    ///< after a forward whose input held an anchor token (AnLLM)
 };
 
 /// A small bit set over an enum whose values are distinct bits (Signal) or bit indices (Trigger).

@@ -1,7 +1,8 @@
 // SlotTable: per-slot metadata of every (layer, KV head) cache, without the keys and values.
 //
 // Policies read and write only this table, so an engine that keeps K/V in its own buffers can still
-// run every kvevict policy: it keeps a SlotTable beside its buffers and applies the same plans to both.
+// run every kvevict policy: it keeps a SlotTable beside its buffers and applies the same plans to
+// both.
 #pragma once
 
 #include <algorithm>
@@ -127,8 +128,8 @@ class SlotTable {
     live_[head(layer, kv_head)] = new_live;
   }
 
-  /// Keeps the slots `keep` (strictly ascending) of head (layer, kv_head), in order, in every column,
-  /// and sets their RoPE positions to `new_positions`. Stable, in place, no allocation.
+  /// Keeps the slots `keep` (strictly ascending) of head (layer, kv_head), in order, in every
+  /// column, and sets their RoPE positions to `new_positions`. Stable, in place, no allocation.
   void compact(int layer, int kv_head, std::span<const std::int32_t> keep,
                std::span<const std::int64_t> new_positions) {
     detail::validate_keep_list(keep, live(layer, kv_head));
@@ -182,7 +183,8 @@ class SlotTable {
     return {data.data() + slot_offset(layer, kv_head), live_size(layer, kv_head)};
   }
   template <class T>
-  [[nodiscard]] std::span<const T> column(const std::vector<T>& data, int layer, int kv_head) const {
+  [[nodiscard]] std::span<const T> column(const std::vector<T>& data, int layer,
+                                          int kv_head) const {
     return {data.data() + slot_offset(layer, kv_head), live_size(layer, kv_head)};
   }
   [[nodiscard]] float* score_data(int layer, int kv_head, int c) {
@@ -198,7 +200,8 @@ class SlotTable {
     for (int h = 0; h < head_caches(); ++h) {
       for (int c = 0; c < columns; ++c) {
         const std::size_t block = static_cast<std::size_t>(h) * columns + c;
-        std::copy_n(data.begin() + block * capacity_, live_[h], grown.begin() + block * new_capacity);
+        std::copy_n(data.begin() + block * capacity_, live_[h],
+                    grown.begin() + block * new_capacity);
       }
     }
     data.swap(grown);
@@ -208,7 +211,7 @@ class SlotTable {
   int kv_heads_ = 0;
   int capacity_ = 0;
   int score_columns_ = 0;
-  std::vector<int> live_;                       // [head_caches]
+  std::vector<int> live_;  // [head_caches]
   std::int64_t total_live_ = 0;
   std::int64_t peak_total_live_ = 0;
   std::vector<std::int64_t> original_position_;  // [head_caches][capacity]

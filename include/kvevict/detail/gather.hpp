@@ -29,8 +29,8 @@ inline std::size_t first_moved(std::span<const std::int32_t> keep) {
   return i;
 }
 
-/// column[i] = column[keep[i]] for every i. Safe in place because keep is ascending, so keep[i] >= i
-/// and a source is never overwritten before it is read.
+/// column[i] = column[keep[i]] for every i. Safe in place because keep is ascending, so keep[i] >=
+/// i and a source is never overwritten before it is read.
 template <class T>
 void gather_in_place(T* column, std::span<const std::int32_t> keep) {
   for (std::size_t i = first_moved(keep); i < keep.size(); ++i) column[i] = column[keep[i]];
@@ -38,7 +38,8 @@ void gather_in_place(T* column, std::span<const std::int32_t> keep) {
 
 /// Row-wise gather of a row-major block: row i = row keep[i], `row_elements` values per row.
 template <class T>
-void gather_rows_in_place(T* rows, std::ptrdiff_t row_elements, std::span<const std::int32_t> keep) {
+void gather_rows_in_place(T* rows, std::ptrdiff_t row_elements,
+                          std::span<const std::int32_t> keep) {
   const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
   for (std::size_t i = first_moved(keep); i < keep.size(); ++i) {
     // keep[i] > i here, so source and destination rows never overlap.
