@@ -17,13 +17,13 @@ enum class HeadReduction { sum, mean };
 /// column sum; with a single (last) row it is TOVA's score.
 inline void add_attention(const AttentionRows& rows, int q_head_begin, int q_head_end,
                           HeadReduction reduction, std::span<float> out) {
-  detail::require(0 <= q_head_begin && q_head_begin < q_head_end && q_head_end <= rows.q_heads(),
+  KVEVICT_REQUIRE(0 <= q_head_begin && q_head_begin < q_head_end && q_head_end <= rows.q_heads(),
                   "add_attention: query head range out of bounds");
   const float weight = reduction == HeadReduction::mean
                            ? 1.0f / static_cast<float>(q_head_end - q_head_begin)
                            : 1.0f;
   for (int h = q_head_begin; h < q_head_end; ++h) {
-    detail::require(static_cast<std::size_t>(rows.keys(h)) <= out.size(),
+    KVEVICT_REQUIRE(static_cast<std::size_t>(rows.keys(h)) <= out.size(),
                     "add_attention: attention row longer than the score column");
     for (int q = 0; q < rows.queries(); ++q) {
       const std::span<const float> row = rows.row(h, q);

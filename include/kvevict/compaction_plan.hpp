@@ -79,7 +79,7 @@ class CompactionPlan {
     return {keep_.data() + index(layer, kv_head) * capacity_, static_cast<std::size_t>(capacity_)};
   }
   void set_keep_count(int layer, int kv_head, int count) {
-    detail::require(count >= 0 && count <= capacity_, "CompactionPlan: keep count out of range");
+    KVEVICT_REQUIRE(count >= 0 && count <= capacity_, "CompactionPlan: keep count out of range");
     counts_[index(layer, kv_head)] = count;
   }
   [[nodiscard]] std::span<std::int64_t> positions_buffer(int layer, int kv_head) {

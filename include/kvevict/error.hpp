@@ -15,10 +15,18 @@ class Error : public std::runtime_error {
 
 namespace detail {
 
-/// Throws kvevict::Error(message) unless `condition` holds.
+/// Throws kvevict::Error(message) unless `condition` holds. Prefer KVEVICT_REQUIRE on any path
+/// that runs per token: this function's message argument is built even when the check passes.
 inline void require(bool condition, const std::string& message) {
   if (!condition) throw Error(message);
 }
 
 }  // namespace detail
 }  // namespace kvevict
+
+/// Throws kvevict::Error(message) unless `condition` holds. The message expression is evaluated
+/// only on failure, so checks cost nothing but the test on per-token paths.
+#define KVEVICT_REQUIRE(condition, message)                         \
+  do {                                                              \
+    if (!(condition)) throw ::kvevict::Error(std::string(message)); \
+  } while (false)

@@ -77,7 +77,7 @@ class EvictingCache {
   void write_chunk(int layer, int kv_head, const Eigen::Ref<const Matrix>& keys,
                    const Eigen::Ref<const Matrix>& values) {
     const int end = store_.live(layer, kv_head);
-    detail::require(keys.rows() == chunk_size_ && values.rows() == chunk_size_,
+    KVEVICT_REQUIRE(keys.rows() == chunk_size_ && values.rows() == chunk_size_,
                     "write_chunk: expected " + std::to_string(chunk_size_) + " rows, got " +
                         std::to_string(keys.rows()) + " keys and " + std::to_string(values.rows()) +
                         " values");
@@ -139,15 +139,15 @@ class EvictingCache {
 
  private:
   static CacheConfig validated(CacheConfig config, const Policy* policy) {
-    detail::require(policy != nullptr, "EvictingCache: policy is null");
+    KVEVICT_REQUIRE(policy != nullptr, "EvictingCache: policy is null");
     config.shape.validate();
     if (config.rope.head_dim == 0) config.rope.head_dim = config.shape.head_dim;
-    detail::require(config.rope.head_dim == config.shape.head_dim,
+    KVEVICT_REQUIRE(config.rope.head_dim == config.shape.head_dim,
                     "EvictingCache: rope.head_dim (" + std::to_string(config.rope.head_dim) +
                         ") differs from shape.head_dim (" + std::to_string(config.shape.head_dim) +
                         ")");
-    detail::require(config.max_chunk > 0, "EvictingCache: max_chunk must be positive");
-    detail::require(config.initial_capacity >= 0, "EvictingCache: negative initial_capacity");
+    KVEVICT_REQUIRE(config.max_chunk > 0, "EvictingCache: max_chunk must be positive");
+    KVEVICT_REQUIRE(config.initial_capacity >= 0, "EvictingCache: negative initial_capacity");
     return config;
   }
   static int planned_capacity(const CacheConfig& config, const Policy& policy) {

@@ -39,7 +39,7 @@ class KvStore {
 
   KvStore(const CacheShape& shape, int capacity, int score_columns = 0) : shape_(shape) {
     shape.validate();
-    detail::require(capacity > 0,
+    KVEVICT_REQUIRE(capacity > 0,
                     "KvStore: capacity must be positive, got " + std::to_string(capacity));
     slots_ = SlotTable(shape.layers, shape.kv_heads, capacity, score_columns);
     allocate(capacity);
@@ -105,10 +105,10 @@ class KvStore {
               std::span<const std::int64_t> original_positions,
               std::span<const std::int64_t> positions, std::span<const std::int32_t> token_ids,
               std::span<const std::uint8_t> flags) {
-    detail::require(new_keys.cols() == shape_.head_dim && new_values.cols() == shape_.head_dim,
+    KVEVICT_REQUIRE(new_keys.cols() == shape_.head_dim && new_values.cols() == shape_.head_dim,
                     "KvStore::append: rows must have head_dim = " +
                         std::to_string(shape_.head_dim) + " columns");
-    detail::require(new_keys.rows() == static_cast<Eigen::Index>(token_ids.size()) &&
+    KVEVICT_REQUIRE(new_keys.rows() == static_cast<Eigen::Index>(token_ids.size()) &&
                         new_values.rows() == new_keys.rows(),
                     "KvStore::append: key, value and metadata row counts differ");
     const int begin = live(layer, kv_head);
@@ -191,11 +191,11 @@ class KvStore {
     values_.assign(n, Scalar(0));
   }
   void check_plan(const CompactionPlan& plan) const {
-    detail::require(plan.layers() == shape_.layers && plan.kv_heads() == shape_.kv_heads,
+    KVEVICT_REQUIRE(plan.layers() == shape_.layers && plan.kv_heads() == shape_.kv_heads,
                     "KvStore: plan shape does not match the store");
   }
   void check_rows(int layer, int kv_head, int begin, int end) const {
-    detail::require(0 <= begin && begin <= end && end <= live(layer, kv_head),
+    KVEVICT_REQUIRE(0 <= begin && begin <= end && end <= live(layer, kv_head),
                     "KvStore: row range [" + std::to_string(begin) + ", " + std::to_string(end) +
                         ") outside the live slots");
   }

@@ -45,8 +45,8 @@ class EvictionPipeline {
   EvictionPipeline(SlotTable& slots, std::unique_ptr<Policy> policy,
                    std::optional<PositionMode> position_mode = std::nullopt)
       : slots_(&slots), policy_(std::move(policy)) {
-    detail::require(policy_ != nullptr, "EvictionPipeline: policy is null");
-    detail::require(slots.score_columns() >= policy_->score_columns(),
+    KVEVICT_REQUIRE(policy_ != nullptr, "EvictionPipeline: policy is null");
+    KVEVICT_REQUIRE(slots.score_columns() >= policy_->score_columns(),
                     "EvictionPipeline: the slot table has " +
                         std::to_string(slots.score_columns()) + " score columns, policy '" +
                         std::string(policy_->name()) + "' needs " +
@@ -71,8 +71,8 @@ class EvictionPipeline {
   /// Before feeding `incoming` tokens: fires before_turn if this chunk starts a turn and the
   /// policy listens. Returns the plan applied to the slot table, or nullptr.
   const CompactionPlan* before_chunk(int incoming, bool turn_start) {
-    detail::require(incoming > 0, "before_chunk: a chunk needs at least one token");
-    detail::require(!in_catalyst_, "before_chunk: a catalyst prompt is still open");
+    KVEVICT_REQUIRE(incoming > 0, "before_chunk: a chunk needs at least one token");
+    KVEVICT_REQUIRE(!in_catalyst_, "before_chunk: a catalyst prompt is still open");
     chunk_turn_start_ = turn_start;
     if (turn_start && policy_->triggers().contains(Trigger::before_turn)) {
       return run(Trigger::before_turn, incoming);
@@ -83,8 +83,8 @@ class EvictionPipeline {
   /// Appends the chunk's slots to every head, at positions given by the position mode. The slot
   /// table must have room (see required_capacity).
   void append_chunk(std::span<const std::int32_t> token_ids) {
-    detail::require(!token_ids.empty(), "append_chunk: empty chunk");
-    detail::require(!in_catalyst_, "append_chunk: a catalyst prompt is still open");
+    KVEVICT_REQUIRE(!token_ids.empty(), "append_chunk: empty chunk");
+    KVEVICT_REQUIRE(!in_catalyst_, "append_chunk: a catalyst prompt is still open");
     append_slots(token_ids, stats_.tokens_fed, 0);
     chunk_ = ChunkInfo{stats_.tokens_fed, chunk_ids_, chunk_turn_start_};
     chunk_turn_start_ = false;
@@ -96,7 +96,7 @@ class EvictionPipeline {
     policy_->observe_attention(*slots_, layer, rows);
   }
   void observe_surprisal(std::span<const float> surprisal) {
-    detail::require(static_cast<int>(surprisal.size()) == chunk_.size(),
+    KVEVICT_REQUIRE(static_cast<int>(surprisal.size()) == chunk_.size(),
                     "observe_surprisal: expected one value per token of the chunk (" +
                         std::to_string(chunk_.size()) + "), got " +
                         std::to_string(surprisal.size()));
@@ -120,7 +120,7 @@ class EvictionPipeline {
   /// Appends a catalyst prompt (flagged slot_flag::catalyst) after the pot's slots, positions
   /// continuing; it is attended like any chunk and rolled back by end_catalyst().
   void begin_catalyst(std::span<const std::int32_t> token_ids) {
-    detail::require(!in_catalyst_, "begin_catalyst: a catalyst prompt is already open");
+    KVEVICT_REQUIRE(!in_catalyst_, "begin_catalyst: a catalyst prompt is already open");
     for (int l = 0; l < slots_->layers(); ++l) {
       for (int g = 0; g < slots_->kv_heads(); ++g) {
         catalyst_base_[static_cast<std::size_t>(l * slots_->kv_heads() + g)] = slots_->live(l, g);
@@ -131,14 +131,14 @@ class EvictionPipeline {
   }
 
   void observe_catalyst(int layer, const AttentionRows& rows) {
-    detail::require(in_catalyst_, "observe_catalyst: no catalyst prompt is open");
+    KVEVICT_REQUIRE(in_catalyst_, "observe_catalyst: no catalyst prompt is open");
     policy_->observe_catalyst(*slots_, layer, rows);
   }
 
   /// Rolls the catalyst back and fires pot_full. Returns the applied plan, or nullptr. The caller
   /// truncates its own K/V to catalyst_base() first.
   const CompactionPlan* end_catalyst() {
-    detail::require(in_catalyst_, "end_catalyst: no catalyst prompt is open");
+    KVEVICT_REQUIRE(in_catalyst_, "end_catalyst: no catalyst prompt is open");
     for (int l = 0; l < slots_->layers(); ++l) {
       for (int g = 0; g < slots_->kv_heads(); ++g) slots_->truncate(l, g, catalyst_base(l, g));
     }
@@ -155,7 +155,7 @@ class EvictionPipeline {
   void append_slots(std::span<const std::int32_t> token_ids, std::int64_t first_original,
                     std::uint8_t extra_flags) {
     const std::size_t n = token_ids.size();
-    detail::require(required_capacity(static_cast<int>(n)) <= slots_->capacity(),
+    KVEVICT_REQUIRE(required_capacity(static_cast<int>(n)) <= slots_->capacity(),
                     "EvictionPipeline: " + std::to_string(n) + " new tokens do not fit: capacity " +
                         std::to_string(slots_->capacity()) + ", largest head holds " +
                         std::to_string(slots_->max_live()) +

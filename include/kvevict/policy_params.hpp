@@ -38,11 +38,11 @@ class PolicyParams {
     used_.insert(key);
     const auto it = numbers_.find(key);
     if (it == numbers_.end()) {
-      detail::require(fallback.has_value(), "missing parameter '" + key + "'");
+      KVEVICT_REQUIRE(fallback.has_value(), "missing parameter '" + key + "'");
       return *fallback;
     }
     const double value = it->second;
-    detail::require(std::isfinite(value) && value == std::floor(value) &&
+    KVEVICT_REQUIRE(std::isfinite(value) && value == std::floor(value) &&
                         std::fabs(value) <= std::numeric_limits<int>::max(),
                     "parameter '" + key + "' must be an integer, got " + std::to_string(value));
     return static_cast<int>(value);
@@ -54,10 +54,10 @@ class PolicyParams {
     used_.insert(key);
     const auto it = numbers_.find(key);
     if (it == numbers_.end()) {
-      detail::require(fallback.has_value(), "missing parameter '" + key + "'");
+      KVEVICT_REQUIRE(fallback.has_value(), "missing parameter '" + key + "'");
       return *fallback;
     }
-    detail::require(std::isfinite(it->second), "parameter '" + key + "' must be finite");
+    KVEVICT_REQUIRE(std::isfinite(it->second), "parameter '" + key + "' must be finite");
     return it->second;
   }
 
@@ -68,7 +68,7 @@ class PolicyParams {
     used_.insert(key);
     const auto it = lists_.find(key);
     if (it == lists_.end()) {
-      detail::require(fallback.has_value(), "missing parameter '" + key + "'");
+      KVEVICT_REQUIRE(fallback.has_value(), "missing parameter '" + key + "'");
       return *fallback;
     }
     return it->second;
@@ -82,7 +82,7 @@ class PolicyParams {
 
  private:
   void check_used(std::string_view policy, const std::string& key) const {
-    detail::require(used_.count(key) != 0,
+    KVEVICT_REQUIRE(used_.count(key) != 0,
                     "unknown parameter '" + key + "' for policy '" + std::string(policy) + "'");
   }
 

@@ -46,18 +46,18 @@ class Rope {
   Rope() = default;
 
   explicit Rope(const RopeConfig& config) : config_(config) {
-    detail::require(config.head_dim > 0,
+    KVEVICT_REQUIRE(config.head_dim > 0,
                     "RoPE: head_dim must be positive, got " + std::to_string(config.head_dim));
     if (config_.rotary_dim == 0) config_.rotary_dim = config_.head_dim;
-    detail::require(config_.rotary_dim > 0 && config_.rotary_dim % 2 == 0,
+    KVEVICT_REQUIRE(config_.rotary_dim > 0 && config_.rotary_dim % 2 == 0,
                     "RoPE: rotary_dim must be a positive even number, got " +
                         std::to_string(config_.rotary_dim));
-    detail::require(config_.rotary_dim <= config_.head_dim,
+    KVEVICT_REQUIRE(config_.rotary_dim <= config_.head_dim,
                     "RoPE: rotary_dim (" + std::to_string(config_.rotary_dim) +
                         ") exceeds head_dim (" + std::to_string(config_.head_dim) + ")");
-    detail::require(std::isfinite(config_.theta) && config_.theta > 1.0,
+    KVEVICT_REQUIRE(std::isfinite(config_.theta) && config_.theta > 1.0,
                     "RoPE: theta must be finite and > 1, got " + std::to_string(config_.theta));
-    detail::require(config_.table_positions >= 0, "RoPE: table_positions must be >= 0");
+    KVEVICT_REQUIRE(config_.table_positions >= 0, "RoPE: table_positions must be >= 0");
     const int pairs = config_.rotary_dim / 2;
     inverse_frequency_.resize(static_cast<std::size_t>(pairs));
     for (int i = 0; i < pairs; ++i) {

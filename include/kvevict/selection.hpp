@@ -51,7 +51,7 @@ class KeepSetBuilder {
   /// to the lower slot, i.e. the lower original position. A NaN score is an error, never a silent
   /// choice: it would make the order undefined.
   void keep_top_k(std::span<const float> scores, int k) {
-    detail::require(static_cast<int>(scores.size()) >= slots_,
+    KVEVICT_REQUIRE(static_cast<int>(scores.size()) >= slots_,
                     "keep_top_k: fewer scores than slots");
     candidates_.clear();
     for (int s = 0; s < slots_; ++s) {
@@ -82,7 +82,7 @@ class KeepSetBuilder {
 
   /// Writes the kept slots, ascending, to `out`; returns how many.
   int write(std::span<std::int32_t> out) const {
-    detail::require(static_cast<int>(out.size()) >= kept_count_,
+    KVEVICT_REQUIRE(static_cast<int>(out.size()) >= kept_count_,
                     "KeepSetBuilder: output too small");
     int n = 0;
     for (int s = 0; s < slots_; ++s) {

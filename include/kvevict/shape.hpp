@@ -24,15 +24,15 @@ struct CacheShape {
 
   /// Throws kvevict::Error unless every dimension is positive and q_heads % kv_heads == 0.
   void validate() const {
-    detail::require(layers > 0,
+    KVEVICT_REQUIRE(layers > 0,
                     "CacheShape: layers must be positive, got " + std::to_string(layers));
-    detail::require(q_heads > 0,
+    KVEVICT_REQUIRE(q_heads > 0,
                     "CacheShape: q_heads must be positive, got " + std::to_string(q_heads));
-    detail::require(kv_heads > 0,
+    KVEVICT_REQUIRE(kv_heads > 0,
                     "CacheShape: kv_heads must be positive, got " + std::to_string(kv_heads));
-    detail::require(head_dim > 0,
+    KVEVICT_REQUIRE(head_dim > 0,
                     "CacheShape: head_dim must be positive, got " + std::to_string(head_dim));
-    detail::require(q_heads % kv_heads == 0, "CacheShape: q_heads (" + std::to_string(q_heads) +
+    KVEVICT_REQUIRE(q_heads % kv_heads == 0, "CacheShape: q_heads (" + std::to_string(q_heads) +
                                                  ") is not a multiple of kv_heads (" +
                                                  std::to_string(kv_heads) + ")");
   }

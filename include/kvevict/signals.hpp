@@ -85,11 +85,11 @@ class AttentionRows {
         row_stride_(row_stride),
         keys_per_kv_head_(keys_per_kv_head),
         first_query_position_(first_query_position) {
-    detail::require(q_heads > 0 && group_size > 0 && q_heads % group_size == 0,
+    KVEVICT_REQUIRE(q_heads > 0 && group_size > 0 && q_heads % group_size == 0,
                     "AttentionRows: q_heads must be a positive multiple of group_size");
-    detail::require(static_cast<int>(keys_per_kv_head.size()) == q_heads / group_size,
+    KVEVICT_REQUIRE(static_cast<int>(keys_per_kv_head.size()) == q_heads / group_size,
                     "AttentionRows: need one key count per KV head");
-    detail::require(queries >= 0, "AttentionRows: negative query count");
+    KVEVICT_REQUIRE(queries >= 0, "AttentionRows: negative query count");
   }
 
   [[nodiscard]] int q_heads() const { return q_heads_; }

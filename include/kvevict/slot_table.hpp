@@ -30,10 +30,10 @@ class SlotTable {
   SlotTable() = default;
   SlotTable(int layers, int kv_heads, int capacity, int score_columns)
       : layers_(layers), kv_heads_(kv_heads), score_columns_(score_columns) {
-    detail::require(layers > 0 && kv_heads > 0, "SlotTable: layers and kv_heads must be positive");
-    detail::require(capacity > 0,
+    KVEVICT_REQUIRE(layers > 0 && kv_heads > 0, "SlotTable: layers and kv_heads must be positive");
+    KVEVICT_REQUIRE(capacity > 0,
                     "SlotTable: capacity must be positive, got " + std::to_string(capacity));
-    detail::require(score_columns >= 0, "SlotTable: negative score column count");
+    KVEVICT_REQUIRE(score_columns >= 0, "SlotTable: negative score column count");
     live_.assign(static_cast<std::size_t>(head_caches()), 0);
     reserve(capacity);
   }
@@ -99,10 +99,10 @@ class SlotTable {
               std::span<const std::int64_t> positions, std::span<const std::int32_t> token_ids,
               std::span<const std::uint8_t> flags) {
     const std::size_t n = token_ids.size();
-    detail::require(original_positions.size() == n && positions.size() == n && flags.size() == n,
+    KVEVICT_REQUIRE(original_positions.size() == n && positions.size() == n && flags.size() == n,
                     "SlotTable::append: column lengths differ");
     const int live_before = live(layer, kv_head);
-    detail::require(live_before + static_cast<std::int64_t>(n) <= capacity_,
+    KVEVICT_REQUIRE(live_before + static_cast<std::int64_t>(n) <= capacity_,
                     "SlotTable::append: head (" + std::to_string(layer) + ", " +
                         std::to_string(kv_head) + ") would exceed its capacity of " +
                         std::to_string(capacity_) + " slots");
@@ -121,7 +121,7 @@ class SlotTable {
 
   /// Drops the newest slots of head (layer, kv_head) so that `new_live` remain (roll back).
   void truncate(int layer, int kv_head, int new_live) {
-    detail::require(new_live >= 0 && new_live <= live(layer, kv_head),
+    KVEVICT_REQUIRE(new_live >= 0 && new_live <= live(layer, kv_head),
                     "SlotTable::truncate: new live count " + std::to_string(new_live) +
                         " outside [0, " + std::to_string(live(layer, kv_head)) + "]");
     set_total_live(total_live_ - (live(layer, kv_head) - new_live));
@@ -133,7 +133,7 @@ class SlotTable {
   void compact(int layer, int kv_head, std::span<const std::int32_t> keep,
                std::span<const std::int64_t> new_positions) {
     detail::validate_keep_list(keep, live(layer, kv_head));
-    detail::require(new_positions.size() == keep.size(),
+    KVEVICT_REQUIRE(new_positions.size() == keep.size(),
                     "SlotTable::compact: one new position per kept slot expected");
     const std::size_t offset = slot_offset(layer, kv_head);
     detail::gather_in_place(original_position_.data() + offset, keep);
@@ -149,7 +149,7 @@ class SlotTable {
 
   /// Applies every changed head of `plan`.
   void apply(const CompactionPlan& plan) {
-    detail::require(plan.layers() == layers_ && plan.kv_heads() == kv_heads_,
+    KVEVICT_REQUIRE(plan.layers() == layers_ && plan.kv_heads() == kv_heads_,
                     "SlotTable::apply: plan shape does not match the table");
     for (int l = 0; l < layers_; ++l) {
       for (int g = 0; g < kv_heads_; ++g) {

@@ -15,9 +15,10 @@ namespace kvevict::detail {
 inline void validate_keep_list(std::span<const std::int32_t> keep, int live) {
   std::int32_t previous = -1;
   for (std::int32_t slot : keep) {
-    require(slot > previous && slot < live,
-            "keep-list must be strictly ascending slot indices in [0, " + std::to_string(live) +
-                "); found " + std::to_string(slot) + " after " + std::to_string(previous));
+    KVEVICT_REQUIRE(slot > previous && slot < live,
+                    "keep-list must be strictly ascending slot indices in [0, " +
+                        std::to_string(live) + "); found " + std::to_string(slot) + " after " +
+                        std::to_string(previous));
     previous = slot;
   }
 }

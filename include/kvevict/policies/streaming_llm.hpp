@@ -27,9 +27,9 @@ struct StreamingLlmConfig {
 class StreamingLlmPolicy final : public Policy {
  public:
   explicit StreamingLlmPolicy(const StreamingLlmConfig& config) : config_(config) {
-    detail::require(config.sinks >= 0,
+    KVEVICT_REQUIRE(config.sinks >= 0,
                     "streaming_llm: sinks must be >= 0, got " + std::to_string(config.sinks));
-    detail::require(config.recent > 0,
+    KVEVICT_REQUIRE(config.recent > 0,
                     "streaming_llm: recent must be positive, got " + std::to_string(config.recent));
   }
 

@@ -25,7 +25,7 @@ struct WindowConfig {
 class WindowPolicy final : public Policy {
  public:
   explicit WindowPolicy(const WindowConfig& config) : config_(config) {
-    detail::require(config.recent > 0,
+    KVEVICT_REQUIRE(config.recent > 0,
                     "window: recent must be positive, got " + std::to_string(config.recent));
   }
 

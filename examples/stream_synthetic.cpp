@@ -1,0 +1,171 @@
+// stream_synthetic: streams random keys, values and queries through any kvevict policy and prints,
+// as it goes, the cache size per head, the bytes it holds and which positions survive.
+//
+//   stream_synthetic [POLICY] [KEY=VALUE ...] [tokens=N] [storage=pre_rope|post_rope]
+//   stream_synthetic streaming_llm sinks=4 recent=12 tokens=48
+//   stream_synthetic h2o heavy=8 recent=8
+//
+// Attention is real (softmax of q.k over the cache, per query head), so attention-scored policies
+// see genuine rows; surprisal is random. This is a demo of the data flow, not a quality test: the
+// reference decoder runs the policies on trained models.
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <exception>
+#include <kvevict/kvevict.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Cache = kvevict::EvictingCache<float>;
+using Matrix = Cache::Matrix;
+
+constexpr kvevict::CacheShape kShape{2, 4, 2, 64};  // layers, query heads, KV heads, head_dim
+
+Matrix random_rows(std::mt19937& rng, int rows) {
+  std::normal_distribution<float> normal;
+  Matrix m(rows, kShape.head_dim);
+  for (Eigen::Index i = 0; i < m.size(); ++i) m.data()[i] = normal(rng);
+  return m;
+}
+
+// Writes the chunk's K/V, attends with random queries (causal within the chunk) and hands the rows
+// to the policy if it asked for them. `catalyst` selects the catalyst-prompt variant.
+void forward(Cache& cache, std::mt19937& rng, bool catalyst) {
+  const int n = cache.chunk_size();
+  const bool all_rows = cache.wants(kvevict::Signal::attention_rows) ||
+                        (catalyst && cache.wants(kvevict::Signal::catalyst_attention));
+  const bool wants_rows = all_rows || cache.wants(kvevict::Signal::last_attention_row);
+  const int query_rows = all_rows ? n : 1;
+  std::vector<float> rows;
+  std::vector<int> keys_per_kv_head(static_cast<std::size_t>(kShape.kv_heads));
+  Matrix scratch;
+  for (int l = 0; l < kShape.layers; ++l) {
+    for (int g = 0; g < kShape.kv_heads; ++g) {
+      cache.write_chunk(l, g, random_rows(rng, n), random_rows(rng, n));
+      keys_per_kv_head[static_cast<std::size_t>(g)] = cache.live(l, g);
+    }
+    if (!wants_rows) continue;
+    const int stride = cache.pipeline().slots().max_live();
+    rows.assign(static_cast<std::size_t>(kShape.q_heads) * query_rows * stride, 0.0f);
+    for (int h = 0; h < kShape.q_heads; ++h) {
+      const int g = kShape.kv_head_of(h);
+      const Eigen::Map<const Matrix> keys =
+          cache.attention_keys(l, g, scratch);  // [live, head_dim]
+      const int live = static_cast<int>(keys.rows());
+      for (int q = 0; q < query_rows; ++q) {
+        const int slot = live - query_rows + q;  // the query's own slot
+        Matrix query = random_rows(rng, 1);
+        cache.rope().rotate(query.data(), cache.positions(l, g)[static_cast<std::size_t>(slot)]);
+        const Eigen::VectorXf logits = keys.topRows(slot + 1) * query.transpose() /
+                                       std::sqrt(static_cast<float>(kShape.head_dim));
+        const Eigen::VectorXf weights = (logits.array() - logits.maxCoeff()).exp();
+        float* row = rows.data() + (static_cast<std::size_t>(h) * query_rows + q) * stride;
+        for (int s = 0; s <= slot; ++s) row[s] = weights(s) / weights.sum();
+      }
+    }
+    const kvevict::AttentionRows view(rows.data(), kShape.q_heads, kShape.group_size(), query_rows,
+                                      stride, keys_per_kv_head, 0);
+    if (catalyst) {
+      cache.observe_catalyst(l, view);
+    } else {
+      cache.observe_attention(l, view);
+    }
+  }
+}
+
+int run(int argc, char** argv) {
+  std::string policy_name = "streaming_llm";
+  kvevict::PolicyParams params;
+  int tokens = 48;
+  kvevict::KeyStorage storage = kvevict::KeyStorage::pre_rope;
+  bool defaults = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const std::size_t eq = arg.find('=');
+    if (eq == std::string::npos) {
+      policy_name = arg;
+      continue;
+    }
+    const std::string key = arg.substr(0, eq);
+    const std::string value = arg.substr(eq + 1);
+    if (key == "tokens") {
+      tokens = std::stoi(value);
+    } else if (key == "storage") {
+      storage = kvevict::parse_key_storage(value);
+    } else if (value.find(',') != std::string::npos) {
+      std::vector<std::int64_t> list;
+      for (std::size_t begin = 0; begin <= value.size();) {
+        const std::size_t end = std::min(value.find(',', begin), value.size());
+        list.push_back(std::stoll(value.substr(begin, end - begin)));
+        begin = end + 1;
+      }
+      params.set_list(key, list);
+      defaults = false;
+    } else {
+      params.set(key, std::stod(value));
+      defaults = false;
+    }
+  }
+  if (defaults && policy_name == "streaming_llm") params.set("sinks", 4).set("recent", 12);
+
+  kvevict::CacheConfig config;
+  config.shape = kShape;
+  config.key_storage = storage;
+  config.max_chunk = 8;
+  Cache cache(config, kvevict::make_policy(policy_name, params));
+  fmt::print("policy {} | {} layers, {} query / {} KV heads, head_dim {} | positions {}, keys {}\n",
+             policy_name, kShape.layers, kShape.q_heads, kShape.kv_heads, kShape.head_dim,
+             kvevict::to_string(cache.pipeline().position_mode()), kvevict::to_string(storage));
+  fmt::print("{:>6} {:>10} {:>12} {:>12}  kept original positions (layer 0, KV head 0)\n", "fed",
+             "live/head", "live bytes", "peak bytes");
+
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> surprisal(0.5f, 6.0f);
+  int fed = 0;
+  while (fed < tokens) {
+    const int n = fed == 0 ? 8 : 1;  // a short prefill, then one token per forward
+    cache.begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 0), true);
+    forward(cache, rng, false);
+    if (cache.wants(kvevict::Signal::surprisal)) {
+      std::vector<float> values(static_cast<std::size_t>(n));
+      for (float& v : values) v = surprisal(rng);
+      cache.observe_surprisal(values);
+    }
+    cache.end_forward();
+    if (cache.catalyst_pending()) {
+      cache.begin_catalyst(std::vector<std::int32_t>(4, 0));
+      forward(cache, rng, true);
+      cache.end_catalyst();
+    }
+    fed += n;
+    if (fed % 8 == 0 || fed == tokens) {
+      const auto& slots = cache.pipeline().slots();
+      const auto kept = slots.original_positions(0, 0);
+      const kvevict::MemoryStats memory = cache.memory();
+      fmt::print("{:>6} {:>10} {:>12} {:>12}  {}\n", fed, slots.live(0, 0), memory.live_bytes(),
+                 memory.peak_live_bytes, fmt::join(kept, " "));
+    }
+  }
+  const kvevict::PipelineStats& stats = cache.pipeline().stats();
+  fmt::print("compactions {}, evicted slots {} (all heads), reserved {} bytes\n", stats.compactions,
+             stats.evicted_slots, cache.memory().reserved_bytes);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& error) {
+    fmt::print(stderr, "stream_synthetic: error: {}\n", error.what());
+    return 2;
+  }
+}
