@@ -92,7 +92,8 @@ namespace kvevict {
     policy = std::make_unique<AnLlmPolicy>(config);
   } else {
     std::string known;
-    for (std::string_view candidate : policy_names()) known += " " + std::string(candidate);
+    // append, not `" " + std::string(...)`: GCC 12 -O3 reports a false -Wrestrict on the latter.
+    for (std::string_view candidate : policy_names()) known.append(" ").append(candidate);
     throw Error("unknown policy '" + std::string(name) + "' (known:" + known + ")");
   }
   params.check_all_used(name);
