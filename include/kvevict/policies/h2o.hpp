@@ -1,5 +1,5 @@
 // H2O: heavy hitters + recent window (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient
-// Generative Inference of Large Language Models", NeurIPS 2023, §4.1, Algorithm 1 "H2 Eviction
+// Generative Inference of Large Language Models", NeurIPS 2023, Algorithm 1 "H2 Eviction
 // Algorithm"; reference code FMInference/H2O, h2o_hf/utils_real_drop).
 //
 // Score: per (layer, KV head), the attention each slot has accumulated (score column 0). Every
