@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <kvevict/rope.hpp>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -115,7 +116,11 @@ TEST_P(RopeProperty, ScoresDependOnlyOnRelativePosition) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, RopeProperty,
-                         ::testing::Values(RopeLayout::half_split, RopeLayout::interleaved));
+                         ::testing::Values(RopeLayout::half_split, RopeLayout::interleaved),
+                         [](const ::testing::TestParamInfo<RopeLayout>& info) {
+                           return std::string(info.param == RopeLayout::half_split ? "half_split"
+                                                                                   : "interleaved");
+                         });
 
 TEST(Rope, TableAndOnTheFlyAgreeExactly) {
   RopeConfig config{64, 0, 500000.0, RopeLayout::half_split};
