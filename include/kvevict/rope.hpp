@@ -79,9 +79,10 @@ class Rope {
   /// unrotated, or by a delta if it was already rotated. Negative steps rotate backwards.
   template <class Scalar>
   void rotate(Scalar* row, std::int64_t steps) const {
-    thread_local std::vector<double> cos_sin;
-    cos_sin.resize(static_cast<std::size_t>(pairs()) * 2);
-    apply(row, cos_sin_for(steps, cos_sin.data()));
+    thread_local std::vector<double> scratch;
+    scratch.resize(static_cast<std::size_t>(pairs()) * 2);
+    const double* cos_sin = cos_sin_for(steps, scratch.data());
+    apply(row, cos_sin, cos_sin + pairs());
   }
 
   /// Rotates row r of a row-major block (row r starts at data + r * row_stride) by steps[r].
@@ -90,40 +91,43 @@ class Rope {
   template <class Scalar>
   void rotate_rows(Scalar* data, std::ptrdiff_t row_stride,
                    std::span<const std::int64_t> steps) const {
-    thread_local std::vector<double> cos_sin;
-    cos_sin.resize(static_cast<std::size_t>(pairs()) * 2);
-    const double* current = nullptr;
+    thread_local std::vector<double> scratch;
+    scratch.resize(static_cast<std::size_t>(pairs()) * 2);
+    const double* cos_sin = nullptr;
     std::int64_t current_steps = 0;
     for (std::size_t r = 0; r < steps.size(); ++r) {
       if (steps[r] == 0) continue;  // R(0) is the identity: skip, and add no rounding.
-      if (current == nullptr || steps[r] != current_steps) {
-        current = cos_sin_for(steps[r], cos_sin.data());
+      if (cos_sin == nullptr || steps[r] != current_steps) {
+        cos_sin = cos_sin_for(steps[r], scratch.data());
         current_steps = steps[r];
       }
-      apply(data + static_cast<std::ptrdiff_t>(r) * row_stride, current);
+      apply(data + static_cast<std::ptrdiff_t>(r) * row_stride, cos_sin, cos_sin + pairs());
     }
   }
 
  private:
+  // [cos_0 .. cos_{pairs-1}, sin_0 .. sin_{pairs-1}] for `steps`, written to `out`.
   void fill_cos_sin(std::int64_t steps, double* out) const {
-    for (int i = 0; i < pairs(); ++i) {
+    const int n = pairs();
+    for (int i = 0; i < n; ++i) {
       const double angle =
           static_cast<double>(steps) * inverse_frequency_[static_cast<std::size_t>(i)];
-      out[2 * i] = std::cos(angle);
-      out[2 * i + 1] = std::sin(angle);
+      out[i] = std::cos(angle);
+      out[n + i] = std::sin(angle);
     }
   }
 
-  // Interleaved [cos_0, sin_0, cos_1, sin_1, ...] for `steps`: from the table when it covers
-  // |steps| (negative steps negate the sines), else computed into `scratch`.
+  // cos/sin block for `steps`: from the table when it covers |steps| (negative steps negate the
+  // sines), else computed into `scratch` (2 * pairs doubles).
   const double* cos_sin_for(std::int64_t steps, double* scratch) const {
+    const int n = pairs();
     const std::int64_t magnitude = steps < 0 ? -steps : steps;
     if (magnitude < config_.table_positions) {
-      const double* entry = table_.data() + static_cast<std::size_t>(magnitude) * pairs() * 2;
+      const double* entry = table_.data() + static_cast<std::size_t>(magnitude) * n * 2;
       if (steps >= 0) return entry;
-      for (int i = 0; i < pairs(); ++i) {
-        scratch[2 * i] = entry[2 * i];
-        scratch[2 * i + 1] = -entry[2 * i + 1];
+      for (int i = 0; i < n; ++i) {
+        scratch[i] = entry[i];
+        scratch[n + i] = -entry[n + i];
       }
       return scratch;
     }
@@ -131,25 +135,33 @@ class Rope {
     return scratch;
   }
 
+  // One loop per layout with no branch inside, so that the compiler vectorises it. The rotation
+  // is computed in double and rounded once to Scalar.
   template <class Scalar>
-  void apply(Scalar* row, const double* cos_sin) const {
+  void apply(Scalar* row, const double* cos, const double* sin) const {
     const int half = pairs();
-    const bool interleaved = config_.layout == RopeLayout::interleaved;
-    for (int i = 0; i < half; ++i) {
-      const int a = interleaved ? 2 * i : i;
-      const int b = interleaved ? 2 * i + 1 : i + half;
-      const double cos_angle = cos_sin[2 * i];
-      const double sin_angle = cos_sin[2 * i + 1];
-      const double xa = static_cast<double>(row[a]);
-      const double xb = static_cast<double>(row[b]);
-      row[a] = static_cast<Scalar>(xa * cos_angle - xb * sin_angle);
-      row[b] = static_cast<Scalar>(xb * cos_angle + xa * sin_angle);
+    if (config_.layout == RopeLayout::half_split) {
+      Scalar* first = row;
+      Scalar* second = row + half;
+      for (int i = 0; i < half; ++i) {
+        const double a = static_cast<double>(first[i]);
+        const double b = static_cast<double>(second[i]);
+        first[i] = static_cast<Scalar>(a * cos[i] - b * sin[i]);
+        second[i] = static_cast<Scalar>(b * cos[i] + a * sin[i]);
+      }
+    } else {
+      for (int i = 0; i < half; ++i) {
+        const double a = static_cast<double>(row[2 * i]);
+        const double b = static_cast<double>(row[2 * i + 1]);
+        row[2 * i] = static_cast<Scalar>(a * cos[i] - b * sin[i]);
+        row[2 * i + 1] = static_cast<Scalar>(b * cos[i] + a * sin[i]);
+      }
     }
   }
 
   RopeConfig config_{};
   std::vector<double> inverse_frequency_;
-  std::vector<double> table_;  // [table_positions][pairs][cos, sin]
+  std::vector<double> table_;  // [table_positions][cos x pairs, sin x pairs]
 };
 
 }  // namespace kvevict
