@@ -1,0 +1,144 @@
+// Reference Llama decoder over a kvevict::EvictingCache: one sequence, f32 math, Eigen, one thread.
+//
+// Written like llama2.c: one function runs the layers (embedding, RMSNorm, grouped-query
+// attention with RoPE over the evicting cache, SwiGLU MLP), the output head and the surprisal are
+// computed beside it, and every buffer is allocated at construction and reused. The decoder is
+// the engine side of the kvevict protocol (evicting_cache.hpp): per forward it calls begin_chunk,
+// write_chunk per (layer, KV head), hands the policy the signals it declared (attention rows of all
+// queries or of the last one, surprisal), calls end_forward, and runs the catalyst prompt when an
+// InfiniPot-style policy has filled its pot.
+//
+// Positions: the chunk's queries of query head h sit at the positions of the newest n slots of KV
+// head h / group in that layer (cache.positions(l, g)); keys are rotated to their slots' positions
+// by the cache (pre-RoPE storage: a rotated copy per attention; post-RoPE: rotated at append and
+// re-rotated by the compaction deltas).
+//
+// Surprisal (Signal::surprisal): token k of a chunk gets -log softmax(logits of the position before
+// it)[token k]. The first token of a chunk uses the last logits of the previous forward, i.e. the
+// model's prediction from the context as it stood then (before that forward's eviction); the very
+// first token of the stream has no prediction and gets 0.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <kvevict/evicting_cache.hpp>
+#include <kvevict/policy.hpp>
+#include <kvevict/positions.hpp>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "matmul.hpp"
+#include "model.hpp"
+
+namespace kvevict::model {
+
+struct DecoderOptions {
+  /// How the cache stores keys. Both give the same logits (up to rounding); post_rope is faster
+  /// for long caches (no rotation of every cached key at every attention).
+  KeyStorage key_storage = KeyStorage::post_rope;
+  /// Overrides the policy's default position mode.
+  std::optional<PositionMode> position_mode;
+  /// Largest chunk forward() accepts (feed() splits longer inputs). Sizes the scratch buffers and,
+  /// with the policy's retained_limit(), the cache, so that a bounded policy never reallocates.
+  int max_chunk = 64;
+  /// RoPE positions with a precomputed cos/sin table (speed only; results are identical).
+  /// 0 = max(context_length, 4096), at most 16384.
+  int rope_table_positions = 0;
+};
+
+struct ForwardRequest {
+  bool turn_start = false;  ///< the chunk starts a turn (reaches the policy: SirLLM's before_turn)
+  bool all_logits = false;  ///< logits of every token of the chunk, not only of the last one
+};
+
+/// What a forward returns. The spans point into the decoder's buffers and stay valid until the
+/// next forward() or feed().
+struct ForwardResult {
+  std::span<const float> logits;  ///< [rows, vocab] row-major: every chunk token, or the last one
+  int rows = 0;
+  int vocab = 0;
+  /// -log p of each token fed (see the header comment), when the policy wants surprisal; else
+  /// empty.
+  std::span<const float> surprisal;
+
+  /// Logits of the last token fed: [vocab].
+  [[nodiscard]] std::span<const float> last() const {
+    return logits.subspan(static_cast<std::size_t>(rows - 1) * static_cast<std::size_t>(vocab));
+  }
+};
+
+struct DecoderStats {
+  std::int64_t tokens_fed = 0;     ///< stream tokens (catalyst tokens excluded)
+  std::int64_t forwards = 0;       ///< forward() calls
+  std::int64_t catalyst_runs = 0;  ///< catalyst prompts run (pot distillations)
+  double forward_seconds = 0;      ///< model compute: embedding, layers, head, surprisal
+  double eviction_seconds = 0;  ///< begin_chunk + end_forward + catalyst runs (with their forward)
+  std::size_t peak_kv_bytes = 0;  ///< largest live key + value bytes, taken right after appends
+};
+
+class Decoder {
+ public:
+  /// `model` must outlive the decoder. Throws kvevict::Error for an invalid model or options.
+  Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOptions options = {});
+
+  /// One forward over `tokens` (1 to max_chunk ids), appended to the sequence.
+  ForwardResult forward(std::span<const std::int32_t> tokens, ForwardRequest request = {});
+
+  /// Feeds any number of tokens as consecutive forwards of at most `chunk_size` tokens (0 =
+  /// max_chunk), also splitting where the policy's pot fills (Policy::pot_room), so the cache never
+  /// holds more than the policy's bound plus one chunk. `request.turn_start` applies to the first
+  /// chunk; with `request.all_logits` the result holds the logits of every token fed.
+  ForwardResult feed(std::span<const std::int32_t> tokens, ForwardRequest request = {},
+                     int chunk_size = 0);
+
+  /// The catalyst prompt run when the policy's pot is full (InfiniPot). May be empty (no catalyst
+  /// attention: the "w/o CaP" ablation). Required before the pot first fills.
+  void set_catalyst(std::vector<std::int32_t> tokens);
+
+  [[nodiscard]] EvictingCache<float>& cache() { return cache_; }
+  [[nodiscard]] const EvictingCache<float>& cache() const { return cache_; }
+  [[nodiscard]] const Model& model() const { return model_; }
+  [[nodiscard]] const DecoderOptions& options() const { return options_; }
+  [[nodiscard]] const DecoderStats& stats() const { return stats_; }
+
+ private:
+  enum class Pass { stream, catalyst };
+
+  void transformer(std::span<const std::int32_t> tokens, Pass pass);
+  void output_head(int n, bool all_rows);
+  void reserve_scratch(int rows);
+  void check_tokens(std::span<const std::int32_t> tokens, const char* what) const;
+  void note_kv_bytes();
+
+  const Model& model_;
+  DecoderOptions options_;
+  EvictingCache<float> cache_;
+  std::optional<std::vector<std::int32_t>> catalyst_;
+  DecoderStats stats_;
+  int scratch_rows_ = 0;
+  int logit_rows_ = 0;  // rows of logits_ written by the last forward (0 before the first)
+
+  // Scratch, [rows = max(max_chunk, catalyst length)] x width, row-major.
+  std::vector<float> x_;               // [n, dim] residual stream
+  std::vector<float> xb_;              // [n, dim] normed input of a block / block output
+  std::vector<float> q_;               // [n, heads * head_dim]
+  std::vector<float> k_;               // [n, kv_heads * head_dim]
+  std::vector<float> v_;               // [n, kv_heads * head_dim]
+  std::vector<float> att_;             // [n, heads * head_dim] attention output
+  std::vector<float> hb_;              // [n, hidden_dim] gate
+  std::vector<float> hb2_;             // [n, hidden_dim] up
+  std::vector<float> logits_;          // [max_chunk, vocab]
+  std::vector<float> surprisal_;       // [max_chunk]
+  std::vector<float> scores_;          // [n, live] one query head's attention; grows with the cache
+  std::vector<float> rows_;            // [heads][queries][stride] probabilities for the policy
+  std::vector<int> keys_per_kv_head_;  // [kv_heads]
+  RowMatrix key_scratch_;              // rotated keys of one KV head (pre-RoPE storage)
+  // feed(): every chunk's logits / surprisal when asked for.
+  std::vector<float> feed_logits_;
+  std::vector<float> feed_surprisal_;
+};
+
+}  // namespace kvevict::model

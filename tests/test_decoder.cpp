@@ -1,0 +1,834 @@
+// Reference decoder: the Eigen decoder against a naive loop implementation, cached decoding against
+// recomputation, every policy without eviction against the full cache (bitwise), pre- against
+// post-RoPE keys under eviction, bounded memory on a long stream, the signals a policy receives,
+// and the errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <kvevict/kvevict.hpp>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/decoder.hpp"
+#include "model/half.hpp"
+#include "model/model.hpp"
+#include "model/random_model.hpp"
+
+namespace {
+
+using kvevict::KeyStorage;
+using kvevict::PolicyParams;
+using kvevict::RopeLayout;
+using kvevict::model::Decoder;
+using kvevict::model::DecoderOptions;
+using kvevict::model::DType;
+using kvevict::model::ForwardRequest;
+using kvevict::model::ForwardResult;
+using kvevict::model::Model;
+using kvevict::model::ModelConfig;
+using kvevict::model::WeightMatrix;
+
+constexpr int kVocab = 300;
+
+ModelConfig small_config(RopeLayout layout, int kv_heads = 2, int rotary_dim = 0,
+                         bool tied = false) {
+  ModelConfig config;
+  config.dim = 64;
+  config.hidden_dim = 96;
+  config.layers = 2;
+  config.heads = 4;
+  config.kv_heads = kv_heads;
+  config.vocab_size = kVocab;
+  config.context_length = 512;
+  config.rope_theta = 10000.0;
+  config.rope_layout = layout;
+  config.rotary_dim = rotary_dim;
+  config.tied_embeddings = tied;
+  return config;
+}
+
+// Deterministic token stream over the byte ids (no specials unless asked).
+std::vector<std::int32_t> tokens_for(int count, std::uint32_t seed = 1) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(count));
+  std::uint32_t state = seed;
+  for (std::int32_t& token : out) {
+    state = state * 1664525u + 1013904223u;
+    token = static_cast<std::int32_t>((state >> 8) % 256u);
+  }
+  return out;
+}
+
+std::unique_ptr<kvevict::Policy> full_policy() {
+  return kvevict::make_policy("full", PolicyParams());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Naive reference: plain loops in double, no Eigen, no cache; every position from the whole prefix.
+// ---------------------------------------------------------------------------------------------
+
+double weight(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
+  const std::size_t index = static_cast<std::size_t>(r * w.cols + c);
+  if (w.dtype == DType::f32) {
+    float value;
+    std::memcpy(&value, w.data + 4 * index, 4);
+    return value;
+  }
+  std::uint16_t bits;
+  std::memcpy(&bits, w.data + 2 * index, 2);
+  return w.dtype == DType::f16 ? kvevict::model::f16_to_float(bits)
+                               : kvevict::model::bf16_to_float(bits);
+}
+
+std::vector<double> naive_matvec(const WeightMatrix& w, const std::vector<double>& x) {
+  std::vector<double> y(static_cast<std::size_t>(w.rows), 0.0);
+  for (std::int64_t r = 0; r < w.rows; ++r) {
+    double sum = 0.0;
+    for (std::int64_t c = 0; c < w.cols; ++c) sum += weight(w, r, c) * x[static_cast<size_t>(c)];
+    y[static_cast<std::size_t>(r)] = sum;
+  }
+  return y;
+}
+
+std::vector<double> naive_rmsnorm(const std::vector<double>& x, const std::vector<float>& w,
+                                  double eps) {
+  double squares = 0.0;
+  for (double v : x) squares += v * v;
+  const double inverse = 1.0 / std::sqrt(squares / static_cast<double>(x.size()) + eps);
+  std::vector<double> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = x[i] * inverse * w[i];
+  return out;
+}
+
+// Rotates the head_dim values at `v` to `position`.
+void naive_rope(double* v, const ModelConfig& config, std::int64_t position) {
+  const int head_dim = config.head_dim();
+  const int rotary = config.rotary_dim == 0 ? head_dim : config.rotary_dim;
+  for (int i = 0; i < rotary / 2; ++i) {
+    const double frequency = std::pow(config.rope_theta, -2.0 * i / rotary);
+    const double angle = static_cast<double>(position) * frequency;
+    const int a = config.rope_layout == RopeLayout::interleaved ? 2 * i : i;
+    const int b = config.rope_layout == RopeLayout::interleaved ? 2 * i + 1 : i + rotary / 2;
+    const double xa = v[a];
+    const double xb = v[b];
+    v[a] = xa * std::cos(angle) - xb * std::sin(angle);
+    v[b] = xb * std::cos(angle) + xa * std::sin(angle);
+  }
+}
+
+// Logits at every position of `tokens` ([T][vocab]).
+std::vector<std::vector<double>> naive_logits(const Model& model,
+                                              const std::vector<std::int32_t>& tokens) {
+  const ModelConfig& c = model.config;
+  const std::size_t n = tokens.size();
+  const int hd = c.head_dim();
+  const int group = c.heads / c.kv_heads;
+  std::vector<std::vector<double>> x(n, std::vector<double>(static_cast<std::size_t>(c.dim)));
+  for (std::size_t t = 0; t < n; ++t) {
+    for (int i = 0; i < c.dim; ++i)
+      x[t][static_cast<size_t>(i)] = weight(model.token_embedding, tokens[t], i);
+  }
+  for (int l = 0; l < c.layers; ++l) {
+    const kvevict::model::LayerWeights& w = model.layers[static_cast<std::size_t>(l)];
+    std::vector<std::vector<double>> q(n), k(n), v(n);
+    for (std::size_t t = 0; t < n; ++t) {
+      const std::vector<double> xb = naive_rmsnorm(x[t], w.attention_norm, c.norm_eps);
+      q[t] = naive_matvec(w.wq, xb);
+      k[t] = naive_matvec(w.wk, xb);
+      v[t] = naive_matvec(w.wv, xb);
+      for (int h = 0; h < c.heads; ++h)
+        naive_rope(q[t].data() + h * hd, c, static_cast<std::int64_t>(t));
+      for (int g = 0; g < c.kv_heads; ++g)
+        naive_rope(k[t].data() + g * hd, c, static_cast<std::int64_t>(t));
+    }
+    for (std::size_t t = 0; t < n; ++t) {
+      std::vector<double> out(static_cast<std::size_t>(c.heads * hd), 0.0);
+      for (int h = 0; h < c.heads; ++h) {
+        const int g = h / group;
+        std::vector<double> scores(t + 1);
+        double max = -1e300;
+        for (std::size_t s = 0; s <= t; ++s) {
+          double dot = 0.0;
+          for (int d = 0; d < hd; ++d)
+            dot += q[t][static_cast<size_t>(h * hd + d)] * k[s][static_cast<size_t>(g * hd + d)];
+          scores[s] = dot / std::sqrt(static_cast<double>(hd));
+          max = std::max(max, scores[s]);
+        }
+        double sum = 0.0;
+        for (double& score : scores) sum += (score = std::exp(score - max));
+        for (std::size_t s = 0; s <= t; ++s) {
+          for (int d = 0; d < hd; ++d) {
+            out[static_cast<size_t>(h * hd + d)] +=
+                scores[s] / sum * v[s][static_cast<size_t>(g * hd + d)];
+          }
+        }
+      }
+      const std::vector<double> projected = naive_matvec(w.wo, out);
+      for (int i = 0; i < c.dim; ++i)
+        x[t][static_cast<size_t>(i)] += projected[static_cast<size_t>(i)];
+      const std::vector<double> xb = naive_rmsnorm(x[t], w.ffn_norm, c.norm_eps);
+      std::vector<double> gate = naive_matvec(w.w_gate, xb);
+      const std::vector<double> up = naive_matvec(w.w_up, xb);
+      for (std::size_t i = 0; i < gate.size(); ++i)
+        gate[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+      const std::vector<double> down = naive_matvec(w.w_down, gate);
+      for (int i = 0; i < c.dim; ++i) x[t][static_cast<size_t>(i)] += down[static_cast<size_t>(i)];
+    }
+  }
+  std::vector<std::vector<double>> logits(n);
+  for (std::size_t t = 0; t < n; ++t) {
+    logits[t] = naive_matvec(model.output, naive_rmsnorm(x[t], model.final_norm, c.norm_eps));
+  }
+  return logits;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers over the decoder
+// ---------------------------------------------------------------------------------------------
+
+// Feeds `tokens` as forwards of the sizes in `chunks` (cycled) and returns every position's logits,
+// [T * vocab]. `turn_every`: chunk index multiples that start a turn (0 = never).
+std::vector<float> all_logits(Decoder& decoder, const std::vector<std::int32_t>& tokens,
+                              const std::vector<int>& chunks, int turn_every = 0) {
+  const std::size_t vocab = static_cast<std::size_t>(decoder.model().config.vocab_size);
+  std::vector<float> out;
+  out.reserve(tokens.size() * vocab);
+  std::size_t offset = 0;
+  for (std::size_t chunk = 0; offset < tokens.size(); ++chunk) {
+    const std::size_t n = std::min<std::size_t>(
+        static_cast<std::size_t>(chunks[chunk % chunks.size()]), tokens.size() - offset);
+    const bool turn = turn_every > 0 && chunk % static_cast<std::size_t>(turn_every) == 0;
+    const ForwardResult result = decoder.forward(std::span(tokens).subspan(offset, n),
+                                                 ForwardRequest{turn, /*all_logits=*/true});
+    EXPECT_EQ(result.rows, static_cast<int>(n));
+    out.insert(out.end(), result.logits.begin(), result.logits.end());
+    offset += n;
+  }
+  return out;
+}
+
+// Largest |a - b| over a row divided by the row's largest |b|, over all rows of `vocab` values.
+double max_relative_difference(std::span<const float> a, std::span<const float> b,
+                               std::size_t vocab) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0.0;
+  for (std::size_t row = 0; row * vocab < std::min(a.size(), b.size()); ++row) {
+    double scale = 0.0;
+    double diff = 0.0;
+    for (std::size_t i = row * vocab; i < (row + 1) * vocab; ++i) {
+      scale = std::max(scale, std::fabs(static_cast<double>(b[i])));
+      diff = std::max(diff, std::fabs(static_cast<double>(a[i]) - b[i]));
+    }
+    worst = std::max(worst, diff / scale);
+  }
+  return worst;
+}
+
+struct ModelCase {
+  const char* name;
+  RopeLayout layout;
+  int kv_heads;
+  int rotary_dim;
+  bool tied;
+  DType dtype;
+};
+
+const ModelCase kModelCases[] = {
+    {"half_split_gqa_f32", RopeLayout::half_split, 2, 0, false, DType::f32},
+    {"interleaved_gqa_f32_tied", RopeLayout::interleaved, 2, 0, true, DType::f32},
+    {"half_split_mha_f16_partial_rotary", RopeLayout::half_split, 4, 8, false, DType::f16},
+    {"interleaved_mqa_bf16", RopeLayout::interleaved, 1, 0, false, DType::bf16},
+    {"interleaved_gqa_f16_partial_rotary", RopeLayout::interleaved, 2, 10, true, DType::f16},
+};
+
+Model model_for(const ModelCase& c, std::uint64_t seed = 42) {
+  return kvevict::model::make_random_model(small_config(c.layout, c.kv_heads, c.rotary_dim, c.tied),
+                                           seed, c.dtype);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random model
+// ---------------------------------------------------------------------------------------------
+
+TEST(RandomModel, DeterministicAndDtypesAgree) {
+  const ModelConfig config = small_config(RopeLayout::half_split);
+  const Model a = kvevict::model::make_random_model(config, 7, DType::f32);
+  const Model b = kvevict::model::make_random_model(config, 7, DType::f32);
+  const Model other = kvevict::model::make_random_model(config, 8, DType::f32);
+  const Model half = kvevict::model::make_random_model(config, 7, DType::f16);
+  const Model brain = kvevict::model::make_random_model(config, 7, DType::bf16);
+  ASSERT_EQ(a.layers.size(), 2u);
+  EXPECT_EQ(
+      std::memcmp(a.layers[1].w_down.data, b.layers[1].w_down.data, a.layers[1].w_down.bytes()), 0);
+  EXPECT_NE(
+      std::memcmp(a.layers[1].w_down.data, other.layers[1].w_down.data, a.layers[1].w_down.bytes()),
+      0);
+  EXPECT_EQ(half.layers[0].wq.dtype, DType::f16);
+  EXPECT_EQ(half.layers[0].wq.bytes() * 2, a.layers[0].wq.bytes());
+  // The same draws, rounded: f16 keeps ~11 bits, bf16 ~8.
+  double sum = 0.0;
+  double square = 0.0;
+  for (std::int64_t r = 0; r < a.layers[0].wq.rows; ++r) {
+    for (std::int64_t c = 0; c < a.layers[0].wq.cols; ++c) {
+      const double exact = weight(a.layers[0].wq, r, c);
+      EXPECT_NEAR(weight(half.layers[0].wq, r, c), exact, std::fabs(exact) * 1e-3 + 1e-7);
+      EXPECT_NEAR(weight(brain.layers[0].wq, r, c), exact, std::fabs(exact) * 8e-3 + 1e-30);
+      sum += exact;
+      square += exact * exact;
+    }
+  }
+  const double count = static_cast<double>(a.layers[0].wq.rows * a.layers[0].wq.cols);
+  EXPECT_NEAR(sum / count, 0.0, 0.01);
+  EXPECT_NEAR(std::sqrt(square / count), 1.0 / std::sqrt(64.0), 0.01);  // std = 1 / sqrt(fan_in)
+  EXPECT_EQ(a.tokenizer.bos_id, 256);
+  EXPECT_EQ(a.tokenizer.eos_id, 257);
+  EXPECT_EQ(a.tokenizer.anchor_id, 258);
+  EXPECT_EQ(a.format, "random");
+  const Model tied = kvevict::model::make_random_model(
+      small_config(RopeLayout::half_split, 2, 0, /*tied=*/true), 7, DType::f32);
+  EXPECT_EQ(tied.output.data, tied.token_embedding.data);
+  EXPECT_LT(tied.weight_bytes(), a.weight_bytes());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Eigen decoder against the naive loops
+// ---------------------------------------------------------------------------------------------
+
+class DecoderVsNaive : public ::testing::TestWithParam<ModelCase> {};
+
+TEST_P(DecoderVsNaive, FullCacheMatchesAtEveryPosition) {
+  const Model model = model_for(GetParam());
+  const std::vector<std::int32_t> tokens = tokens_for(40);
+  const std::vector<std::vector<double>> expected = naive_logits(model, tokens);
+  std::vector<float> flat;
+  for (const std::vector<double>& row : expected) flat.insert(flat.end(), row.begin(), row.end());
+
+  for (KeyStorage storage : {KeyStorage::pre_rope, KeyStorage::post_rope}) {
+    for (const std::vector<int>& chunks :
+         {std::vector<int>{1}, std::vector<int>{40}, std::vector<int>{3, 1, 7, 1, 16}}) {
+      DecoderOptions options;
+      options.key_storage = storage;
+      options.max_chunk = 40;
+      Decoder decoder(model, full_policy(), options);
+      const std::vector<float> logits = all_logits(decoder, tokens, chunks);
+      const double error = max_relative_difference(logits, flat, kVocab);
+      std::printf("  %s %s chunks[0]=%d: max |logit - naive| / max |naive logit| = %.2e\n",
+                  GetParam().name, std::string(kvevict::to_string(storage)).c_str(), chunks[0],
+                  error);
+      EXPECT_LT(error, 1e-5);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, DecoderVsNaive, ::testing::ValuesIn(kModelCases),
+                         [](const ::testing::TestParamInfo<ModelCase>& info) {
+                           return std::string(info.param.name);
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// Cached decoding against recomputation without a cache
+// ---------------------------------------------------------------------------------------------
+
+TEST(DecoderCache, CachedDecodingEqualsRecomputation) {
+  for (const ModelCase& model_case : {kModelCases[0], kModelCases[1], kModelCases[3]}) {
+    const Model model = model_for(model_case, 3);
+    const std::vector<std::int32_t> tokens = tokens_for(48, 5);
+    // Recomputation: a fresh decoder per prefix, the whole prefix in one forward.
+    std::vector<float> recomputed;
+    for (std::size_t t = 1; t <= tokens.size(); ++t) {
+      DecoderOptions options;
+      options.max_chunk = 48;
+      Decoder fresh(model, full_policy(), options);
+      const ForwardResult result = fresh.forward(std::span(tokens).first(t));
+      ASSERT_EQ(result.rows, 1);
+      recomputed.insert(recomputed.end(), result.last().begin(), result.last().end());
+    }
+    for (KeyStorage storage : {KeyStorage::pre_rope, KeyStorage::post_rope}) {
+      for (const std::vector<int>& chunks :
+           {std::vector<int>{1}, std::vector<int>{2, 5, 1, 1, 9, 3}}) {
+        DecoderOptions options;
+        options.key_storage = storage;
+        options.max_chunk = 16;
+        Decoder cached(model, full_policy(), options);
+        const std::vector<float> logits = all_logits(cached, tokens, chunks);
+        const double error = max_relative_difference(logits, recomputed, kVocab);
+        std::printf("  %s %s chunks[0]=%d: cached vs recomputed %.2e\n", model_case.name,
+                    std::string(kvevict::to_string(storage)).c_str(), chunks[0], error);
+        EXPECT_LT(error, 1e-4);
+        EXPECT_EQ(cached.stats().tokens_fed, 48);
+      }
+    }
+  }
+}
+
+TEST(DecoderCache, FeedSplitsAndConcatenates) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(50, 9);
+  DecoderOptions options;
+  options.max_chunk = 8;
+  Decoder by_feed(model, full_policy(), options);
+  const ForwardResult fed = by_feed.feed(tokens, ForwardRequest{false, true}, 5);
+  ASSERT_EQ(fed.rows, 50);
+  Decoder by_forward(model, full_policy(), options);
+  const std::vector<float> expected = all_logits(by_forward, tokens, {5});
+  ASSERT_EQ(fed.logits.size(), expected.size());
+  EXPECT_TRUE(std::equal(fed.logits.begin(), fed.logits.end(), expected.begin()));
+  EXPECT_EQ(by_feed.stats().forwards, 10);
+  // Without all_logits: the last token's logits only, same values.
+  Decoder last_only(model, full_policy(), options);
+  const ForwardResult last = last_only.feed(tokens, {}, 5);
+  ASSERT_EQ(last.rows, 1);
+  EXPECT_TRUE(std::equal(last.last().begin(), last.last().end(), fed.last().begin()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every policy, with a budget larger than the stream, equals the full cache bit for bit
+// ---------------------------------------------------------------------------------------------
+
+struct PolicyCase {
+  const char* name;
+  PolicyParams params;
+};
+
+std::vector<PolicyCase> unevicting_policies() {
+  return {
+      {"window", PolicyParams().set("recent", 1000)},
+      {"streaming_llm", PolicyParams().set("sinks", 4).set("recent", 1000)},
+      {"h2o", PolicyParams().set("heavy", 500).set("recent", 500)},
+      {"tova", PolicyParams().set("budget", 1000)},
+      {"tova", PolicyParams().set("budget", 1000).set("sinks", 4).set("head_wise", 1)},
+      {"sirllm", PolicyParams().set("entropy", 1000).set("decay", 0.5)},
+      {"anllm", PolicyParams().set_list("anchor_ids", {299})},  // an id the stream never holds
+      {"infinipot", PolicyParams().set("pot", 1000).set("keep", 500)},
+      {"random_llm", PolicyParams().set("budget", 1000)},
+      {"interval_llm", PolicyParams().set("budget", 1000)},
+  };
+}
+
+TEST(DecoderPolicies, EveryPolicyWithoutEvictionEqualsFullBitwise) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(90, 11);
+  const std::vector<int> chunks{6, 1, 1, 9, 2, 1, 12, 1};
+  for (KeyStorage storage : {KeyStorage::pre_rope, KeyStorage::post_rope}) {
+    DecoderOptions options;
+    options.key_storage = storage;
+    options.max_chunk = 12;
+    Decoder full(model, full_policy(), options);
+    const std::vector<float> expected = all_logits(full, tokens, chunks, /*turn_every=*/3);
+    // Last-token logits too: the policies that want surprisal compute every row, the full cache
+    // only the last; the last row must not depend on it.
+    Decoder full_last(model, full_policy(), options);
+    std::vector<float> expected_last;
+    for (std::size_t offset = 0, c = 0; offset < tokens.size(); ++c) {
+      const std::size_t n = std::min<std::size_t>(
+          static_cast<std::size_t>(chunks[c % chunks.size()]), tokens.size() - offset);
+      const ForwardResult r =
+          full_last.forward(std::span(tokens).subspan(offset, n), {c % 3 == 0, false});
+      expected_last.insert(expected_last.end(), r.logits.begin(), r.logits.end());
+      offset += n;
+    }
+    for (const PolicyCase& policy : unevicting_policies()) {
+      SCOPED_TRACE(std::string(policy.name) + " " + std::string(kvevict::to_string(storage)));
+      Decoder decoder(model, kvevict::make_policy(policy.name, policy.params), options);
+      decoder.set_catalyst({83, 117, 109});
+      const std::vector<float> logits = all_logits(decoder, tokens, chunks, 3);
+      ASSERT_EQ(logits.size(), expected.size());
+      std::size_t mismatches = 0;
+      for (std::size_t i = 0; i < logits.size(); ++i) {
+        if (std::memcmp(&logits[i], &expected[i], sizeof(float)) != 0) ++mismatches;
+      }
+      EXPECT_EQ(mismatches, 0u) << "max relative difference "
+                                << max_relative_difference(logits, expected, kVocab);
+      EXPECT_EQ(decoder.cache().pipeline().stats().compactions, 0);
+      EXPECT_EQ(decoder.stats().catalyst_runs, 0);
+
+      Decoder last(model, kvevict::make_policy(policy.name, policy.params), options);
+      std::vector<float> last_logits;
+      for (std::size_t offset = 0, c = 0; offset < tokens.size(); ++c) {
+        const std::size_t n = std::min<std::size_t>(
+            static_cast<std::size_t>(chunks[c % chunks.size()]), tokens.size() - offset);
+        const ForwardResult r =
+            last.forward(std::span(tokens).subspan(offset, n), {c % 3 == 0, false});
+        ASSERT_EQ(r.rows, 1);
+        last_logits.insert(last_logits.end(), r.logits.begin(), r.logits.end());
+        offset += n;
+      }
+      EXPECT_EQ(
+          std::memcmp(last_logits.data(), expected_last.data(), last_logits.size() * sizeof(float)),
+          0);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pre- and post-RoPE key storage under real eviction
+// ---------------------------------------------------------------------------------------------
+
+TEST(DecoderRope, PreAndPostRopeAgreeUnderEviction) {
+  struct Case {
+    const char* name;
+    PolicyParams params;
+    kvevict::PositionMode mode;
+  };
+  const std::vector<Case> cases{
+      {"streaming_llm", PolicyParams().set("sinks", 4).set("recent", 28),
+       kvevict::PositionMode::cache_index},
+      {"h2o", PolicyParams().set("heavy", 16).set("recent", 16), kvevict::PositionMode::original},
+      {"h2o", PolicyParams().set("heavy", 16).set("recent", 16),
+       kvevict::PositionMode::cache_index},
+      {"infinipot", PolicyParams().set("pot", 40).set("keep", 24).set("novel", 8),
+       kvevict::PositionMode::reset_on_compact},
+      {"tova", PolicyParams().set("budget", 24).set("sinks", 2), kvevict::PositionMode::original},
+  };
+  for (const ModelCase& model_case : {kModelCases[0], kModelCases[4]}) {
+    const Model model = model_for(model_case, 17);
+    const std::vector<std::int32_t> tokens = tokens_for(160, 23);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + " " + std::string(kvevict::to_string(c.mode)) + " " +
+                   model_case.name);
+      std::vector<float> logits[2];
+      std::int64_t compactions[2] = {0, 0};
+      std::int64_t catalysts[2] = {0, 0};
+      for (int s = 0; s < 2; ++s) {
+        DecoderOptions options;
+        options.key_storage = s == 0 ? KeyStorage::pre_rope : KeyStorage::post_rope;
+        options.position_mode = c.mode;
+        options.max_chunk = 8;
+        Decoder decoder(model, kvevict::make_policy(c.name, c.params), options);
+        decoder.set_catalyst({83, 117, 109, 109, 97, 114, 105, 122, 101});  // longer than max_chunk
+        // Prefill in chunks (feed splits at the pot boundary), then decode token by token.
+        const ForwardResult prefill =
+            decoder.feed(std::span(tokens).first(60), ForwardRequest{false, true}, 7);
+        logits[s].assign(prefill.logits.begin(), prefill.logits.end());
+        for (std::size_t t = 60; t < tokens.size(); ++t) {
+          const ForwardResult r = decoder.forward(std::span(tokens).subspan(t, 1));
+          logits[s].insert(logits[s].end(), r.logits.begin(), r.logits.end());
+        }
+        compactions[s] = decoder.cache().pipeline().stats().compactions;
+        catalysts[s] = decoder.stats().catalyst_runs;
+      }
+      const double error = max_relative_difference(logits[0], logits[1], kVocab);
+      std::printf("  %-13s %-16s %s: pre vs post RoPE %.2e over %lld compactions\n", c.name,
+                  std::string(kvevict::to_string(c.mode)).c_str(), model_case.name, error,
+                  static_cast<long long>(compactions[0]));
+      EXPECT_LT(error, 1e-4);
+      EXPECT_GT(compactions[0], 5);
+      EXPECT_EQ(compactions[0], compactions[1]);
+      EXPECT_EQ(catalysts[0], catalysts[1]);
+      if (std::string(c.name) == "infinipot") {
+        EXPECT_GT(catalysts[0], 3);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounded memory
+// ---------------------------------------------------------------------------------------------
+
+TEST(DecoderMemory, BoundedPolicyKeepsPeakConstantOnALongStream) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(2000, 31);
+  DecoderOptions options;
+  options.max_chunk = 8;
+  Decoder decoder(
+      model,
+      kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 4).set("recent", 60)),
+      options);
+  const std::size_t reserved = decoder.cache().memory().reserved_bytes;
+  const std::vector<int> chunks{8, 1, 3, 1, 1, 5};
+  std::size_t peak_after_warmup = 0;
+  std::size_t offset = 0;
+  for (std::size_t c = 0; offset < tokens.size(); ++c) {
+    const std::size_t n = std::min<std::size_t>(static_cast<std::size_t>(chunks[c % chunks.size()]),
+                                                tokens.size() - offset);
+    (void)decoder.forward(std::span(tokens).subspan(offset, n));
+    offset += n;
+    if (offset >= 200 && peak_after_warmup == 0) peak_after_warmup = decoder.stats().peak_kv_bytes;
+  }
+  // 64 retained + one chunk of 8, in 2 layers x 2 KV heads, keys and values of 16 floats.
+  const std::size_t bound = (64 + 8) * 2 * 2 * 2 * 16 * sizeof(float);
+  EXPECT_EQ(decoder.stats().peak_kv_bytes, peak_after_warmup);
+  EXPECT_EQ(decoder.stats().peak_kv_bytes, bound);
+  EXPECT_EQ(decoder.cache().memory().reserved_bytes, reserved);
+  EXPECT_EQ(decoder.stats().tokens_fed, 2000);
+  EXPECT_GT(decoder.stats().eviction_seconds, 0.0);
+}
+
+TEST(DecoderMemory, InfiniPotPrefillStaysWithinPotPlusCatalyst) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(500, 37);
+  DecoderOptions options;
+  options.max_chunk = 32;
+  Decoder decoder(model,
+                  kvevict::make_policy("infinipot", PolicyParams().set("pot", 50).set("keep", 20)),
+                  options);
+  const std::vector<std::int32_t> catalyst{1, 2, 3, 4, 5, 6};
+  decoder.set_catalyst(catalyst);
+  const std::size_t reserved = decoder.cache().memory().reserved_bytes;
+  (void)decoder.feed(tokens, {}, 32);
+  const std::size_t slot_bytes = 2 * 2 * 2 * 16 * sizeof(float);
+  EXPECT_EQ(decoder.stats().peak_kv_bytes, (50 + catalyst.size()) * slot_bytes);
+  EXPECT_EQ(decoder.cache().memory().reserved_bytes, reserved);
+  // The pot fills at 50, then every 30 tokens: (500 - 50) / 30 + 1 distillations.
+  EXPECT_EQ(decoder.stats().catalyst_runs, 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the policy receives
+// ---------------------------------------------------------------------------------------------
+
+// Records the signals and checks the attention rows' contract; never evicts, except that as a pot
+// policy it "distills" to its newest `keep` slots when `pot` is reached.
+class RecordingPolicy final : public kvevict::Policy {
+ public:
+  RecordingPolicy(kvevict::SignalSet signals, int pot = 0, int keep = 0)
+      : signals_(signals), pot_(pot), keep_(keep) {}
+  [[nodiscard]] std::string_view name() const override { return "recording"; }
+  [[nodiscard]] kvevict::SignalSet signals() const override { return signals_; }
+  [[nodiscard]] kvevict::TriggerSet triggers() const override {
+    if (pot_ > 0) return {kvevict::Trigger::pot_full};
+    return {};
+  }
+  [[nodiscard]] bool pot_full(const kvevict::SlotTable& slots) const override {
+    return pot_ > 0 && slots.max_live() >= pot_;
+  }
+  [[nodiscard]] std::optional<int> pot_room(const kvevict::SlotTable& slots) const override {
+    if (pot_ == 0) return std::nullopt;
+    return std::max(pot_ - slots.max_live(), 0);
+  }
+  void on_append(kvevict::SlotTable& /*slots*/, const kvevict::ChunkInfo& chunk) override {
+    turn_starts.push_back(chunk.turn_start);
+    chunk_first = chunk.first_original_position;
+    chunk_size = chunk.size();
+  }
+  void observe_attention(kvevict::SlotTable& slots, int layer,
+                         const kvevict::AttentionRows& rows) override {
+    check_rows(slots, layer, rows, /*catalyst=*/false);
+    ++attention_calls;
+  }
+  void observe_catalyst(kvevict::SlotTable& slots, int layer,
+                        const kvevict::AttentionRows& rows) override {
+    check_rows(slots, layer, rows, /*catalyst=*/true);
+    ++catalyst_calls;
+  }
+  void observe_surprisal(kvevict::SlotTable& /*slots*/, const kvevict::ChunkInfo& /*chunk*/,
+                         std::span<const float> values) override {
+    surprisal.insert(surprisal.end(), values.begin(), values.end());
+  }
+  bool select(const kvevict::EvictionContext& context, kvevict::CompactionPlan& plan) override {
+    if (context.trigger != kvevict::Trigger::pot_full) return false;
+    for (int l = 0; l < context.slots.layers(); ++l) {
+      for (int g = 0; g < context.slots.kv_heads(); ++g) {
+        const int live = context.slots.live(l, g);
+        const std::span<std::int32_t> keep = plan.keep_buffer(l, g);
+        for (int i = 0; i < keep_; ++i) keep[static_cast<std::size_t>(i)] = live - keep_ + i;
+        plan.set_keep_count(l, g, keep_);
+      }
+    }
+    return true;
+  }
+
+  std::vector<bool> turn_starts;
+  std::vector<float> surprisal;
+  int attention_calls = 0;
+  int catalyst_calls = 0;
+  int failures = 0;
+  std::int64_t chunk_first = 0;
+  int chunk_size = 0;
+
+ private:
+  void check_rows(const kvevict::SlotTable& slots, int layer, const kvevict::AttentionRows& rows,
+                  bool catalyst) {
+    const bool last_only = !catalyst && !signals_.contains(kvevict::Signal::attention_rows);
+    const auto fail = [&](const std::string& what) {
+      ++failures;
+      ADD_FAILURE() << what << " (layer " << layer << ", catalyst " << catalyst << ")";
+    };
+    const int n = catalyst ? rows.queries() : chunk_size;
+    if (rows.queries() != (last_only ? 1 : n)) fail("query count");
+    if (rows.kv_heads() != slots.kv_heads()) fail("kv heads");
+    if (!catalyst && rows.first_query_position() != chunk_first + (last_only ? n - 1 : 0)) {
+      fail("first query position");
+    }
+    for (int h = 0; h < rows.q_heads(); ++h) {
+      const int live = slots.live(layer, h / rows.group_size());
+      if (rows.keys(h) != live) fail("key count");
+      for (int i = 0; i < rows.queries(); ++i) {
+        const int query_slot = live - rows.queries() + i;  // the query's own slot
+        const std::span<const float> row = rows.row(h, i);
+        double sum = 0.0;
+        for (int s = 0; s < live; ++s) {
+          const float p = row[static_cast<std::size_t>(s)];
+          if (s > query_slot && p != 0.0f) fail("causally masked entry is not zero");
+          if (s <= query_slot && !(p > 0.0f)) fail("visible entry is not positive");
+          sum += p;
+        }
+        if (std::fabs(sum - 1.0) > 1e-5) fail("row does not sum to 1");
+      }
+    }
+  }
+
+  kvevict::SignalSet signals_;
+  int pot_;
+  int keep_;
+};
+
+TEST(DecoderSignals, AttentionRowsSurprisalAndTurns) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(30, 41);
+  DecoderOptions options;
+  options.max_chunk = 8;
+
+  auto owned = std::make_unique<RecordingPolicy>(
+      kvevict::SignalSet{kvevict::Signal::attention_rows, kvevict::Signal::surprisal,
+                         kvevict::Signal::turn_boundaries});
+  RecordingPolicy& recording = *owned;
+  Decoder decoder(model, std::move(owned), options);
+  // Spans into the decoder's buffers stay valid until the next feed: copy them.
+  const ForwardResult first =
+      decoder.feed(std::span(tokens).first(10), ForwardRequest{true, true}, 4);
+  ASSERT_EQ(first.surprisal.size(), 10u);
+  std::vector<float> logits(first.logits.begin(), first.logits.end());
+  std::vector<float> surprisal(first.surprisal.begin(), first.surprisal.end());
+  const ForwardResult second =
+      decoder.feed(std::span(tokens).subspan(10), ForwardRequest{true, true}, 8);
+  ASSERT_EQ(second.surprisal.size(), 20u);
+  logits.insert(logits.end(), second.logits.begin(), second.logits.end());
+  surprisal.insert(surprisal.end(), second.surprisal.begin(), second.surprisal.end());
+  EXPECT_EQ(recording.turn_starts, (std::vector<bool>{true, false, false, true, false, false}));
+  EXPECT_EQ(recording.attention_calls, 6 * 2);
+  EXPECT_EQ(recording.failures, 0);
+  ASSERT_EQ(recording.surprisal.size(), 30u);
+  ASSERT_EQ(logits.size(), 30u * kVocab);
+
+  // Surprisal of token t = -log softmax(logits at t - 1)[token t]; 0 for the stream's first token.
+  EXPECT_EQ(recording.surprisal[0], 0.0f);
+  for (std::size_t t = 1; t < tokens.size(); ++t) {
+    const float* row = logits.data() + (t - 1) * kVocab;
+    double max = row[0];
+    for (int i = 0; i < kVocab; ++i) max = std::max(max, static_cast<double>(row[i]));
+    double sum = 0.0;
+    for (int i = 0; i < kVocab; ++i) sum += std::exp(row[i] - max);
+    const double expected = std::log(sum) + max - row[tokens[t]];
+    EXPECT_NEAR(recording.surprisal[t], expected, 1e-4) << "token " << t;
+    EXPECT_EQ(recording.surprisal[t], surprisal[t]);
+  }
+
+  // Last row only (TOVA's signal).
+  auto last_owned =
+      std::make_unique<RecordingPolicy>(kvevict::SignalSet{kvevict::Signal::last_attention_row});
+  RecordingPolicy& last = *last_owned;
+  Decoder last_decoder(model, std::move(last_owned), options);
+  (void)last_decoder.feed(tokens, {}, 7);
+  EXPECT_EQ(last.attention_calls, 5 * 2);
+  EXPECT_EQ(last.failures, 0);
+  EXPECT_TRUE(last.surprisal.empty());
+
+  // No attention signal: no rows are built.
+  auto none_owned = std::make_unique<RecordingPolicy>(kvevict::SignalSet{});
+  RecordingPolicy& none = *none_owned;
+  Decoder none_decoder(model, std::move(none_owned), options);
+  const ForwardResult plain = none_decoder.feed(tokens, {}, 7);
+  EXPECT_EQ(none.attention_calls, 0);
+  EXPECT_TRUE(plain.surprisal.empty());
+}
+
+TEST(DecoderSignals, CatalystRowsCoverPotAndCatalyst) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(100, 43);
+  DecoderOptions options;
+  options.max_chunk = 8;
+  auto owned = std::make_unique<RecordingPolicy>(
+      kvevict::SignalSet{kvevict::Signal::catalyst_attention}, /*pot=*/30, /*keep=*/10);
+  RecordingPolicy& recording = *owned;
+  Decoder decoder(model, std::move(owned), options);
+  decoder.set_catalyst({10, 20, 30, 40, 50});
+  (void)decoder.feed(tokens, {}, 8);
+  // Pot fills at 30, then every 20 tokens: 30, 50, 70, 90.
+  EXPECT_EQ(decoder.stats().catalyst_runs, 4);
+  EXPECT_EQ(recording.catalyst_calls, 4 * 2);
+  EXPECT_EQ(recording.attention_calls, 0);
+  EXPECT_EQ(recording.failures, 0);
+  EXPECT_EQ(decoder.cache().live(0, 0), 10 + 10);
+  // The catalyst is rolled back: no catalyst-flagged slot remains.
+  for (std::uint8_t flags : decoder.cache().store().slots().flags(1, 1)) {
+    EXPECT_EQ(flags & kvevict::slot_flag::catalyst, 0);
+  }
+}
+
+TEST(DecoderSignals, AnchorsReachThePolicy) {
+  const Model model = model_for(kModelCases[0]);
+  const std::int32_t anchor = model.tokenizer.anchor_id;
+  ASSERT_EQ(anchor, 258);
+  std::vector<std::int32_t> tokens = tokens_for(20, 47);
+  tokens[7] = anchor;
+  tokens[15] = anchor;
+  DecoderOptions options;
+  options.max_chunk = 4;
+  Decoder decoder(model,
+                  kvevict::make_policy("anllm", PolicyParams().set_list("anchor_ids", {anchor})),
+                  options);
+  (void)decoder.feed(tokens, {}, 4);
+  // After the forward holding the second anchor (tokens 12..15): both anchors remain; then 16..19.
+  EXPECT_EQ(decoder.cache().live(1, 0), 2 + 4);
+  const std::span<const std::int64_t> kept =
+      decoder.cache().store().slots().original_positions(1, 0);
+  EXPECT_EQ(std::vector<std::int64_t>(kept.begin(), kept.end()),
+            (std::vector<std::int64_t>{7, 15, 16, 17, 18, 19}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------------------------
+
+void expect_error(const std::function<void()>& action, const std::string& fragment) {
+  try {
+    action();
+    ADD_FAILURE() << "expected kvevict::Error containing '" << fragment << "'";
+  } catch (const kvevict::Error& error) {
+    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
+  }
+}
+
+TEST(DecoderErrors, NamedErrors) {
+  const Model model = model_for(kModelCases[0]);
+  DecoderOptions options;
+  options.max_chunk = 4;
+  Decoder decoder(model, full_policy(), options);
+  const std::vector<std::int32_t> bad{1, kVocab};
+  const std::vector<std::int32_t> negative{-1};
+  const std::vector<std::int32_t> empty;
+  const std::vector<std::int32_t> long_chunk(5, 1);
+  expect_error([&] { (void)decoder.forward(bad); },
+               "token id 300 at index 1 is out of range [0, 300)");
+  expect_error([&] { (void)decoder.forward(negative); }, "token id -1");
+  expect_error([&] { (void)decoder.forward(empty); }, "empty chunk");
+  expect_error([&] { (void)decoder.forward(long_chunk); }, "exceeds max_chunk = 4");
+  expect_error([&] { (void)decoder.feed(empty); }, "no tokens");
+  expect_error([&] { (void)decoder.feed(long_chunk, {}, 5); }, "chunk_size 5 outside [1, 4]");
+  expect_error([&] { decoder.set_catalyst({1, 999}); }, "catalyst token id 999");
+  EXPECT_EQ(decoder.stats().tokens_fed, 0);
+
+  Decoder pot(model, kvevict::make_policy("infinipot", PolicyParams().set("pot", 8).set("keep", 4)),
+              options);
+  const std::vector<std::int32_t> tokens = tokens_for(12);
+  expect_error([&] { (void)pot.feed(tokens); }, "needs a catalyst prompt: call set_catalyst()");
+
+  Model broken = model_for(kModelCases[0]);
+  broken.layers[1].wk.rows = 16;
+  expect_error([&] { Decoder d(broken, full_policy(), options); },
+               "weight layer 1 wk is [16, 64], expected [32, 64]");
+  options.max_chunk = 0;
+  expect_error([&] { Decoder d(model, full_policy(), options); }, "max_chunk must be positive");
+}
+
+}  // namespace
