@@ -173,6 +173,7 @@ TEST(KvStore, MemoryAccountingIsExact) {
   store.truncate(2, 1, 1);  // 4 -> 1: 3 live slots remain
   EXPECT_EQ(store.memory().live_bytes(), 3 * (kv_per_slot + meta_per_slot));
   EXPECT_EQ(store.memory().peak_live_bytes, 14 * (kv_per_slot + meta_per_slot));
+  EXPECT_EQ(store.memory().peak_kv_bytes, 14 * kv_per_slot);
 
   store.reserve(64);  // growth doubles the reservation and keeps contents
   EXPECT_EQ(store.memory().reserved_bytes, 6 * 64 * (kv_per_slot + meta_per_slot));

@@ -139,6 +139,28 @@ TEST(EvictingCache, BoundedPolicyNeverReallocates) {
   EXPECT_EQ(cache.memory().peak_live_bytes, 20 * cache.store().bytes_per_slot());
 }
 
+// Pre-RoPE attention rotates a copy of the keys into the caller's scratch; the scratch is sized to
+// the capacity once, so a growing cache does not reallocate it at every forward.
+TEST(EvictingCache, AttentionKeysReuseTheirScratch) {
+  CacheConfig config;
+  config.shape = CacheShape{1, 1, 1, 8};
+  config.key_storage = KeyStorage::pre_rope;
+  config.initial_capacity = 32;
+  EvictingCache<float> cache(config, kvevict::make_policy("full", PolicyParams()));
+  std::mt19937 rng(4);
+  Matrix scratch;
+  const float* first_buffer = nullptr;
+  for (int step = 0; step < 20; ++step) {
+    cache.begin_chunk(std::vector<std::int32_t>{0});
+    cache.write_chunk(0, 0, random_matrix(rng, 1, 8), random_matrix(rng, 1, 8));
+    const Eigen::Map<const Matrix> keys = cache.attention_keys(0, 0, scratch);
+    EXPECT_EQ(keys.rows(), step + 1);
+    if (step == 0) first_buffer = scratch.data();
+    EXPECT_EQ(scratch.data(), first_buffer) << "step " << step;
+    cache.end_forward();
+  }
+}
+
 TEST(EvictingCache, UnboundedPolicyGrowsAndKeepsContents) {
   CacheConfig config;
   config.shape = CacheShape{1, 1, 1, 4};

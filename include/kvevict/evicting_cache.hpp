@@ -91,13 +91,19 @@ class EvictingCache {
   }
 
   /// Keys of head (layer, kv_head) rotated to their positions, [live, head_dim]: the stored keys
-  /// with post-RoPE storage, else a rotated copy written to `scratch`.
+  /// with post-RoPE storage, else a rotated copy written to `scratch`. `scratch` is grown to the
+  /// store's capacity once and then reused, so repeated calls do not allocate.
   [[nodiscard]] Eigen::Map<const Matrix> attention_keys(int layer, int kv_head,
                                                         Matrix& scratch) const {
     if (config_.key_storage == KeyStorage::post_rope) return store_.keys(layer, kv_head);
-    scratch = store_.keys(layer, kv_head);
-    rope_.rotate_rows(scratch.data(), scratch.cols(), store_.slots().positions(layer, kv_head));
-    return {scratch.data(), scratch.rows(), scratch.cols()};
+    const Eigen::Map<const Matrix> keys = store_.keys(layer, kv_head);
+    if (scratch.rows() < store_.capacity() || scratch.cols() != keys.cols()) {
+      scratch.resize(store_.capacity(), keys.cols());
+    }
+    Eigen::Map<Matrix> rotated(scratch.data(), keys.rows(), keys.cols());
+    rotated = keys;
+    rope_.rotate_rows(rotated.data(), rotated.cols(), store_.slots().positions(layer, kv_head));
+    return {rotated.data(), rotated.rows(), rotated.cols()};
   }
   [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head) const {
     return store_.values(layer, kv_head);
@@ -122,6 +128,8 @@ class EvictingCache {
   }
 
   [[nodiscard]] bool catalyst_pending() const { return pipeline_.catalyst_pending(); }
+  /// Tokens that fit before the policy's pot is full (split chunks there), or nullopt.
+  [[nodiscard]] std::optional<int> pot_room() const { return pipeline_.pot_room(); }
   /// Appends a catalyst prompt; write its K/V with write_chunk, attend, observe_catalyst.
   void begin_catalyst(std::span<const std::int32_t> token_ids) {
     ensure_room(static_cast<int>(token_ids.size()));

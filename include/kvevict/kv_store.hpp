@@ -24,6 +24,7 @@ struct MemoryStats {
   std::size_t live_metadata_bytes = 0;  ///< slot columns of live slots
   std::size_t reserved_bytes = 0;       ///< everything allocated for slots (capacity x all columns)
   std::size_t peak_live_bytes = 0;      ///< the largest live_bytes() seen since construction
+  std::size_t peak_kv_bytes = 0;        ///< keys + values at that peak
   [[nodiscard]] std::size_t live_bytes() const { return live_kv_bytes + live_metadata_bytes; }
 };
 
@@ -170,7 +171,9 @@ class KvStore {
     stats.live_metadata_bytes = live_slots * slots_.bytes_per_slot();
     stats.reserved_bytes =
         static_cast<std::size_t>(capacity()) * shape_.head_caches() * bytes_per_slot();
-    stats.peak_live_bytes = static_cast<std::size_t>(slots_.peak_total_live()) * bytes_per_slot();
+    const auto peak_slots = static_cast<std::size_t>(slots_.peak_total_live());
+    stats.peak_live_bytes = peak_slots * bytes_per_slot();
+    stats.peak_kv_bytes = peak_slots * kv_bytes_per_slot();
     return stats;
   }
   /// Byte counts of head (layer, kv_head); peak is not tracked per head.

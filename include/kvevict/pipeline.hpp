@@ -112,6 +112,15 @@ class EvictionPipeline {
     return nullptr;
   }
 
+  /// Tokens that can be appended before the policy's pot is full (engines split chunks there), or
+  /// nullopt when the policy has no pot.
+  [[nodiscard]] std::optional<int> pot_room() const { return policy_->pot_room(*slots_); }
+
+  /// Original position given to the first catalyst token: the catalyst continues the stream's
+  /// positions (tokens_fed, tokens_fed + 1, ...) but never counts as fed; the next stream tokens
+  /// reuse those positions after the rollback.
+  [[nodiscard]] std::int64_t catalyst_first_position() const { return stats_.tokens_fed; }
+
   /// True when the policy's pot is full: run the catalyst prompt now (begin/end_catalyst).
   [[nodiscard]] bool catalyst_pending() const {
     return policy_->triggers().contains(Trigger::pot_full) && policy_->pot_full(*slots_);
