@@ -13,15 +13,6 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-namespace detail {
-
-/// Throws kvevict::Error(message) unless `condition` holds. Prefer KVEVICT_REQUIRE on any path
-/// that runs per token: this function's message argument is built even when the check passes.
-inline void require(bool condition, const std::string& message) {
-  if (!condition) throw Error(message);
-}
-
-}  // namespace detail
 }  // namespace kvevict
 
 /// Throws kvevict::Error(message) unless `condition` holds. The message expression is evaluated

@@ -62,20 +62,20 @@ namespace kvevict {
         std::make_unique<H2oPolicy>(H2oConfig{params.get_int("heavy"), params.get_int("recent")});
   } else if (name == "tova") {
     const int head_wise = params.get_int("head_wise", 0);
-    detail::require(head_wise == 0 || head_wise == 1,
+    KVEVICT_REQUIRE(head_wise == 0 || head_wise == 1,
                     "tova: head_wise must be 0 or 1, got " + std::to_string(head_wise));
     policy = std::make_unique<TovaPolicy>(
         TovaConfig{params.get_int("budget"), params.get_int("sinks", 0), head_wise == 1});
   } else if (name == "sirllm") {
     const int shifted = params.get_int("shifted", 0);
-    detail::require(shifted == 0 || shifted == 1,
+    KVEVICT_REQUIRE(shifted == 0 || shifted == 1,
                     "sirllm: shifted must be 0 or 1, got " + std::to_string(shifted));
     policy = std::make_unique<SirLlmPolicy>(
         SirLlmConfig{params.get_int("sinks", 4), params.get_int("entropy"),
                      params.get_int("recent", 0), params.get_double("decay", 1.0), shifted == 1});
   } else if (name == "random_llm") {
     const int seed = params.get_int("seed", 0);
-    detail::require(seed >= 0, "random_llm: seed must be >= 0, got " + std::to_string(seed));
+    KVEVICT_REQUIRE(seed >= 0, "random_llm: seed must be >= 0, got " + std::to_string(seed));
     policy = std::make_unique<RandomLlmPolicy>(RandomLlmConfig{
         params.get_int("sinks", 4), params.get_int("budget"), static_cast<std::uint64_t>(seed)});
   } else if (name == "interval_llm") {
@@ -84,7 +84,7 @@ namespace kvevict {
   } else if (name == "anllm") {
     AnLlmConfig config;
     for (std::int64_t id : params.get_list("anchor_ids")) {
-      detail::require(id >= 0 && id <= std::numeric_limits<std::int32_t>::max(),
+      KVEVICT_REQUIRE(id >= 0 && id <= std::numeric_limits<std::int32_t>::max(),
                       "anllm: anchor id " + std::to_string(id) + " is not a token id");
       config.anchor_ids.push_back(static_cast<std::int32_t>(id));
     }

@@ -17,6 +17,7 @@
 
 #include "kvevict/compaction_plan.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/slot_table.hpp"
 
 namespace kvevict {
 
@@ -111,6 +112,23 @@ class KeepSetBuilder {
   std::vector<std::uint8_t> kept_;
   std::vector<int> candidates_;
 };
+
+/// The per-head keep rule of most policies: for every (layer, KV head), begins `builder` over the
+/// head's live slots, lets `rule(builder, layer, kv_head)` add the slots to keep, and writes the
+/// result into `plan`. Returns true if any head changes.
+template <class Rule>
+bool select_each_head(const SlotTable& slots, KeepSetBuilder& builder, CompactionPlan& plan,
+                      Rule&& rule) {
+  bool changed = false;
+  for (int l = 0; l < slots.layers(); ++l) {
+    for (int g = 0; g < slots.kv_heads(); ++g) {
+      builder.begin(slots.live(l, g));
+      rule(builder, l, g);
+      changed = builder.write(plan, l, g) || changed;
+    }
+  }
+  return changed;
+}
 
 /// Copies the keep-list of head (layer, from_kv_head) to every other KV head of `layer`, for
 /// policies whose decision is per layer (TOVA) or per sequence (StreamingLLM, SirLLM, AnLLM).

@@ -334,27 +334,27 @@ void check_result_matches(const ReplayResult& result, const Replay& replay,
 // bounds.
 void check_consistent(const Replay& replay) {
   const ReplayShape& shape = replay.shape;
-  detail::require(shape.layers > 0 && shape.q_heads > 0 && shape.kv_heads > 0 &&
+  KVEVICT_REQUIRE(shape.layers > 0 && shape.q_heads > 0 && shape.kv_heads > 0 &&
                       shape.q_heads % shape.kv_heads == 0,
                   "replay: invalid shape");
-  detail::require(replay.tokens > 0 && replay.tokens <= kMaxTokens, "replay: invalid token count");
+  KVEVICT_REQUIRE(replay.tokens > 0 && replay.tokens <= kMaxTokens, "replay: invalid token count");
   std::int64_t covered = 0;
   for (int size : replay.chunks) {
-    detail::require(size > 0, "replay: chunk sizes must be positive");
+    KVEVICT_REQUIRE(size > 0, "replay: chunk sizes must be positive");
     covered += size;
   }
-  detail::require(covered == replay.tokens, "replay: chunk sizes do not sum to tokens");
+  KVEVICT_REQUIRE(covered == replay.tokens, "replay: chunk sizes do not sum to tokens");
   const auto t = static_cast<std::size_t>(replay.tokens);
   const auto layer_heads = static_cast<std::size_t>(shape.layers) * shape.q_heads;
-  detail::require(replay.logits.size() == layer_heads * t * t,
+  KVEVICT_REQUIRE(replay.logits.size() == layer_heads * t * t,
                   "replay: logits do not have [layers][q_heads][tokens][tokens] entries");
-  detail::require(!replay.surprisal || replay.surprisal->size() == t,
+  KVEVICT_REQUIRE(!replay.surprisal || replay.surprisal->size() == t,
                   "replay: surprisal needs one value per token");
-  detail::require(!replay.token_ids || replay.token_ids->size() == t,
+  KVEVICT_REQUIRE(!replay.token_ids || replay.token_ids->size() == t,
                   "replay: token_ids needs one id per token");
   if (replay.catalyst) {
     const auto p = static_cast<std::size_t>(replay.catalyst->length);
-    detail::require(
+    KVEVICT_REQUIRE(
         replay.catalyst->length > 0 && replay.catalyst->logits.size() == layer_heads * p * (t + p),
         "replay: catalyst logits do not have [layers][q_heads][P][tokens + P] entries");
   }
@@ -435,7 +435,7 @@ class Simulator {
 
  private:
   static Policy& checked(const std::unique_ptr<Policy>& policy) {
-    detail::require(policy != nullptr, "run_replay: policy is null");
+    KVEVICT_REQUIRE(policy != nullptr, "run_replay: policy is null");
     return *policy;
   }
 

@@ -54,11 +54,11 @@ class AnLlmPolicy final : public Policy {
  public:
   explicit AnLlmPolicy(const AnLlmConfig& config)
       : anchor_ids_(config.anchor_ids), max_slots_(config.max_slots) {
-    detail::require(!anchor_ids_.empty(), "anllm: anchor_ids must name at least one token id");
+    KVEVICT_REQUIRE(!anchor_ids_.empty(), "anllm: anchor_ids must name at least one token id");
     for (std::int32_t id : anchor_ids_) {
-      detail::require(id >= 0, "anllm: anchor ids must be >= 0, got " + std::to_string(id));
+      KVEVICT_REQUIRE(id >= 0, "anllm: anchor ids must be >= 0, got " + std::to_string(id));
     }
-    detail::require(config.max_slots >= 0, "anllm: max_slots must be >= 0 (0 = no cap), got " +
+    KVEVICT_REQUIRE(config.max_slots >= 0, "anllm: max_slots must be >= 0 (0 = no cap), got " +
                                                std::to_string(config.max_slots));
     std::sort(anchor_ids_.begin(), anchor_ids_.end());
     anchor_ids_.erase(std::unique(anchor_ids_.begin(), anchor_ids_.end()), anchor_ids_.end());

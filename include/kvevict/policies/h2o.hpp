@@ -38,12 +38,12 @@ struct H2oConfig {
 class H2oPolicy final : public Policy {
  public:
   explicit H2oPolicy(const H2oConfig& config) : config_(config) {
-    detail::require(config.heavy >= 0, "h2o: heavy must be >= 0, got " +
+    KVEVICT_REQUIRE(config.heavy >= 0, "h2o: heavy must be >= 0, got " +
                                            std::to_string(config.heavy) +
                                            " (a budget smaller than the protected recent window)");
-    detail::require(config.recent >= 0,
+    KVEVICT_REQUIRE(config.recent >= 0,
                     "h2o: recent must be >= 0, got " + std::to_string(config.recent));
-    detail::require(
+    KVEVICT_REQUIRE(
         config.heavy + config.recent > 0,
         "h2o: the budget heavy + recent must be positive, got heavy = 0 and recent = 0");
   }
@@ -85,19 +85,12 @@ class H2oPolicy final : public Policy {
   }
 
   bool select(const EvictionContext& context, CompactionPlan& plan) override {
-    const int budget = config_.heavy + config_.recent;
-    bool changed = false;
-    for (int l = 0; l < context.slots.layers(); ++l) {
-      for (int g = 0; g < context.slots.kv_heads(); ++g) {
-        const int live = context.slots.live(l, g);
-        if (live <= budget) continue;
-        builder_.begin(live);
-        builder_.keep_range(live - config_.recent, live);
-        builder_.keep_top_k(context.slots.scores(l, g, kScore), config_.heavy);
-        changed = builder_.write(plan, l, g) || changed;
-      }
-    }
-    return changed;
+    // With live <= heavy + recent the rule keeps every slot, and the head is left unchanged.
+    const SlotTable& slots = context.slots;
+    return select_each_head(slots, builder_, plan, [&](KeepSetBuilder& keep, int l, int g) {
+      keep.keep_range(keep.slots() - config_.recent, keep.slots());
+      keep.keep_top_k(slots.scores(l, g, kScore), config_.heavy);
+    });
   }
 
  private:

@@ -152,26 +152,22 @@ class InfiniPotPolicy final : public Policy {
   bool select(const EvictionContext& context, CompactionPlan& plan) override {
     if (context.trigger != Trigger::pot_full) return false;
     SlotTable& slots = context.slots;
-    bool changed = false;
-    for (int l = 0; l < slots.layers(); ++l) {
-      const bool catalyst_seen = static_cast<std::size_t>(l) < catalyst_seen_.size() &&
-                                 catalyst_seen_[static_cast<std::size_t>(l)] != 0;
-      for (int g = 0; g < slots.kv_heads(); ++g) {
-        builder_.begin(slots.live(l, g));
-        if (novel() > 0) {
-          require_surprisal_observed(slots, l, g);
-          builder_.keep_top_k(slots.scores(l, g, kNucColumn), novel());
-        }
-        if (catalyst_seen) {
-          builder_.keep_top_k(slots.scores(l, g, kCapColumn), config_.keep - novel());
-        } else {
-          builder_.keep_most_recent(config_.keep);
-        }
-        changed = builder_.write(plan, l, g) || changed;
-        // The next pot is scored by its own catalyst run: survivors start from 0 again.
-        std::ranges::fill(slots.scores(l, g, kCapColumn), 0.0f);
-      }
-    }
+    const bool changed =
+        select_each_head(slots, builder_, plan, [&](KeepSetBuilder& keep, int l, int g) {
+          if (novel() > 0) {
+            require_surprisal_observed(slots, l, g);
+            keep.keep_top_k(slots.scores(l, g, kNucColumn), novel());
+          }
+          const bool catalyst_seen = static_cast<std::size_t>(l) < catalyst_seen_.size() &&
+                                     catalyst_seen_[static_cast<std::size_t>(l)] != 0;
+          if (catalyst_seen) {
+            keep.keep_top_k(slots.scores(l, g, kCapColumn), config_.keep - novel());
+          } else {
+            keep.keep_most_recent(config_.keep);
+          }
+          // The next pot is scored by its own catalyst run: survivors start from 0 again.
+          std::ranges::fill(slots.scores(l, g, kCapColumn), 0.0f);
+        });
     std::ranges::fill(catalyst_seen_, 0);
     return changed;
   }

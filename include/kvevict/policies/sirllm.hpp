@@ -61,15 +61,15 @@ struct SirLlmConfig {
 class SirLlmPolicy final : public Policy {
  public:
   explicit SirLlmPolicy(const SirLlmConfig& config) : config_(config) {
-    detail::require(config.sinks >= 0,
+    KVEVICT_REQUIRE(config.sinks >= 0,
                     "sirllm: sinks must be >= 0, got " + std::to_string(config.sinks));
-    detail::require(config.entropy >= 0,
+    KVEVICT_REQUIRE(config.entropy >= 0,
                     "sirllm: entropy must be >= 0, got " + std::to_string(config.entropy));
-    detail::require(config.recent >= 0,
+    KVEVICT_REQUIRE(config.recent >= 0,
                     "sirllm: recent must be >= 0, got " + std::to_string(config.recent));
-    detail::require(std::int64_t{config.entropy} + config.recent > 0,
+    KVEVICT_REQUIRE(std::int64_t{config.entropy} + config.recent > 0,
                     "sirllm: entropy + recent must be positive (no room for a turn otherwise)");
-    detail::require(std::isfinite(config.decay) && config.decay >= 0.0 && config.decay <= 1.0,
+    KVEVICT_REQUIRE(std::isfinite(config.decay) && config.decay >= 0.0 && config.decay <= 1.0,
                     "sirllm: decay must be in [0, 1], got " + std::to_string(config.decay));
     capacity_ = detail::checked_budget_sum(
         std::int64_t{config.sinks} + config.recent + config.entropy, "sirllm");
@@ -102,7 +102,7 @@ class SirLlmPolicy final : public Policy {
     for (int l = 0; l < slots.layers(); ++l) {
       for (int g = 0; g < slots.kv_heads(); ++g) {
         const std::span<float> scores = slots.scores(l, g, kEntropyColumn);
-        detail::require(static_cast<int>(scores.size()) >= n,
+        KVEVICT_REQUIRE(static_cast<int>(scores.size()) >= n,
                         "sirllm: fewer slots than surprisal values in head (" + std::to_string(l) +
                             ", " + std::to_string(g) + ")");
         float* chunk_scores = scores.data() + (scores.size() - static_cast<std::size_t>(n));

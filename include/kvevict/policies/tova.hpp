@@ -38,11 +38,11 @@ struct TovaConfig {
 class TovaPolicy final : public Policy {
  public:
   explicit TovaPolicy(const TovaConfig& config) : config_(config) {
-    detail::require(config.budget > 0,
+    KVEVICT_REQUIRE(config.budget > 0,
                     "tova: budget must be positive, got " + std::to_string(config.budget));
-    detail::require(config.sinks >= 0,
+    KVEVICT_REQUIRE(config.sinks >= 0,
                     "tova: sinks must be >= 0, got " + std::to_string(config.sinks));
-    detail::require(config.sinks < config.budget,
+    KVEVICT_REQUIRE(config.sinks < config.budget,
                     "tova: budget " + std::to_string(config.budget) +
                         " is not larger than the protected set (sinks = " +
                         std::to_string(config.sinks) + "): no slot would be chosen by attention");

@@ -36,16 +36,9 @@ class WindowPolicy final : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override { return config_.recent; }
 
   bool select(const EvictionContext& context, CompactionPlan& plan) override {
-    bool changed = false;
-    for (int l = 0; l < context.slots.layers(); ++l) {
-      for (int g = 0; g < context.slots.kv_heads(); ++g) {
-        const int live = context.slots.live(l, g);
-        builder_.begin(live);
-        builder_.keep_range(live - config_.recent, live);
-        changed = builder_.write(plan, l, g) || changed;
-      }
-    }
-    return changed;
+    return select_each_head(context.slots, builder_, plan, [this](KeepSetBuilder& keep, int, int) {
+      keep.keep_range(keep.slots() - config_.recent, keep.slots());
+    });
   }
 
  private:

@@ -24,11 +24,12 @@ inline int uniform_live_count(const SlotTable& slots, std::string_view policy) {
   const int live = slots.live(0, 0);
   for (int l = 0; l < slots.layers(); ++l) {
     for (int g = 0; g < slots.kv_heads(); ++g) {
-      require(slots.live(l, g) == live,
-              std::string(policy) + ": every head must hold the same slots (one keep-set for all " +
-                  "layers and heads), but head (0, 0) holds " + std::to_string(live) +
-                  " and head (" + std::to_string(l) + ", " + std::to_string(g) + ") holds " +
-                  std::to_string(slots.live(l, g)));
+      KVEVICT_REQUIRE(slots.live(l, g) == live,
+                      std::string(policy) +
+                          ": every head must hold the same slots (one keep-set for all " +
+                          "layers and heads), but head (0, 0) holds " + std::to_string(live) +
+                          " and head (" + std::to_string(l) + ", " + std::to_string(g) +
+                          ") holds " + std::to_string(slots.live(l, g)));
     }
   }
   return live;
@@ -52,18 +53,18 @@ inline void copy_keep_to_all_heads(CompactionPlan& plan) {
 /// never fit (the SirLLM authors assert on it).
 inline void require_turn_fits(int incoming, int non_sink_budget, std::string_view policy,
                               std::string_view budget_name) {
-  require(incoming <= non_sink_budget,
-          std::string(policy) + ": a turn of " + std::to_string(incoming) +
-              " tokens is longer than " + std::string(budget_name) + " = " +
-              std::to_string(non_sink_budget) +
-              "; the cache must make room for a whole turn before it is fed (feed shorter turns, "
-              "or raise the budget)");
+  KVEVICT_REQUIRE(
+      incoming <= non_sink_budget,
+      std::string(policy) + ": a turn of " + std::to_string(incoming) + " tokens is longer than " +
+          std::string(budget_name) + " = " + std::to_string(non_sink_budget) +
+          "; the cache must make room for a whole turn before it is fed (feed shorter turns, "
+          "or raise the budget)");
 }
 
 /// Sum of non-negative budget parts as int, or an error if it overflows.
 inline int checked_budget_sum(std::int64_t total, std::string_view policy) {
-  require(total <= std::int64_t{1} << 30,
-          std::string(policy) + ": the total budget " + std::to_string(total) + " is too large");
+  KVEVICT_REQUIRE(total <= std::int64_t{1} << 30, std::string(policy) + ": the total budget " +
+                                                      std::to_string(total) + " is too large");
   return static_cast<int>(total);
 }
 
@@ -75,10 +76,10 @@ class SinkHistoryPolicy : public Policy {
  public:
   SinkHistoryPolicy(std::string_view policy_name, int sinks, int budget)
       : sinks_(sinks), budget_(budget) {
-    require(sinks >= 0,
-            std::string(policy_name) + ": sinks must be >= 0, got " + std::to_string(sinks));
-    require(budget > 0,
-            std::string(policy_name) + ": budget must be positive, got " + std::to_string(budget));
+    KVEVICT_REQUIRE(sinks >= 0, std::string(policy_name) + ": sinks must be >= 0, got " +
+                                    std::to_string(sinks));
+    KVEVICT_REQUIRE(budget > 0, std::string(policy_name) + ": budget must be positive, got " +
+                                    std::to_string(budget));
     capacity_ = checked_budget_sum(std::int64_t{sinks} + budget, policy_name);
   }
 
