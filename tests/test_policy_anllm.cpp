@@ -8,6 +8,8 @@
 #include <numeric>
 #include <vector>
 
+#include "support/policy_harness.hpp"
+
 namespace {
 
 using kvevict::EvictionPipeline;
@@ -33,12 +35,10 @@ class Stream {
   }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    const auto original = slots_.original_positions(l, g);
-    return {original.begin(), original.end()};
+    return kvevict::test::kept_positions(slots_, l, g);
   }
   [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    const auto p = slots_.positions(l, g);
-    return {p.begin(), p.end()};
+    return kvevict::test::rope_positions(slots_, l, g);
   }
   void expect_uniform() const {
     for (int l = 0; l < slots_.layers(); ++l) {

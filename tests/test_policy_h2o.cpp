@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "support/policy_harness.hpp"
+
 namespace {
 
 using kvevict::EvictionPipeline;
@@ -25,77 +27,11 @@ using kvevict::H2oConfig;
 using kvevict::H2oPolicy;
 using kvevict::PolicyParams;
 using kvevict::SlotTable;
-using Positions = std::vector<std::int64_t>;
-
-// Attention of one query head in one forward: rows[query][slot], in slot order over the head's
-// cache as it stands during the forward; a row shorter than the cache is zero-padded (causal mask).
-using HeadRows = std::vector<std::vector<float>>;
-// One forward of one layer: [q_head] -> HeadRows.
-using LayerRows = std::vector<HeadRows>;
-
-LayerRows every_head(int q_heads, const HeadRows& rows) {
-  return LayerRows(static_cast<std::size_t>(q_heads), rows);
-}
-
-// A policy over a SlotTable with one score column, fed through an EvictionPipeline with
-// hand-written attention rows (buffer layout [q_head][query][stride] as AttentionRows expects).
-class Harness {
- public:
-  static constexpr int kCapacity = 32;
-
-  Harness(int layers, int q_heads, int kv_heads, std::unique_ptr<kvevict::Policy> policy)
-      : q_heads_(q_heads),
-        slots_(layers, kv_heads, kCapacity, 1),
-        pipeline_(slots_, std::move(policy)) {}
-
-  // One forward of `tokens` tokens. per_layer[l] holds that layer's rows (one entry: the same rows
-  // in every layer). The rows are those of the chunk's last rows().size() queries.
-  void feed(int tokens, const std::vector<LayerRows>& per_layer) {
-    pipeline_.before_chunk(tokens, false);
-    pipeline_.append_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(tokens), 0));
-    for (int l = 0; l < slots_.layers(); ++l) {
-      const LayerRows& rows = per_layer.size() == 1 ? per_layer[0] : per_layer.at(l);
-      const int queries = static_cast<int>(rows.at(0).size());
-      std::vector<float> buffer(static_cast<std::size_t>(q_heads_ * queries * kCapacity), 0.0f);
-      for (int h = 0; h < q_heads_; ++h) {
-        for (int q = 0; q < queries; ++q) {
-          const std::vector<float>& row = rows.at(h).at(q);
-          for (std::size_t s = 0; s < row.size(); ++s) {
-            buffer[static_cast<std::size_t>((h * queries + q) * kCapacity) + s] = row[s];
-          }
-        }
-      }
-      std::vector<int> keys;
-      for (int g = 0; g < slots_.kv_heads(); ++g) keys.push_back(slots_.live(l, g));
-      const kvevict::AttentionRows attention(buffer.data(), q_heads_, q_heads_ / slots_.kv_heads(),
-                                             queries, kCapacity, keys,
-                                             pipeline_.stats().tokens_fed - queries);
-      pipeline_.observe_attention(l, attention);
-    }
-    pipeline_.end_forward();
-  }
-  // The same rows for every query head of every layer.
-  void feed(int tokens, const HeadRows& rows) { feed(tokens, {every_head(q_heads_, rows)}); }
-
-  [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    const auto original = slots_.original_positions(l, g);
-    return {original.begin(), original.end()};
-  }
-  [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    const auto position = slots_.positions(l, g);
-    return {position.begin(), position.end()};
-  }
-  [[nodiscard]] std::vector<float> scores(int l = 0, int g = 0) const {
-    const auto score = slots_.scores(l, g, 0);
-    return {score.begin(), score.end()};
-  }
-  [[nodiscard]] const EvictionPipeline& pipeline() const { return pipeline_; }
-
- private:
-  int q_heads_;
-  SlotTable slots_;
-  EvictionPipeline pipeline_;
-};
+using kvevict::test::every_head;
+using kvevict::test::Harness;
+using kvevict::test::HeadRows;
+using kvevict::test::LayerRows;
+using kvevict::test::Positions;
 
 std::unique_ptr<kvevict::Policy> h2o(int heavy, int recent) {
   return std::make_unique<H2oPolicy>(H2oConfig{heavy, recent});

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "support/policy_harness.hpp"
+
 namespace {
 
 using kvevict::CompactionPlan;
@@ -88,12 +90,10 @@ class Rig {
   }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    const auto original = slots_.original_positions(l, g);
-    return {original.begin(), original.end()};
+    return kvevict::test::kept_positions(slots_, l, g);
   }
   [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    const auto p = slots_.positions(l, g);
-    return {p.begin(), p.end()};
+    return kvevict::test::rope_positions(slots_, l, g);
   }
 
  private:

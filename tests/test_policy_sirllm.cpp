@@ -12,6 +12,8 @@
 #include <random>
 #include <vector>
 
+#include "support/policy_harness.hpp"
+
 namespace {
 
 using kvevict::EvictionPipeline;
@@ -46,16 +48,13 @@ class Stream {
   void turn_of(int n) { turn(Scores(static_cast<std::size_t>(n), 1.0f)); }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    const auto original = slots_.original_positions(l, g);
-    return {original.begin(), original.end()};
+    return kvevict::test::kept_positions(slots_, l, g);
   }
   [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    const auto p = slots_.positions(l, g);
-    return {p.begin(), p.end()};
+    return kvevict::test::rope_positions(slots_, l, g);
   }
   [[nodiscard]] Scores scores(int l = 0, int g = 0) const {
-    const auto s = slots_.scores(l, g, 0);
-    return {s.begin(), s.end()};
+    return kvevict::test::score_column(slots_, l, g, 0);
   }
   // The same keep-set in every layer and head.
   void expect_uniform() const {
