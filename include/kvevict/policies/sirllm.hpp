@@ -106,11 +106,11 @@ class SirLlmPolicy final : public Policy {
                         "sirllm: fewer slots than surprisal values in head (" + std::to_string(l) +
                             ", " + std::to_string(g) + ")");
         float* chunk_scores = scores.data() + (scores.size() - static_cast<std::size_t>(n));
-        if (config_.shifted) {
-          chunk_scores[0] = first;
-          std::copy(surprisal.begin(), surprisal.end() - 1, chunk_scores + 1);
-        } else {
-          std::copy(surprisal.begin(), surprisal.end(), chunk_scores);
+        // Slot k of the chunk takes surprisal[k], or surprisal[k - 1] when shifted.
+        const int shift = config_.shifted ? 1 : 0;
+        chunk_scores[0] = first;
+        for (int k = 1; k < n; ++k) {
+          chunk_scores[k] = surprisal[static_cast<std::size_t>(k - shift)];
         }
       }
     }
