@@ -351,8 +351,7 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
         }
         // Weighted sum of the values.                                            // [n, head_dim]
         att.middleCols(h * hd, hd).noalias() = scores * values;
-        // Hand the probabilities over, zero past this head's slots.              // [queries,
-        // stride]
+        // Hand the probabilities over, zero past this head's slots.    // [queries, stride]
         if (give_rows) {
           for (int i = 0; i < queries; ++i) {
             float* out = rows_.data() + (static_cast<std::size_t>(h) * queries + i) * stride;
