@@ -7,13 +7,26 @@
 
 #include "command.hpp"
 
+namespace kvevict::cli {
+// Subcommands over the reference decoder (declared here, not in command.hpp, to keep the wiring in
+// this file).
+Command add_generate_command(CLI::App& parent);
+Command add_stream_command(CLI::App& parent);
+Command add_info_command(CLI::App& parent);
+Command add_random_model_command(CLI::App& parent);
+}  // namespace kvevict::cli
+
 namespace {
 
 int run(int argc, char** argv) {
   CLI::App app{"kvevict: KV-cache eviction policies", "kvevict"};
   app.require_subcommand(1);
   const std::vector<kvevict::cli::Command> commands = {
-      kvevict::cli::add_replay_command(app),
+      kvevict::cli::add_replay_command(app),        // replay_command.cpp
+      kvevict::cli::add_generate_command(app),      // generate_command.cpp
+      kvevict::cli::add_stream_command(app),        // stream_command.cpp
+      kvevict::cli::add_info_command(app),          // info_command.cpp
+      kvevict::cli::add_random_model_command(app),  // random_model_command.cpp
   };
   try {
     app.parse(argc, argv);

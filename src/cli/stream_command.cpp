@@ -1,0 +1,346 @@
+// `kvevict stream --model PATH --input FILE ...`: feeds a text of any length through the reference
+// decoder under an eviction policy and measures how well the model predicts it: bits per byte and
+// perplexity, overall and per window of positions, with the cache's memory and time.
+//
+// Memory is constant in the input's length: the text is read in 64 KiB blocks (TextPieces), at
+// most one block's tokens and one chunk's logits are held, and the loss is summed as it goes.
+//
+// Scoring: token t of the stream is predicted by the logits of position t - 1. Within a forward
+// those are row k - 1 of its logits; the first token of a forward uses the last row of the previous
+// forward (the context as it stood then, before that forward's eviction). The stream's first
+// token (BOS when the tokenizer has one) has no prediction and is not scored.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <kvevict/error.hpp>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cli_support/cli_options.hpp"
+#include "cli_support/log_loss.hpp"
+#include "cli_support/policy_setup.hpp"
+#include "cli_support/report.hpp"
+#include "cli_support/text_pieces.hpp"
+#include "command.hpp"
+#include "model/decoder.hpp"
+#include "model/model.hpp"
+
+namespace kvevict::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct StreamOptions {
+  std::string model;
+  std::string input;
+  int window = 1024;
+  std::string turn_separator;
+  PolicyOptions policy;
+  bool json = false;
+  std::int64_t limit_bytes = 0;
+};
+
+double seconds_between(Clock::time_point begin, Clock::time_point end) {
+  return std::chrono::duration<double>(end - begin).count();
+}
+
+// "\n", "\t", "\r" and "\\" in a separator given on the command line.
+std::string unescape(std::string_view text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '\\' || i + 1 == text.size()) {
+      out += text[i];
+      continue;
+    }
+    const char next = text[++i];
+    switch (next) {
+      case 'n':
+        out += '\n';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      case '\\':
+        out += '\\';
+        break;
+      default:
+        out += '\\';
+        out += next;
+    }
+  }
+  return out;
+}
+
+// A JSON number, or null for NaN (no bytes or tokens to divide by).
+nlohmann::ordered_json number_or_null(double value) {
+  return std::isfinite(value) ? nlohmann::ordered_json(value) : nlohmann::ordered_json(nullptr);
+}
+
+// Adds the totals' fields to `json`.
+void add_totals(nlohmann::ordered_json& json, const LossTotals& totals) {
+  json["tokens"] = totals.tokens;
+  json["bytes"] = totals.bytes;
+  json["bits"] = totals.bits;
+  json["bits_per_byte"] = number_or_null(totals.bits_per_byte());
+  json["perplexity"] = number_or_null(totals.perplexity());
+}
+
+// Progress on stderr, only when it is a terminal: every 1% of the input or every 2 seconds.
+class Progress {
+ public:
+  Progress(std::uint64_t expected_bytes, Clock::time_point start)
+      : enabled_(stderr_is_terminal()), expected_bytes_(expected_bytes), start_(start) {}
+
+  void update(std::uint64_t bytes, const WindowedLoss& loss, std::int64_t tokens) {
+    if (!enabled_) return;
+    const Clock::time_point now = Clock::now();
+    const std::uint64_t step = std::max<std::uint64_t>(expected_bytes_ / 100, 1);
+    if (bytes < last_bytes_ + step && seconds_between(last_draw_, now) < 2.0) return;
+    last_bytes_ = bytes;
+    last_draw_ = now;
+    const double elapsed = seconds_between(start_, now);
+    const std::string share =
+        expected_bytes_ > 0 ? fmt::format("{:3.0f}% ", 100.0 * static_cast<double>(bytes) /
+                                                           static_cast<double>(expected_bytes_))
+                            : std::string();
+    std::cerr << fmt::format("\r{}{} streamed, {} tokens, {:.4f} bits/byte, {:.0f} tokens/s   ",
+                             share, format_bytes(bytes), tokens, loss.overall().bits_per_byte(),
+                             elapsed > 0 ? static_cast<double>(tokens) / elapsed : 0.0)
+              << std::flush;
+    drawn_ = true;
+  }
+  void finish() {
+    if (drawn_) std::cerr << "\r\033[K" << std::flush;  // erase the progress line
+  }
+
+ private:
+  bool enabled_;
+  std::uint64_t expected_bytes_;
+  Clock::time_point start_;
+  Clock::time_point last_draw_{};
+  std::uint64_t last_bytes_ = 0;
+  bool drawn_ = false;
+};
+
+// Feeds tokens through the decoder in chunks of exactly `chunk` tokens (a turn start flushes the
+// partial chunk before it), scores every token and keeps the previous forward's last logits.
+class StreamScorer {
+ public:
+  StreamScorer(model::Decoder& decoder, int window, std::vector<std::uint32_t> token_bytes,
+               Progress& progress)
+      : decoder_(decoder),
+        progress_(progress),
+        chunk_(decoder.options().max_chunk),
+        vocab_(static_cast<std::size_t>(decoder.model().config.vocab_size)),
+        token_bytes_(std::move(token_bytes)),
+        loss_(window) {
+    previous_logits_.resize(vocab_);
+    pending_.reserve(static_cast<std::size_t>(chunk_));
+  }
+
+  void add(std::span<const std::int32_t> tokens, bool turn_start) {
+    if (turn_start) {
+      flush();
+      pending_turn_start_ = true;
+    }
+    for (const std::int32_t token : tokens) {
+      pending_.push_back(token);
+      if (static_cast<int>(pending_.size()) == chunk_) flush();
+    }
+  }
+
+  void flush() {
+    if (pending_.empty()) return;
+    const model::ForwardResult result = decoder_.feed(
+        pending_, model::ForwardRequest{.turn_start = pending_turn_start_, .all_logits = true});
+    for (std::size_t k = 0; k < pending_.size(); ++k) {
+      const std::int64_t position = next_position_ + static_cast<std::int64_t>(k);
+      if (position == 0) continue;  // the stream's first token has no prediction
+      const std::span<const float> logits = k == 0
+                                                ? std::span<const float>(previous_logits_)
+                                                : result.logits.subspan((k - 1) * vocab_, vocab_);
+      const std::int32_t token = pending_[k];
+      loss_.add(position, surprisal_bits(logits, token),
+                token_bytes_[static_cast<std::size_t>(token)]);
+    }
+    const std::span<const float> last =
+        result.logits.subspan((pending_.size() - 1) * vocab_, vocab_);
+    std::copy(last.begin(), last.end(), previous_logits_.begin());
+    for (const std::int32_t token : pending_) {
+      bytes_fed_ += token_bytes_[static_cast<std::size_t>(token)];
+    }
+    next_position_ += static_cast<std::int64_t>(pending_.size());
+    pending_.clear();
+    pending_turn_start_ = false;
+    progress_.update(bytes_fed_, loss_, next_position_);
+  }
+
+  [[nodiscard]] const WindowedLoss& loss() const { return loss_; }
+
+ private:
+  model::Decoder& decoder_;
+  Progress& progress_;
+  int chunk_;
+  std::size_t vocab_;
+  std::vector<std::uint32_t> token_bytes_;  // bytes of each token's text
+  WindowedLoss loss_;
+  std::vector<float> previous_logits_;
+  std::vector<std::int32_t> pending_;
+  bool pending_turn_start_ = false;
+  std::int64_t next_position_ = 0;
+  std::uint64_t bytes_fed_ = 0;  // text bytes of the tokens fed (the progress measure)
+};
+
+void print_text_report(const StreamOptions& options, const std::string& policy,
+                       const WindowedLoss& loss, std::uint64_t input_bytes, std::int64_t turns,
+                       const CacheReport& report) {
+  const LossTotals& overall = loss.overall();
+  std::string out;
+  out += fmt::format("input          {} ({} bytes)\n", options.input, input_bytes);
+  out += fmt::format("policy         {}\n", policy);
+  if (!options.turn_separator.empty()) out += fmt::format("turns          {}\n", turns);
+  out += fmt::format("tokens scored  {} ({} bytes)\n", overall.tokens, overall.bytes);
+  out += fmt::format("bits per byte  {:.4f}\n", overall.bits_per_byte());
+  out += fmt::format("perplexity     {:.4f} per token\n", overall.perplexity());
+  out += fmt::format("windows of {} positions:\n", loss.window());
+  out += fmt::format("  {:>23}  {:>10}  {:>10}  {:>10}\n", "positions", "tokens", "bits/byte",
+                     "perplexity");
+  for (const LossWindow& window : loss.windows()) {
+    const std::string positions =
+        fmt::format("{}-{}", window.first_position, window.first_position + loss.window() - 1);
+    out += fmt::format("  {:>23}  {:>10}  {:>10.4f}  {:>10.4f}\n", positions, window.totals.tokens,
+                       window.totals.bits_per_byte(), window.totals.perplexity());
+  }
+  out += format_cache_report(report) + '\n';
+  std::cout << out << std::flush;
+}
+
+int run_stream(const StreamOptions& options) {
+  if (options.window < 1) {
+    throw Error(fmt::format("--window must be at least 1, got {}", options.window));
+  }
+  if (options.limit_bytes < 0) {
+    throw Error(
+        fmt::format("--limit-bytes must be >= 0 (0 = no limit), got {}", options.limit_bytes));
+  }
+  const std::string separator = unescape(options.turn_separator);
+  validate_policy_options(options.policy);
+
+  const model::Model model = load_model_file(options.model);
+  const model::Tokenizer& tokenizer = model.tokenizer;
+  const bool sentencepiece = tokenizer.kind == model::Tokenizer::Kind::sentencepiece;
+  TextPieces pieces(
+      options.input,
+      TextPiecesOptions{.turn_separator = separator,
+                        .cut_before_space = sentencepiece,
+                        .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes)});
+  PolicySetup setup = make_policy_setup(options.policy, model);
+  const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
+
+  std::vector<std::uint32_t> token_bytes(static_cast<std::size_t>(model.config.vocab_size));
+  for (std::size_t id = 0; id < token_bytes.size(); ++id) {
+    token_bytes[id] =
+        static_cast<std::uint32_t>(tokenizer.decode(static_cast<std::int32_t>(id)).size());
+  }
+  const Clock::time_point start = Clock::now();
+  Progress progress(pieces.expected_bytes(), start);
+  StreamScorer scorer(*decoder, options.window, std::move(token_bytes), progress);
+
+  TextPiece piece;
+  bool first = true;
+  std::int64_t turns = 0;
+  while (pieces.next(piece)) {
+    // A piece cut before a space is encoded without it: the tokenizer's dummy prefix stands for it.
+    const std::string_view text =
+        piece.space_cut ? std::string_view(piece.text).substr(1) : std::string_view(piece.text);
+    const std::vector<std::int32_t> tokens = tokenizer.encode(text, /*add_bos=*/first);
+    first = false;
+    if (piece.turn_start) ++turns;
+    scorer.add(tokens, piece.turn_start);
+  }
+  scorer.flush();
+  progress.finish();
+  const Clock::time_point done = Clock::now();
+
+  if (pieces.bytes_read() == 0) throw Error(fmt::format("input '{}' is empty", options.input));
+  if (scorer.loss().overall().tokens == 0) {
+    throw Error(fmt::format("input '{}' holds a single token: nothing to score", options.input));
+  }
+  const CacheReport report = make_cache_report(*decoder, setup.name, seconds_between(start, done));
+  const WindowedLoss& loss = scorer.loss();
+  if (!options.json) {
+    print_text_report(options, describe_policy(setup, *decoder), loss, pieces.bytes_read(), turns,
+                      report);
+    return kExitOk;
+  }
+  nlohmann::ordered_json json;
+  json["model"] = options.model;
+  json["input"] = options.input;
+  json["input_bytes"] = pieces.bytes_read();
+  json["policy"] = policy_json(setup, *decoder);
+  if (!separator.empty()) json["turns"] = turns;
+  add_totals(json, loss.overall());
+  json["window"] = loss.window();
+  json["windows"] = nlohmann::ordered_json::array();
+  for (const LossWindow& window : loss.windows()) {
+    nlohmann::ordered_json entry;
+    entry["first_position"] = window.first_position;
+    add_totals(entry, window.totals);
+    json["windows"].push_back(std::move(entry));
+  }
+  json["cache"] = to_json(report);
+  std::cout << dump_json(json) << '\n' << std::flush;
+  if (!std::cout) throw Error("error while writing to stdout");
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_stream_command(CLI::App& parent) {
+  auto options = std::make_shared<StreamOptions>();
+  CLI::App* app = parent.add_subcommand(
+      "stream",
+      "Stream a text file through the decoder under a policy: bits per byte, perplexity, memory");
+  add_model_option(*app, options->model);
+  app->add_option("-i,--input", options->input, "text file to stream (\"-\" = stdin)")->required();
+  app->add_option("-w,--window", options->window,
+                  "report the loss per window of this many positions")
+      ->capture_default_str();
+  app->add_option("--turn-separator", options->turn_separator,
+                  "split the text after each occurrence of this string and feed each piece as a "
+                  "new turn (SirLLM, RandomLLM and IntervalLLM evict before turns); \\n, \\t, \\r "
+                  "and \\\\ are unescaped");
+  app->add_option("--limit-bytes", options->limit_bytes,
+                  "read only the first N bytes of the input (0 = all)")
+      ->capture_default_str();
+  add_policy_options(*app, options->policy);
+  app->add_flag("--json", options->json,
+                "print one JSON object: overall and per-window loss, policy, cache statistics");
+  app->footer(
+      "Feed a text file of any length through the reference decoder under an eviction policy\n"
+      "and report how well the model predicts it: bits per byte (sum of -log2 p over the tokens\n"
+      "/ their bytes) and perplexity per token, overall and per window of positions, with\n"
+      "tokens/s, live and peak KV bytes and time in eviction. Memory stays constant whatever\n"
+      "the length (the file is read in 64 KiB blocks). Progress goes to stderr when it is a\n"
+      "terminal. Token t is scored with the logits of position t - 1 (across chunk boundaries\n"
+      "too); the first token (BOS) has no prediction and is not scored.\n"
+      "\n"
+      "Examples:\n"
+      "  kvevict stream --model build/release/models/random-tiny.gguf --input README.md \\\n"
+      "      --policy streaming_llm --budget 64 --window 512\n"
+      "  kvevict stream --model model.gguf --input chat.txt --turn-separator '\\n\\n' \\\n"
+      "      --policy sirllm --budget 256 --json");
+  return Command{app, [options] { return run_stream(*options); }};
+}
+
+}  // namespace kvevict::cli

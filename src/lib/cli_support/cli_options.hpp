@@ -1,0 +1,88 @@
+// CLI11 registration of the options shared by the decoder subcommands (generate, stream, eval).
+// Header-only on purpose: only the `kvevict` executable links CLI11, the tools library does not.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "cli_support/policy_setup.hpp"
+#include "cli_support/sampling.hpp"
+
+namespace kvevict::cli {
+
+/// --model PATH (required).
+inline void add_model_option(CLI::App& app, std::string& path) {
+  app.add_option("-m,--model", path,
+                 "model file: GGUF, .safetensors (config.json beside it) or a directory holding "
+                 "model.safetensors + config.json, or a llama2.c checkpoint")
+      ->required();
+}
+
+/// --policy, --budget, --sinks, --param, --positions, --keys, --chunk, --catalyst (group
+/// "Policy" in --help).
+inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
+  const std::string group = "Policy";
+  app.add_option("--policy", options.policy, "eviction policy: " + policy_list())
+      ->group(group)
+      ->capture_default_str();
+  app.add_option_function<int>(
+         "--budget", [&options](const int& budget) { options.budget = budget; },
+         "cache budget in tokens, mapped to the policy's parameters: window recent=N; "
+         "streaming_llm sinks=S recent=N-S; h2o heavy=N/2 recent=N-N/2; tova budget=N; sirllm "
+         "entropy=N-S; random_llm/interval_llm budget=N-S; infinipot pot=N keep=N/2 novel=N/4; "
+         "anllm max_slots=N (not for full)")
+      ->group(group);
+  app.add_option_function<int>(
+         "--sinks",
+         [&options](const int& sinks) {
+           options.sinks = sinks;
+           options.sinks_given = true;
+         },
+         "protected first tokens (S) of streaming_llm, sirllm, random_llm, interval_llm (and "
+         "tova's sinks); default 4 (tova 0)")
+      ->group(group);
+  app.add_option("--param", options.params,
+                 "policy parameter KEY=VALUE, repeatable, overrides --budget; lists are "
+                 "comma-separated integers (anchor_ids=258,259); see docs/policies.md")
+      ->group(group);
+  app.add_option("--positions", options.positions,
+                 "RoPE positions: original, cache_index or reset_on_compact (default: the "
+                 "policy's own)")
+      ->group(group);
+  app.add_option("--keys", options.keys,
+                 "store keys before or after RoPE: pre_rope or post_rope (same results; "
+                 "post_rope is faster)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--chunk", options.chunk,
+                 "prefill chunk size: tokens per forward (also the cache's headroom above the "
+                 "policy's budget)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option_function<std::string>(
+         "--catalyst", [&options](const std::string& text) { options.catalyst = text; },
+         "infinipot's catalyst prompt, tokenized with the model's tokenizer (default: the "
+         "paper's general prompt \"Summarize the critical points highlighted in this "
+         "section.\"; \"\" = no catalyst, the w/o-CaP ablation)")
+      ->group(group);
+}
+
+/// --temperature, --top-p, --seed (group "Sampling").
+inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
+  const std::string group = "Sampling";
+  app.add_option("--temperature", options.temperature,
+                 "softmax temperature; 0 = greedy (always the most likely token)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--top-p", options.top_p,
+                 "nucleus sampling: draw among the most likely tokens holding this probability "
+                 "mass, in (0, 1]")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--seed", options.seed,
+                 "random seed (std::mt19937_64): same seed, same output on every platform")
+      ->group(group)
+      ->capture_default_str();
+}
+
+}  // namespace kvevict::cli

@@ -1,0 +1,90 @@
+#include "cli_support/report.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <kvevict/error.hpp>
+#include <system_error>
+#include <utility>
+
+namespace kvevict::cli {
+
+CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
+                              double wall_seconds) {
+  const model::DecoderStats& stats = decoder.stats();
+  const PipelineStats& pipeline = decoder.cache().pipeline().stats();
+  CacheReport report;
+  report.policy = std::move(policy);
+  report.tokens = stats.tokens_fed;
+  report.live_kv_bytes = decoder.cache().memory().live_kv_bytes;
+  report.peak_kv_bytes = stats.peak_kv_bytes;
+  report.evicted_slots = pipeline.evicted_slots;
+  report.compactions = pipeline.compactions;
+  report.catalyst_runs = stats.catalyst_runs;
+  report.seconds = wall_seconds;
+  report.tokens_per_second =
+      wall_seconds > 0 ? static_cast<double>(stats.tokens_fed) / wall_seconds : 0.0;
+  report.eviction_seconds = stats.eviction_seconds;
+  return report;
+}
+
+nlohmann::ordered_json to_json(const CacheReport& report) {
+  nlohmann::ordered_json json;
+  json["policy"] = report.policy;
+  json["tokens"] = report.tokens;
+  json["live_kv_bytes"] = report.live_kv_bytes;
+  json["peak_kv_bytes"] = report.peak_kv_bytes;
+  json["evicted_slots"] = report.evicted_slots;
+  json["compactions"] = report.compactions;
+  json["catalyst_runs"] = report.catalyst_runs;
+  json["seconds"] = report.seconds;
+  json["tokens_per_second"] = report.tokens_per_second;
+  json["eviction_seconds"] = report.eviction_seconds;
+  return json;
+}
+
+std::string format_cache_report(const CacheReport& report) {
+  std::string line =
+      fmt::format("{}: {} tokens, live KV {}, peak KV {}, {} slots evicted in {} compactions",
+                  report.policy, report.tokens, format_bytes(report.live_kv_bytes),
+                  format_bytes(report.peak_kv_bytes), report.evicted_slots, report.compactions);
+  if (report.catalyst_runs > 0) line += fmt::format(" ({} catalyst runs)", report.catalyst_runs);
+  line += fmt::format(", {:.1f} tokens/s, {:.3f} s in eviction", report.tokens_per_second,
+                      report.eviction_seconds);
+  return line;
+}
+
+std::string format_bytes(std::uint64_t bytes) {
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  const char* const units[] = {"KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes) / 1024.0;
+  std::size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(units)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  if (value < 10.0) return fmt::format("{:.2f} {}", value, units[unit]);
+  return fmt::format("{:.1f} {}", value, units[unit]);
+}
+
+std::string dump_json(const nlohmann::ordered_json& json) {
+  return json.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+model::Model load_model_file(const std::string& path) {
+  if (path.empty()) throw Error("--model: no model path given");
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) {
+    throw Error(fmt::format("model file '{}' does not exist", path));
+  }
+  try {
+    return model::load_model(path);
+  } catch (const Error& failure) {
+    throw Error(fmt::format("cannot load model '{}': {}", path, failure.what()));
+  }
+}
+
+bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
+
+}  // namespace kvevict::cli

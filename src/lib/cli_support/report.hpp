@@ -1,0 +1,50 @@
+// Output helpers shared by the `kvevict` subcommands: cache statistics of a decoder run, byte
+// sizes for people, JSON that survives invalid UTF-8, and loading a model named on the command
+// line.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+#include "model/decoder.hpp"
+#include "model/model.hpp"
+
+namespace kvevict::cli {
+
+/// What a decoder run cost: the final line of generate, part of stream's report.
+struct CacheReport {
+  std::string policy;
+  std::int64_t tokens = 0;  ///< stream tokens fed (catalyst tokens excluded)
+  std::size_t live_kv_bytes = 0;
+  std::size_t peak_kv_bytes = 0;
+  std::int64_t evicted_slots = 0;  ///< summed over every (layer, KV head)
+  std::int64_t compactions = 0;
+  std::int64_t catalyst_runs = 0;
+  double seconds = 0;            ///< wall time of the run
+  double tokens_per_second = 0;  ///< tokens / seconds
+  double eviction_seconds = 0;   ///< time spent in the policy and compaction
+};
+
+[[nodiscard]] CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
+                                            double wall_seconds);
+[[nodiscard]] nlohmann::ordered_json to_json(const CacheReport& report);
+/// One line: "streaming_llm: 300 tokens, live KV 56.0 KiB, peak KV 60.0 KiB, ...".
+[[nodiscard]] std::string format_cache_report(const CacheReport& report);
+
+/// "512 B", "73.0 KiB", "1.50 MiB", "2.25 GiB".
+[[nodiscard]] std::string format_bytes(std::uint64_t bytes);
+
+/// `json` as text (indented by 2), with invalid UTF-8 (a model may emit any bytes) replaced by
+/// U+FFFD instead of throwing.
+[[nodiscard]] std::string dump_json(const nlohmann::ordered_json& json);
+
+/// load_model with a plain message for a path that does not exist.
+[[nodiscard]] model::Model load_model_file(const std::string& path);
+
+/// Whether stderr is a terminal (progress lines are only drawn there).
+[[nodiscard]] bool stderr_is_terminal();
+
+}  // namespace kvevict::cli

@@ -1,0 +1,587 @@
+// The `kvevict` decoder subcommands (generate, stream, info, random-model) and their shared option
+// parsing (src/lib/cli_support). The support code is tested directly; the commands run as the
+// built binary against a random model the suite writes to a temporary directory.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <kvevict/policy_registry.hpp>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cli_support/log_loss.hpp"
+#include "cli_support/policy_setup.hpp"
+#include "cli_support/sampling.hpp"
+#include "cli_support/text_pieces.hpp"
+#include "model/model.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using kvevict::Error;
+using kvevict::cli::ParamValues;
+using kvevict::cli::PolicyOptions;
+using nlohmann::json;
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+// Deterministic English-like text of `bytes` bytes (words from a small list, spaces, newlines and
+// a blank line every few sentences, so turn separators have something to split at).
+std::string sample_text(std::size_t bytes) {
+  static const char* const words[] = {"the",   "cache", "keeps", "recent", "tokens",
+                                      "and",   "a",     "few",   "sinks",  "while",
+                                      "older", "ones",  "are",   "evicted"};
+  std::string text;
+  std::uint64_t state = 12345;
+  int sentence = 0;
+  while (text.size() < bytes) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    text += words[(state >> 33) % std::size(words)];
+    if ((state >> 20) % 9 == 0) {
+      text += ".";
+      text += (++sentence % 4 == 0) ? "\n\n" : " ";
+    } else {
+      text += " ";
+    }
+  }
+  text.resize(bytes);
+  return text;
+}
+
+// --- Policy options ---------------------------------------------------------------------------
+
+ParamValues budget(const std::string& policy, int n, int sinks = 4) {
+  return kvevict::cli::budget_params(policy, n, sinks);
+}
+
+TEST(PolicyOptions, BudgetMapsToEachPolicysParameters) {
+  EXPECT_EQ(budget("window", 100).to_string(), "recent=100");
+  EXPECT_EQ(budget("streaming_llm", 100).to_string(), "recent=96 sinks=4");
+  EXPECT_EQ(budget("streaming_llm", 100, 8).to_string(), "recent=92 sinks=8");
+  EXPECT_EQ(budget("h2o", 101).to_string(), "heavy=50 recent=51");
+  EXPECT_EQ(budget("tova", 100).to_string(), "budget=100");
+  EXPECT_EQ(budget("sirllm", 100).to_string(), "entropy=96 sinks=4");
+  EXPECT_EQ(budget("random_llm", 100).to_string(), "budget=96 sinks=4");
+  EXPECT_EQ(budget("interval_llm", 100).to_string(), "budget=96 sinks=4");
+  EXPECT_EQ(budget("infinipot", 100).to_string(), "keep=50 novel=25 pot=100");
+  EXPECT_EQ(budget("anllm", 100).to_string(), "max_slots=100");
+  // Every mapping gives a policy make_policy accepts (anllm also needs its anchor ids).
+  for (std::string_view name : kvevict::policy_names()) {
+    if (name == "full") continue;
+    ParamValues values = budget(std::string(name), 64);
+    if (name == "anllm") values.set_list("anchor_ids", {258});
+    EXPECT_NO_THROW((void)kvevict::make_policy(name, values.to_policy_params())) << name;
+  }
+}
+
+TEST(PolicyOptions, BudgetErrors) {
+  EXPECT_THROW((void)budget("full", 10), Error);
+  EXPECT_THROW((void)budget("window", 0), Error);
+  try {
+    (void)budget("streaming_llm", 4, 4);
+    FAIL() << "no error for a budget that holds only the sinks";
+  } catch (const Error& error) {
+    EXPECT_STREQ(error.what(), "budget 4 is smaller than the protected set (sinks 4)");
+  }
+}
+
+TEST(PolicyOptions, ParamsParseNumbersAndLists) {
+  ParamValues values;
+  kvevict::cli::apply_param(values, "recent=28");
+  kvevict::cli::apply_param(values, "decay=0.5");
+  kvevict::cli::apply_param(values, "anchor_ids=258");
+  kvevict::cli::apply_param(values, "ids=1, 2,3");
+  EXPECT_EQ(values.to_string(), "anchor_ids=258 decay=0.5 ids=1,2,3 recent=28");
+  EXPECT_EQ(values.to_json().dump(),
+            R"({"anchor_ids":[258],"decay":0.5,"ids":[1,2,3],"recent":28})");
+  for (const char* bad : {"recent", "=3", "recent=", "recent=abc", "recent=1e999", "ids=1,x"}) {
+    EXPECT_THROW(kvevict::cli::apply_param(values, bad), Error) << bad;
+  }
+}
+
+TEST(PolicyOptions, ParamsOverrideTheBudgetAndSinksApply) {
+  PolicyOptions options;
+  options.policy = "streaming_llm";
+  options.budget = 64;
+  options.params = {"recent=10"};
+  EXPECT_EQ(kvevict::cli::resolve_params(options, nullptr).to_string(), "recent=10 sinks=4");
+  options.sinks = 2;
+  options.sinks_given = true;
+  EXPECT_EQ(kvevict::cli::resolve_params(options, nullptr).to_string(), "recent=10 sinks=2");
+}
+
+TEST(PolicyOptions, ValidationNamesTheProblem) {
+  const auto message = [](const PolicyOptions& options) -> std::string {
+    try {
+      kvevict::cli::validate_policy_options(options);
+    } catch (const Error& error) {
+      return error.what();
+    }
+    return "";
+  };
+  PolicyOptions options;
+  EXPECT_EQ(message(options), "");
+  options.policy = "lru";
+  EXPECT_NE(message(options).find("unknown policy 'lru' (known: full, window"), std::string::npos);
+  options.policy = "window";
+  EXPECT_NE(message(options).find("missing parameter 'recent'"), std::string::npos);
+  options.budget = 16;
+  EXPECT_EQ(message(options), "");
+  options.params = {"recnt=3"};
+  EXPECT_NE(message(options).find("has no parameter 'recnt' (it takes recent)"), std::string::npos);
+  options.params.clear();
+  options.chunk = 0;
+  EXPECT_NE(message(options).find("--chunk"), std::string::npos);
+  options.chunk = 16;
+  options.catalyst = "question";
+  EXPECT_NE(message(options).find("--catalyst does not apply"), std::string::npos);
+  options.catalyst.reset();
+  options.positions = "sideways";
+  EXPECT_NE(message(options).find("--positions"), std::string::npos);
+  options.positions = "reset_on_compact";
+  options.keys = "rotated";
+  EXPECT_NE(message(options).find("--keys"), std::string::npos);
+}
+
+// --- Sampling -----------------------------------------------------------------------------------
+
+TEST(Sampling, UniformUnitUsesTheTop53Bits) {
+  std::mt19937_64 engine(1);
+  std::mt19937_64 copy(1);
+  for (int i = 0; i < 1000; ++i) {
+    const double u = kvevict::cli::uniform_unit(engine);
+    EXPECT_GE(u, 0.0);
+    EXPECT_LT(u, 1.0);
+    EXPECT_EQ(u, static_cast<double>(copy() >> 11) / 9007199254740992.0);
+  }
+}
+
+TEST(Sampling, GreedyTopPAndSeeds) {
+  const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f};
+  kvevict::cli::Sampler greedy({0.0, 1.0, 1});
+  EXPECT_EQ(greedy.sample(logits), 1);  // ties go to the lower id
+  // A tiny nucleus holds only the most likely token.
+  kvevict::cli::Sampler narrow({1.0, 1e-6, 3});
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(narrow.sample(logits), 1);
+  // The same seed gives the same draws; every token can come out at a high temperature.
+  kvevict::cli::Sampler a({2.0, 1.0, 7});
+  kvevict::cli::Sampler b({2.0, 1.0, 7});
+  std::set<std::int32_t> seen;
+  for (int i = 0; i < 400; ++i) {
+    const std::int32_t token = a.sample(logits);
+    EXPECT_EQ(token, b.sample(logits));
+    seen.insert(token);
+  }
+  EXPECT_EQ(seen.size(), logits.size());
+  // top_p = 0.5 keeps ids 1 and 2 (each ~0.3 of the mass), never the others.
+  kvevict::cli::Sampler nucleus({1.0, 0.5, 11});
+  for (int i = 0; i < 200; ++i) {
+    const std::int32_t token = nucleus.sample(logits);
+    EXPECT_TRUE(token == 1 || token == 2) << token;
+  }
+  EXPECT_THROW(kvevict::cli::validate_sampling({-0.1, 1.0, 1}), Error);
+  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 0.0, 1}), Error);
+  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.01, 1}), Error);
+}
+
+// --- Loss bookkeeping ---------------------------------------------------------------------------
+
+TEST(LogLoss, SurprisalAndWindows) {
+  const std::vector<float> uniform(8, 0.25f);
+  EXPECT_NEAR(kvevict::cli::surprisal_bits(uniform, 3), 3.0, 1e-12);  // log2(8)
+  kvevict::cli::WindowedLoss loss(4);
+  for (int position = 1; position < 10; ++position) loss.add(position, 2.0, 1);
+  ASSERT_EQ(loss.windows().size(), 3u);
+  EXPECT_EQ(loss.windows()[0].totals.tokens, 3);  // position 0 is never scored
+  EXPECT_EQ(loss.windows()[1].first_position, 4);
+  EXPECT_EQ(loss.windows()[2].totals.tokens, 2);
+  EXPECT_EQ(loss.overall().tokens, 9);
+  EXPECT_DOUBLE_EQ(loss.overall().bits_per_byte(), 2.0);
+  EXPECT_DOUBLE_EQ(loss.overall().perplexity(), 4.0);
+}
+
+// --- Reading text in pieces ---------------------------------------------------------------------
+
+kvevict::cli::TextPiecesOptions piece_options(std::size_t block_bytes, std::string separator = "",
+                                              bool cut_before_space = false,
+                                              std::uint64_t limit_bytes = 0) {
+  kvevict::cli::TextPiecesOptions options;
+  options.block_bytes = block_bytes;
+  options.turn_separator = std::move(separator);
+  options.cut_before_space = cut_before_space;
+  options.limit_bytes = limit_bytes;
+  return options;
+}
+
+class TextPiecesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / fmt::format("kvevict_test_cli_pieces_{}", getpid());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::vector<kvevict::cli::TextPiece> pieces(const std::string& text,
+                                              const kvevict::cli::TextPiecesOptions& options) {
+    const fs::path path = dir_ / "text.txt";
+    write_text(path, text);
+    kvevict::cli::TextPieces reader(path.string(), options);
+    std::vector<kvevict::cli::TextPiece> out;
+    kvevict::cli::TextPiece piece;
+    while (reader.next(piece)) {
+      EXPECT_FALSE(piece.text.empty());
+      out.push_back(piece);
+    }
+    return out;
+  }
+  static std::string joined(const std::vector<kvevict::cli::TextPiece>& pieces) {
+    std::string text;
+    for (const auto& piece : pieces) text += piece.text;
+    return text;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(TextPiecesTest, BlocksCoverTheTextExactly) {
+  const std::string text = sample_text(1000);
+  const auto list = pieces(text, piece_options(64));
+  EXPECT_EQ(joined(list), text);
+  EXPECT_GE(list.size(), 15u);
+  for (const auto& piece : list) EXPECT_FALSE(piece.turn_start);
+  EXPECT_EQ(joined(pieces(text, piece_options(64, "", false, 100))), text.substr(0, 100));
+}
+
+TEST_F(TextPiecesTest, TurnsEndAfterEachSeparatorEvenAcrossBlocks) {
+  const std::string text = "first turn--second--third-";
+  // Blocks of 3 bytes split "--" across blocks several times.
+  const auto list = pieces(text, piece_options(3, "--"));
+  EXPECT_EQ(joined(list), text);
+  std::vector<std::string> turns;
+  for (const auto& piece : list) {
+    if (piece.turn_start) turns.emplace_back();
+    ASSERT_FALSE(turns.empty()) << "the first piece starts a turn";
+    turns.back() += piece.text;
+  }
+  EXPECT_EQ(turns, (std::vector<std::string>{"first turn--", "second--", "third-"}));
+}
+
+TEST_F(TextPiecesTest, SentencePieceCutsGiveTheTokensOfTheWholeText) {
+  // A SentencePiece vocabulary with multi-character and "▁word" pieces (scores: longer is better).
+  const std::string space = "\xe2\x96\x81";
+  kvevict::model::Tokenizer tokenizer;
+  tokenizer.kind = kvevict::model::Tokenizer::Kind::sentencepiece;
+  tokenizer.pieces = {"<unk>", "<s>",        "</s>",        space, "t",
+                      "h",     "e",          "c",           "a",   "k",
+                      "s",     ".",          "\n",          "th",  "he",
+                      "the",   space + "th", space + "the", "ca",  space + "cache"};
+  for (std::size_t i = 0; i < tokenizer.pieces.size(); ++i) {
+    tokenizer.scores.push_back(static_cast<float>(tokenizer.pieces[i].size()));
+    tokenizer.types.push_back(i == 0 ? 2 : (i <= 2 ? 3 : 1));
+  }
+  tokenizer.bos_id = 1;
+  tokenizer.eos_id = 2;
+  tokenizer.vocab_size = static_cast<int>(tokenizer.pieces.size());
+  const std::string text = "the cache  the\nthe cache. cache  the  the cache thecache the";
+  for (std::size_t block : {5, 7, 11}) {
+    const auto list = pieces(text, piece_options(block, "", true));
+    EXPECT_EQ(joined(list), text);
+    std::vector<std::int32_t> tokens;
+    for (const auto& piece : list) {
+      const std::string_view encoded =
+          piece.space_cut ? std::string_view(piece.text).substr(1) : std::string_view(piece.text);
+      if (piece.space_cut) {
+        EXPECT_EQ(piece.text.front(), ' ');
+      }
+      for (std::int32_t id : tokenizer.encode(encoded, false)) tokens.push_back(id);
+    }
+    EXPECT_EQ(tokens, tokenizer.encode(text, false)) << "block " << block;
+  }
+}
+
+TEST_F(TextPiecesTest, TextWithoutSpacesIsCutBetweenUtf8Characters) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "\xc3\xa9";  // "é" x 100, no space anywhere
+  const auto list = pieces(text, piece_options(4, "", true));
+  EXPECT_EQ(joined(list), text);
+  EXPECT_GT(list.size(), 1u);
+  for (const auto& piece : list) {
+    EXPECT_EQ(piece.text.size() % 2, 0u) << "a piece splits a character";
+    EXPECT_LE(piece.text.size(), 16u * 4u);
+    EXPECT_FALSE(piece.space_cut);
+  }
+}
+
+// --- The binary ---------------------------------------------------------------------------------
+
+#ifdef KVEVICT_CLI_PATH
+
+std::string quote(const std::string& argument) {
+  std::string quoted = "'";
+  for (char c : argument) {
+    if (c == '\'') {
+      quoted += "'\\''";
+    } else {
+      quoted += c;
+    }
+  }
+  return quoted + "'";
+}
+
+struct CommandResult {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+class Cli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(fs::temp_directory_path() / fmt::format("kvevict_test_cli_{}", getpid()));
+    fs::create_directories(*dir_);
+    model_ = new std::string((*dir_ / "tiny.gguf").string());
+    const CommandResult made = run({"random-model", "--out", *model_});
+    ASSERT_EQ(made.code, 0) << made.err;
+    write_text(*dir_ / "text4k.txt", sample_text(4096));
+    write_text(*dir_ / "text2k.txt", sample_text(2048));
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*dir_);
+    delete model_;
+    delete dir_;
+  }
+
+  static CommandResult run(const std::vector<std::string>& arguments) {
+    static int counter = 0;
+    const fs::path out = *dir_ / fmt::format("out{}.txt", counter);
+    const fs::path err = *dir_ / fmt::format("err{}.txt", counter++);
+    std::string command = quote(KVEVICT_CLI_PATH);
+    for (const std::string& argument : arguments) command.append(" ").append(quote(argument));
+    command += fmt::format(" >{} 2>{} </dev/null", quote(out.string()), quote(err.string()));
+    const int status = std::system(command.c_str());
+    CommandResult result;
+    result.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    result.out = read_text(out);
+    result.err = read_text(err);
+    return result;
+  }
+  // Runs a command that must succeed with --json output, and parses it.
+  static json run_json(std::vector<std::string> arguments) {
+    arguments.emplace_back("--json");
+    const CommandResult result = run(arguments);
+    EXPECT_EQ(result.code, 0) << result.err;
+    try {
+      return json::parse(result.out);
+    } catch (const json::exception& error) {
+      ADD_FAILURE() << "not JSON: " << error.what() << "\n" << result.out;
+      return json::object();
+    }
+  }
+  static std::string file(const std::string& name) { return (*dir_ / name).string(); }
+
+  static fs::path* dir_;
+  static std::string* model_;
+};
+fs::path* Cli::dir_ = nullptr;
+std::string* Cli::model_ = nullptr;
+
+TEST_F(Cli, InfoReportsTheDimensions) {
+  const json info = run_json({"info", "--model", *model_});
+  EXPECT_EQ(info["format"], "gguf");
+  const json& config = info["config"];
+  EXPECT_EQ(config["dim"], 64);
+  EXPECT_EQ(config["hidden_dim"], 172);
+  EXPECT_EQ(config["layers"], 2);
+  EXPECT_EQ(config["heads"], 4);
+  EXPECT_EQ(config["kv_heads"], 2);
+  EXPECT_EQ(config["head_dim"], 16);
+  EXPECT_EQ(config["vocab_size"], 259);
+  EXPECT_EQ(config["context_length"], 256);
+  EXPECT_EQ(info["tokenizer"]["anchor_id"], 258);
+  // layers * kv_heads * head_dim * (K + V) * sizeof(float)
+  EXPECT_EQ(info["kv_cache"]["kv_bytes_per_token"], 2 * 2 * 16 * 2 * 4);
+  EXPECT_GT(info["kv_cache"]["metadata_bytes_per_token"].get<int>(), 0);
+  EXPECT_EQ(info["weights"]["bytes_by_dtype"]["f32"], info["weights"]["total_bytes"]);
+  const CommandResult text = run({"info", "--model", *model_});
+  EXPECT_EQ(text.code, 0);
+  EXPECT_NE(text.out.find("4 heads, 2 KV heads, head_dim 16"), std::string::npos) << text.out;
+}
+
+TEST_F(Cli, RandomModelWritesEveryFormat) {
+  const json gguf_info = run_json({"info", "--model", *model_});
+  for (const char* format : {"safetensors", "llama2c"}) {
+    const std::string path = file(fmt::format("tiny-{}", format));
+    const CommandResult made = run({"random-model", "--out", path, "--format", format});
+    ASSERT_EQ(made.code, 0) << made.err;
+    const json info = run_json({"info", "--model", path});
+    EXPECT_EQ(info["format"], format);
+    EXPECT_EQ(info["config"]["dim"], 64);
+    EXPECT_EQ(info["weights"]["total_bytes"], gguf_info["weights"]["total_bytes"]);
+  }
+  // The same options give the same bytes.
+  ASSERT_EQ(run({"random-model", "--out", file("again.gguf")}).code, 0);
+  EXPECT_EQ(read_text(file("again.gguf")), read_text(*model_));
+}
+
+TEST_F(Cli, GreedyGenerationIsDeterministicAndKeyStorageAgnostic) {
+  const std::vector<std::string> base = {"generate", "--model",         *model_,
+                                         "--prompt", "the cache keeps", "--max-tokens",
+                                         "24",       "--chunk",         "8"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> arguments = base;
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    return run_json(arguments);
+  };
+  const json first = with({"--policy", "window", "--budget", "64", "--keys", "pre_rope"});
+  const json second = with({"--policy", "window", "--budget", "64", "--keys", "pre_rope"});
+  const json post = with({"--policy", "window", "--budget", "64", "--keys", "post_rope"});
+  ASSERT_EQ(first["generated_tokens"], 24) << first.dump();
+  EXPECT_EQ(first["prompt_tokens"], 16);  // BOS + 15 bytes
+  EXPECT_EQ(first["token_ids"], second["token_ids"]);
+  EXPECT_EQ(first["token_ids"], post["token_ids"]);  // budget 64 > 16 + 24: nothing evicted
+  EXPECT_EQ(first["cache"]["evicted_slots"], 0);
+  EXPECT_EQ(first["policy"]["params"]["recent"], 64);
+  // Sampling: same seed, same text; the stats line goes to stderr without --json.
+  const json hot = with({"--temperature", "0.9", "--top-p", "0.9", "--seed", "5"});
+  EXPECT_EQ(hot["token_ids"],
+            with({"--temperature", "0.9", "--top-p", "0.9", "--seed", "5"})["token_ids"]);
+  const CommandResult plain = run(base);
+  EXPECT_EQ(plain.code, 0) << plain.err;
+  EXPECT_NE(plain.err.find("peak KV"), std::string::npos) << plain.err;
+  EXPECT_NE(plain.err.find("tokens/s"), std::string::npos) << plain.err;
+}
+
+TEST_F(Cli, StreamReportsLossPerWindow) {
+  const json result =
+      run_json({"stream", "--model", *model_, "--input", file("text4k.txt"), "--window", "1000",
+                "--policy", "streaming_llm", "--budget", "32", "--chunk", "16"});
+  const double bits_per_byte = result["bits_per_byte"].get<double>();
+  EXPECT_TRUE(std::isfinite(bits_per_byte));
+  EXPECT_GT(bits_per_byte, 0.0);
+  EXPECT_EQ(result["tokens"], 4096);  // byte-level: BOS is fed but not scored
+  EXPECT_EQ(result["bytes"], 4096);
+  EXPECT_EQ(result["cache"]["tokens"], 4097);
+  std::int64_t tokens = 0;
+  for (const json& window : result["windows"]) tokens += window["tokens"].get<std::int64_t>();
+  EXPECT_EQ(tokens, result["tokens"].get<std::int64_t>());
+  EXPECT_EQ(result["windows"].size(), 5u);  // positions 0..4096 in windows of 1000
+
+  // Bounded policy: the cache never holds more than budget + one chunk.
+  const json info = run_json({"info", "--model", *model_});
+  const auto kv_per_token = info["kv_cache"]["kv_bytes_per_token"].get<std::int64_t>();
+  const auto peak = result["cache"]["peak_kv_bytes"].get<std::int64_t>();
+  EXPECT_LE(peak, (32 + 16) * kv_per_token);
+  EXPECT_GT(result["cache"]["evicted_slots"].get<std::int64_t>(), 0);
+
+  // Full cache: the peak grows with the input.
+  const auto full_peak = [&](const std::string& name) {
+    return run_json({"stream", "--model", *model_, "--input", file(name)})["cache"]["peak_kv_bytes"]
+        .get<std::int64_t>();
+  };
+  const std::int64_t peak2k = full_peak("text2k.txt");
+  const std::int64_t peak4k = full_peak("text4k.txt");
+  EXPECT_EQ(peak4k, 4097 * kv_per_token);
+  EXPECT_GT(peak4k, peak2k);
+
+  // The same tokens whatever the chunk size when nothing is evicted.
+  const json chunked =
+      run_json({"stream", "--model", *model_, "--input", file("text2k.txt"), "--chunk", "7"});
+  const json whole =
+      run_json({"stream", "--model", *model_, "--input", file("text2k.txt"), "--chunk", "64"});
+  EXPECT_NEAR(chunked["bits"].get<double>(), whole["bits"].get<double>(),
+              1e-5 * whole["bits"].get<double>());
+}
+
+TEST_F(Cli, StreamWithTurnsAndCatalyst) {
+  const json sirllm = run_json({"stream", "--model", *model_, "--input", file("text4k.txt"),
+                                "--turn-separator", "\\n\\n", "--policy", "sirllm", "--budget",
+                                "64", "--chunk", "16", "--limit-bytes", "3000"});
+  EXPECT_GT(sirllm["turns"].get<int>(), 1);
+  EXPECT_EQ(sirllm["input_bytes"], 3000);
+  EXPECT_GT(sirllm["cache"]["compactions"].get<int>(), 0);
+  const json infinipot =
+      run_json({"stream", "--model", *model_, "--input", file("text2k.txt"), "--policy",
+                "infinipot", "--budget", "64", "--catalyst", "Summarize the key points."});
+  EXPECT_GT(infinipot["cache"]["catalyst_runs"].get<int>(), 0);
+  EXPECT_EQ(infinipot["policy"]["catalyst_tokens"], 25);
+  EXPECT_TRUE(std::isfinite(infinipot["bits_per_byte"].get<double>()));
+  // AnLLM takes the tokenizer's anchor by default.
+  const json anllm = run_json({"stream", "--model", *model_, "--input", file("text2k.txt"),
+                               "--policy", "anllm", "--budget", "48"});
+  EXPECT_EQ(anllm["policy"]["params"]["anchor_ids"], json::array({258}));
+}
+
+TEST_F(Cli, BadOptionsExitWithCode2AndSayWhy) {
+  const std::string text = file("text2k.txt");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"generate", "--model", file("missing.gguf"), "--prompt", "x"}, "does not exist"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--max-tokens", "0"}, "--max-tokens"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--temperature", "-1"}, "--temperature"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--top-p", "0"}, "--top-p"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--top-p", "1.5"}, "--top-p"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "lru"}, "known: full"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "streaming_llm", "--budget",
+        "4"},
+       "smaller than the protected set (sinks 4)"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--chunk", "0"}, "--chunk"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--budget", "8"}, "'full'"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "window", "--budget", "-2"},
+       "--budget"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "window", "--param",
+        "recnt=3"},
+       "no parameter 'recnt'"},
+      {{"stream", "--model", *model_, "--input", file("missing.txt")}, "missing.txt"},
+      {{"stream", "--model", *model_, "--input", text, "--window", "0"}, "--window"},
+      {{"stream", "--model", *model_, "--input", text, "--chunk", "-1"}, "--chunk"},
+      {{"info", "--model", file("missing.gguf")}, "does not exist"},
+      {{"random-model", "--out", file("bad.gguf"), "--dim", "0"}, "--dim"},
+      {{"generate", "--model", *model_}, "--prompt"},
+  };
+  for (const auto& [arguments, expected] : cases) {
+    const CommandResult result = run(arguments);
+    std::string shown;
+    for (const auto& argument : arguments) shown += argument + " ";
+    EXPECT_EQ(result.code, 2) << shown << "\n" << result.err;
+    EXPECT_NE(result.err.find("kvevict: error: "), std::string::npos) << shown << result.err;
+    EXPECT_NE(result.err.find(expected), std::string::npos)
+        << shown << "\nexpected '" << expected << "' in: " << result.err;
+  }
+  // AnLLM on a vocabulary without an anchor token asks for the ids.
+  ASSERT_EQ(run({"random-model", "--out", file("no-anchor.gguf"), "--vocab", "258"}).code, 0);
+  const CommandResult anllm = run({"generate", "--model", file("no-anchor.gguf"), "--prompt", "x",
+                                   "--policy", "anllm", "--budget", "16"});
+  EXPECT_EQ(anllm.code, 2);
+  EXPECT_NE(anllm.err.find("--param anchor_ids="), std::string::npos) << anllm.err;
+}
+
+TEST_F(Cli, EverySubcommandHasHelpWithAnExample) {
+  for (const char* command : {"generate", "stream", "info", "random-model"}) {
+    const CommandResult help = run({command, "--help"});
+    EXPECT_EQ(help.code, 0) << command;
+    EXPECT_NE(help.out.find("Example"), std::string::npos) << command << help.out;
+  }
+}
+
+#endif  // KVEVICT_CLI_PATH
+
+}  // namespace
