@@ -38,14 +38,21 @@ void gather_in_place(T* column, std::span<const std::int32_t> keep) {
 }
 
 /// Row-wise gather of a row-major block: row i = row keep[i], `row_elements` values per row.
+/// Consecutive kept rows move as one block (one memmove per run), so a steady-state eviction that
+/// drops one slot moves the rows behind it in a single call.
 template <class T>
 void gather_rows_in_place(T* rows, std::ptrdiff_t row_elements,
                           std::span<const std::int32_t> keep) {
   const std::size_t row_bytes = static_cast<std::size_t>(row_elements) * sizeof(T);
-  for (std::size_t i = first_moved(keep); i < keep.size(); ++i) {
-    // keep[i] > i here, so source and destination rows never overlap.
-    std::memcpy(rows + static_cast<std::ptrdiff_t>(i) * row_elements,
-                rows + static_cast<std::ptrdiff_t>(keep[i]) * row_elements, row_bytes);
+  std::size_t i = first_moved(keep);
+  while (i < keep.size()) {
+    std::size_t end = i + 1;
+    while (end < keep.size() && keep[end] == keep[end - 1] + 1) ++end;
+    // Destination rows [i, end) lie below their sources [keep[i], keep[i] + end - i) and may
+    // overlap them (memmove); later runs read only rows past keep[end - 1], never written here.
+    std::memmove(rows + static_cast<std::ptrdiff_t>(i) * row_elements,
+                 rows + static_cast<std::ptrdiff_t>(keep[i]) * row_elements, (end - i) * row_bytes);
+    i = end;
   }
 }
 
