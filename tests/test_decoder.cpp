@@ -22,6 +22,7 @@
 #include "model/half.hpp"
 #include "model/model.hpp"
 #include "model/random_model.hpp"
+#include "support/expect_error.hpp"
 
 namespace {
 
@@ -790,14 +791,7 @@ TEST(DecoderSignals, AnchorsReachThePolicy) {
 // Errors
 // ---------------------------------------------------------------------------------------------
 
-void expect_error(const std::function<void()>& action, const std::string& fragment) {
-  try {
-    action();
-    ADD_FAILURE() << "expected kvevict::Error containing '" << fragment << "'";
-  } catch (const kvevict::Error& error) {
-    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
-  }
-}
+using kvevict::test::expect_error;
 
 TEST(DecoderErrors, NamedErrors) {
   const Model model = model_for(kModelCases[0]);

@@ -30,6 +30,7 @@
 #include "model/model.hpp"
 #include "model/model_io.hpp"
 #include "model/safetensors.hpp"
+#include "support/expect_error.hpp"
 
 namespace {
 
@@ -283,16 +284,7 @@ std::span<const std::byte> as_bytes(const std::string& text) {
 
 // Runs `action`, which must throw kvevict::Error mentioning `word`. Other exception types escape
 // and fail the test.
-template <class Action>
-void expect_error(Action&& action, std::string_view word) {
-  try {
-    action();
-    ADD_FAILURE() << "no error; expected one mentioning '" << word << "'";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find(word), std::string::npos)
-        << "message: " << error.what() << "\nexpected to mention: " << word;
-  }
-}
+using kvevict::test::expect_error;
 
 // Every proper prefix of `file` must be rejected with kvevict::Error.
 template <class Load>

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "support/expect_error.hpp"
 #include "support/policy_harness.hpp"
 
 namespace {
@@ -29,6 +30,7 @@ using kvevict::SlotTable;
 using kvevict::TovaConfig;
 using kvevict::TovaPolicy;
 using kvevict::test::every_head;
+using kvevict::test::expect_error;
 using kvevict::test::Harness;
 using kvevict::test::HeadRows;
 using kvevict::test::LayerRows;
@@ -42,16 +44,6 @@ void expect_scores_near(const std::vector<float>& actual, const std::vector<floa
   ASSERT_EQ(actual.size(), expected.size());
   for (std::size_t i = 0; i < expected.size(); ++i) {
     EXPECT_NEAR(actual[i], expected[i], 1e-6) << "slot " << i;
-  }
-}
-
-template <class Action>
-void expect_error(Action&& action, const std::string& fragment) {
-  try {
-    action();
-    ADD_FAILURE() << "expected kvevict::Error containing '" << fragment << "'";
-  } catch (const kvevict::Error& error) {
-    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
   }
 }
 

@@ -17,6 +17,8 @@ namespace kvevict::model {
 namespace gguf {
 namespace {
 
+using detail::in_quotes;
+
 using detail::ByteReader;
 using detail::ByteWriter;
 
@@ -29,16 +31,6 @@ constexpr std::uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;  // empty name,
 constexpr std::uint64_t kMaxElements = std::uint64_t{1} << 56;
 
 [[noreturn]] void fail(const std::string& message) { throw Error("GGUF: " + message); }
-
-// Appended piecewise: GCC 12 reports a false -Wrestrict for "'" + std::string(text) + "'".
-std::string in_quotes(std::string_view text) {
-  std::string result;
-  result.reserve(text.size() + 2);
-  result += '\'';
-  result += text;
-  result += '\'';
-  return result;
-}
 
 /// Encoded size of a fixed-size scalar type, 0 for string / array.
 std::uint64_t scalar_size(ValueType type) {

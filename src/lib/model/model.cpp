@@ -495,4 +495,17 @@ void finish_model(Model& model, std::string_view format) {
 }
 
 }  // namespace detail
+namespace detail {
+
+// Appended piecewise: GCC 12 reports a false -Wrestrict for "'" + std::string(text) + "'".
+std::string in_quotes(std::string_view text) {
+  std::string result;
+  result.reserve(text.size() + 2);
+  result += '\'';
+  result += text;
+  result += '\'';
+  return result;
+}
+
+}  // namespace detail
 }  // namespace kvevict::model

@@ -143,6 +143,9 @@ void write_llama2c_tokenizer(const Tokenizer& tokenizer, const std::filesystem::
 // ---------------------------------------------------------------------------------------------
 namespace detail {
 
+/// `text` in single quotes, for error messages.
+[[nodiscard]] std::string in_quotes(std::string_view text);
+
 /// Bytes in a 64-byte-aligned heap buffer.
 struct AlignedBytes {
   std::shared_ptr<std::byte[]> owner;

@@ -16,19 +16,11 @@
 namespace kvevict::model {
 namespace {
 
+using detail::in_quotes;
+
 using nlohmann::json;
 
 [[noreturn]] void fail(const std::string& message) { throw Error("safetensors: " + message); }
-
-// Appended piecewise: GCC 12 reports a false -Wrestrict for "'" + std::string(text) + "'".
-std::string in_quotes(std::string_view text) {
-  std::string result;
-  result.reserve(text.size() + 2);
-  result += '\'';
-  result += text;
-  result += '\'';
-  return result;
-}
 
 constexpr std::uint64_t kMaxElements = std::uint64_t{1} << 56;
 
