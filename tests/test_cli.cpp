@@ -21,11 +21,13 @@
 #include <utility>
 #include <vector>
 
+#include "cli_support/anchor_inserter.hpp"
 #include "cli_support/log_loss.hpp"
 #include "cli_support/policy_setup.hpp"
 #include "cli_support/sampling.hpp"
 #include "cli_support/text_pieces.hpp"
 #include "model/model.hpp"
+#include "support/expect_error.hpp"
 
 namespace {
 
@@ -580,6 +582,185 @@ TEST_F(Cli, EverySubcommandHasHelpWithAnExample) {
     EXPECT_EQ(help.code, 0) << command;
     EXPECT_NE(help.out.find("Example"), std::string::npos) << command << help.out;
   }
+}
+
+#endif  // KVEVICT_CLI_PATH
+
+// --- --insert-anchors: AnchorInserter ---------------------------------------------------------
+
+constexpr std::int32_t kAnchor = 258;
+
+// The bytes of `text` as byte-level tokens, fed in blocks cut at `cuts` (offsets into the text);
+// the output rendered with "<AC>" for each anchor. `finish`: the text is a whole document.
+std::string with_anchors(const std::string& text, const std::vector<std::size_t>& cuts = {},
+                         bool finish = true) {
+  kvevict::cli::AnchorInserter inserter(kAnchor);
+  std::vector<std::int32_t> out;
+  std::size_t begin = 0;
+  std::vector<std::size_t> ends = cuts;
+  ends.push_back(text.size());
+  for (const std::size_t end : ends) {
+    std::vector<std::int32_t> block;
+    for (std::size_t i = begin; i < end; ++i) block.push_back(static_cast<unsigned char>(text[i]));
+    inserter.push(block, out);
+    begin = end;
+  }
+  if (finish) inserter.finish(out);
+  std::string rendered;
+  for (const std::int32_t token : out) {
+    rendered += token == kAnchor ? std::string("<AC>") : std::string(1, static_cast<char>(token));
+  }
+  return rendered;
+}
+
+TEST(AnchorInserter, AnchorsFollowSentenceEnds) {
+  // '.' after "beginning" and '!' after "said" are followed by a space, '?' after "Yes" by '\n':
+  // three sentence ends, each anchor right after the terminator (before the whitespace). The
+  // "\n" left after the last one is a unit of its own, closed by the document's end.
+  EXPECT_EQ(with_anchors("In the beginning. And God said! Yes?\n"),
+            "In the beginning.<AC> And God said!<AC> Yes?<AC>\n<AC>");
+  // Closing quotes / brackets belong to the sentence: the anchor goes after '"', before ' '.
+  // "Then" is the document's last unit: anchor at the end.
+  EXPECT_EQ(with_anchors("He said, \"Go.\" Then"), "He said, \"Go.\"<AC> Then<AC>");
+  EXPECT_EQ(with_anchors("(Really?) 'Yes!' [Done.]\tok"),
+            "(Really?)<AC> 'Yes!'<AC> [Done.]<AC>\tok<AC>");
+  // '.' followed by '1' is no sentence end; the only anchor is the document's end.
+  EXPECT_EQ(with_anchors("3.14 is pi", {}, /*finish=*/false), "3.14 is pi");
+  EXPECT_EQ(with_anchors("3.14 is pi"), "3.14 is pi<AC>");
+  // "e.g.x": each '.' is followed by a letter: none.
+  EXPECT_EQ(with_anchors("e.g.x", {}, /*finish=*/false), "e.g.x");
+  // A quote followed by a letter is no end either ('.' '"' 'x').
+  EXPECT_EQ(with_anchors("a.\"x b", {}, /*finish=*/false), "a.\"x b");
+  // "Wait..." at the end of the input: the last '.' is followed by the end ($). Nothing yet
+  // before the end is known; one anchor after the last '.' (the regex matches only that one).
+  EXPECT_EQ(with_anchors("Wait...", {}, /*finish=*/false), "Wait...");
+  EXPECT_EQ(with_anchors("Wait..."), "Wait...<AC>");
+  EXPECT_EQ(with_anchors("Wait... no"), "Wait...<AC> no<AC>");
+  // Every kind of \s (Python's bytes \s: space \t \n \v \f \r) ends a sentence.
+  for (const char space : std::string(" \t\n\v\f\r")) {
+    EXPECT_EQ(with_anchors(std::string("A.") + space + "B", {}, false),
+              std::string("A.<AC>") + space + "B");
+  }
+}
+
+TEST(AnchorInserter, SentenceEndSplitAcrossBlocks) {
+  // '.' ends block 1, ' ' starts block 2: after block 1 the end is pending (no anchor yet) ...
+  kvevict::cli::AnchorInserter inserter(kAnchor);
+  std::vector<std::int32_t> out;
+  inserter.push(std::vector<std::int32_t>{'O', 'n', 'e', '.'}, out);
+  EXPECT_EQ(out, (std::vector<std::int32_t>{'O', 'n', 'e', '.'}));
+  EXPECT_TRUE(inserter.pending());
+  inserter.push(std::vector<std::int32_t>{' ', 'T'}, out);
+  EXPECT_EQ(out, (std::vector<std::int32_t>{'O', 'n', 'e', '.', kAnchor, ' ', 'T'}));
+  // ... and block 2's first byte decides it: the same tokens as in one block.
+  EXPECT_EQ(with_anchors("One. Two", {4}), with_anchors("One. Two"));
+  EXPECT_EQ(with_anchors("One. Two", {4}), "One.<AC> Two<AC>");
+  // A '.' ending a block and a digit starting the next: no end ("3." + "14").
+  EXPECT_EQ(with_anchors("3.14", {2}), "3.14<AC>");
+  // Every cut point (and every byte its own block) gives the one-block result.
+  for (const std::string text :
+       {"In the beginning. And God said! Yes?\n", "He said, \"Go.\" Then", "Wait...", "e.g.x"}) {
+    const std::string whole = with_anchors(text);
+    std::vector<std::size_t> every;
+    for (std::size_t cut = 1; cut < text.size(); ++cut) {
+      EXPECT_EQ(with_anchors(text, {cut}), whole) << text << " cut at " << cut;
+      every.push_back(cut);
+    }
+    EXPECT_EQ(with_anchors(text, every), whole) << text;
+  }
+}
+
+TEST(AnchorInserter, DocumentEndIsASentenceEnd) {
+  EXPECT_EQ(with_anchors("No full stop"), "No full stop<AC>");
+  EXPECT_EQ(with_anchors("The end."), "The end.<AC>");        // pending end closed by $
+  EXPECT_EQ(with_anchors("The end.\""), "The end.\"<AC>");    // with its closing quote
+  EXPECT_EQ(with_anchors("The end. "), "The end.<AC> <AC>");  // the trailing space is a unit
+  EXPECT_EQ(with_anchors(""), "");                            // nothing, no anchor
+  // An anchor already in the input closes the unit: none twice.
+  kvevict::cli::AnchorInserter inserter(kAnchor);
+  std::vector<std::int32_t> out;
+  inserter.push(std::vector<std::int32_t>{256, 'A', '.', kAnchor, ' ', 'B', '.', kAnchor}, out);
+  inserter.finish(out);
+  EXPECT_EQ(out, (std::vector<std::int32_t>{256, 'A', '.', kAnchor, ' ', 'B', '.', kAnchor}));
+  EXPECT_EQ(inserter.inserted(), 0);
+  // BOS is transparent; inserted() counts the anchors added.
+  out.clear();
+  inserter.push(std::vector<std::int32_t>{256, 'H', 'i', '.', ' ', 'O', 'k'}, out);
+  inserter.finish(out);
+  EXPECT_EQ(out, (std::vector<std::int32_t>{256, 'H', 'i', '.', kAnchor, ' ', 'O', 'k', kAnchor}));
+  EXPECT_EQ(inserter.inserted(), 2);
+}
+
+TEST(AnchorInserter, ByteLevelTokenizersWithAnAnchorOnly) {
+  kvevict::model::Tokenizer tokenizer;
+  tokenizer.kind = kvevict::model::Tokenizer::Kind::byte_level;
+  tokenizer.anchor_id = 258;
+  EXPECT_EQ(kvevict::cli::AnchorInserter::for_tokenizer(tokenizer).anchor_id(), 258);
+  tokenizer.anchor_id = -1;
+  kvevict::test::expect_error([&] { (void)kvevict::cli::AnchorInserter::for_tokenizer(tokenizer); },
+                              "--insert-anchors");
+  tokenizer.kind = kvevict::model::Tokenizer::Kind::sentencepiece;
+  tokenizer.anchor_id = 258;
+  kvevict::test::expect_error([&] { (void)kvevict::cli::AnchorInserter::for_tokenizer(tokenizer); },
+                              "SentencePiece");
+}
+
+#ifdef KVEVICT_CLI_PATH
+
+TEST_F(Cli, StreamInsertAnchorsFeedsAnLLMAndScoresTheTextOnly) {
+  const std::string text = read_text(file("text4k.txt"));
+  const json anchored =
+      run_json({"stream", "--model", *model_, "--input", file("text4k.txt"), "--insert-anchors",
+                "--policy", "anllm", "--budget", "48", "--window", "512"});
+  EXPECT_EQ(anchored["policy"]["params"]["anchor_ids"], json::array({258}));
+  EXPECT_GT(anchored["cache"]["compactions"].get<int>(), 0);
+  // The anchors the command inserted are the inserter's on the same text.
+  const std::string expected = with_anchors(text);
+  std::size_t count = 0;
+  for (std::size_t at = expected.find("<AC>"); at != std::string::npos;
+       at = expected.find("<AC>", at + 1)) {
+    ++count;
+  }
+  EXPECT_GT(count, 10U);
+  EXPECT_EQ(anchored["anchors"], count);
+  // Fed: BOS + the bytes + the anchors; scored: the bytes only, overall and per window.
+  EXPECT_EQ(anchored["cache"]["tokens"], 1 + text.size() + count);
+  EXPECT_EQ(anchored["input_bytes"], text.size());
+  EXPECT_EQ(anchored["tokens"], text.size());
+  EXPECT_EQ(anchored["bytes"], text.size());
+  std::int64_t window_tokens = 0;
+  std::uint64_t window_bytes = 0;
+  for (const json& window : anchored["windows"]) {
+    window_tokens += window["tokens"].get<std::int64_t>();
+    window_bytes += window["bytes"].get<std::uint64_t>();
+  }
+  EXPECT_EQ(window_tokens, static_cast<std::int64_t>(text.size()));
+  EXPECT_EQ(window_bytes, text.size());
+  EXPECT_TRUE(std::isfinite(anchored["bits_per_byte"].get<double>()));
+
+  // generate: anchors in the prompt ("One.<AC> Two.<AC> Three" + pending "."), then generation.
+  const json generated =
+      run_json({"generate", "--model", *model_, "--prompt", "One. Two. Three.", "--insert-anchors",
+                "--policy", "anllm", "--budget", "16", "--max-tokens", "24"});
+  EXPECT_EQ(generated["anchors"]["prompt"], 2);
+  EXPECT_EQ(generated["prompt_tokens"], 1 + 16 + 2);
+
+  // A model without an anchor token: exit 2.
+  ASSERT_EQ(run({"random-model", "--out", file("no-anchor-ia.gguf"), "--vocab", "258"}).code, 0);
+  for (const char* command : {"stream", "generate"}) {
+    std::vector<std::string> arguments = {command, "--model", file("no-anchor-ia.gguf"),
+                                          "--insert-anchors"};
+    if (std::string(command) == "stream") {
+      arguments.insert(arguments.end(), {"--input", file("text2k.txt")});
+    } else {
+      arguments.insert(arguments.end(), {"--prompt", "x"});
+    }
+    const CommandResult result = run(arguments);
+    EXPECT_EQ(result.code, 2) << command << result.err;
+    EXPECT_NE(result.err.find("kvevict: error: --insert-anchors"), std::string::npos) << result.err;
+  }
+  const CommandResult help = run({"stream", "--help"});
+  EXPECT_NE(help.out.find("--insert-anchors"), std::string::npos);
 }
 
 #endif  // KVEVICT_CLI_PATH

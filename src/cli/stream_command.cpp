@@ -9,6 +9,11 @@
 // those are row k - 1 of its logits; the first token of a forward uses the last row of the previous
 // forward (the context as it stood then, before that forward's eviction). The stream's first
 // token (BOS when the tokenizer has one) has no prediction and is not scored.
+//
+// --insert-anchors: AnchorInserter puts <AC> after every sentence end (across block and piece
+// boundaries: the state carries over) and after the text's end. Anchors are fed like any token
+// and take positions, but they are not scored: the loss, overall and per window, counts the text's
+// tokens and bytes only, so a window's "tokens" is its scored text tokens, not its positions.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -18,11 +23,13 @@
 #include <iostream>
 #include <kvevict/error.hpp>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "cli_support/anchor_inserter.hpp"
 #include "cli_support/cli_options.hpp"
 #include "cli_support/log_loss.hpp"
 #include "cli_support/policy_setup.hpp"
@@ -44,6 +51,7 @@ struct StreamOptions {
   std::string turn_separator;
   PolicyOptions policy;
   bool json = false;
+  bool insert_anchors = false;
   std::int64_t limit_bytes = 0;
 };
 
@@ -133,16 +141,18 @@ class Progress {
 };
 
 // Feeds tokens through the decoder in chunks of exactly `chunk` tokens (a turn start flushes the
-// partial chunk before it), scores every token and keeps the previous forward's last logits.
+// partial chunk before it), scores every token but `unscored` (the inserted anchor; -1 = none)
+// and keeps the previous forward's last logits.
 class StreamScorer {
  public:
   StreamScorer(model::Decoder& decoder, int window, std::vector<std::uint32_t> token_bytes,
-               Progress& progress)
+               std::int32_t unscored, Progress& progress)
       : decoder_(decoder),
         progress_(progress),
         chunk_(decoder.options().max_chunk),
         vocab_(static_cast<std::size_t>(decoder.model().config.vocab_size)),
         token_bytes_(std::move(token_bytes)),
+        unscored_(unscored),
         loss_(window) {
     previous_logits_.resize(vocab_);
     pending_.reserve(static_cast<std::size_t>(chunk_));
@@ -166,10 +176,11 @@ class StreamScorer {
     for (std::size_t k = 0; k < pending_.size(); ++k) {
       const std::int64_t position = next_position_ + static_cast<std::int64_t>(k);
       if (position == 0) continue;  // the stream's first token has no prediction
+      const std::int32_t token = pending_[k];
+      if (token == unscored_) continue;  // an inserted anchor: fed, not scored
       const std::span<const float> logits = k == 0
                                                 ? std::span<const float>(previous_logits_)
                                                 : result.logits.subspan((k - 1) * vocab_, vocab_);
-      const std::int32_t token = pending_[k];
       loss_.add(position, surprisal_bits(logits, token),
                 token_bytes_[static_cast<std::size_t>(token)]);
     }
@@ -193,6 +204,7 @@ class StreamScorer {
   int chunk_;
   std::size_t vocab_;
   std::vector<std::uint32_t> token_bytes_;  // bytes of each token's text
+  std::int32_t unscored_;
   WindowedLoss loss_;
   std::vector<float> previous_logits_;
   std::vector<std::int32_t> pending_;
@@ -203,12 +215,15 @@ class StreamScorer {
 
 void print_text_report(const StreamOptions& options, const std::string& policy,
                        const WindowedLoss& loss, std::uint64_t input_bytes, std::int64_t turns,
-                       const CacheReport& report) {
+                       std::int64_t anchors, const CacheReport& report) {
   const LossTotals& overall = loss.overall();
   std::string out;
   out += fmt::format("input          {} ({} bytes)\n", options.input, input_bytes);
   out += fmt::format("policy         {}\n", policy);
   if (!options.turn_separator.empty()) out += fmt::format("turns          {}\n", turns);
+  if (options.insert_anchors) {
+    out += fmt::format("anchors        {} inserted (fed, not scored)\n", anchors);
+  }
   out += fmt::format("tokens scored  {} ({} bytes)\n", overall.tokens, overall.bytes);
   out += fmt::format("bits per byte  {:.4f}\n", overall.bits_per_byte());
   out += fmt::format("perplexity     {:.4f} per token\n", overall.perplexity());
@@ -244,6 +259,8 @@ int run_stream(const StreamOptions& options) {
       TextPiecesOptions{.turn_separator = separator,
                         .cut_before_space = sentencepiece,
                         .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes)});
+  std::optional<AnchorInserter> anchors;
+  if (options.insert_anchors) anchors = AnchorInserter::for_tokenizer(tokenizer);
   PolicySetup setup = make_policy_setup(options.policy, model);
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
 
@@ -254,9 +271,11 @@ int run_stream(const StreamOptions& options) {
   }
   const Clock::time_point start = Clock::now();
   Progress progress(pieces.expected_bytes(), start);
-  StreamScorer scorer(*decoder, options.window, std::move(token_bytes), progress);
+  StreamScorer scorer(*decoder, options.window, std::move(token_bytes),
+                      anchors ? anchors->anchor_id() : -1, progress);
 
   TextPiece piece;
+  std::vector<std::int32_t> anchored;
   bool first = true;
   std::int64_t turns = 0;
   while (pieces.next(piece)) {
@@ -266,7 +285,18 @@ int run_stream(const StreamOptions& options) {
     const std::vector<std::int32_t> tokens = tokenizer.encode(text, /*add_bos=*/first);
     first = false;
     if (piece.turn_start) ++turns;
-    scorer.add(tokens, piece.turn_start);
+    if (anchors) {
+      anchored.clear();
+      anchors->push(tokens, anchored);
+      scorer.add(anchored, piece.turn_start);
+    } else {
+      scorer.add(tokens, piece.turn_start);
+    }
+  }
+  if (anchors) {  // the end of the text is a sentence end
+    anchored.clear();
+    anchors->finish(anchored);
+    scorer.add(anchored, /*turn_start=*/false);
   }
   scorer.flush();
   progress.finish();
@@ -278,9 +308,10 @@ int run_stream(const StreamOptions& options) {
   }
   const CacheReport report = make_cache_report(*decoder, setup.name, seconds_between(start, done));
   const WindowedLoss& loss = scorer.loss();
+  const std::int64_t anchor_count = anchors ? anchors->inserted() : 0;
   if (!options.json) {
     print_text_report(options, describe_policy(setup, *decoder), loss, pieces.bytes_read(), turns,
-                      report);
+                      anchor_count, report);
     return kExitOk;
   }
   nlohmann::ordered_json json;
@@ -289,6 +320,7 @@ int run_stream(const StreamOptions& options) {
   json["input_bytes"] = pieces.bytes_read();
   json["policy"] = policy_json(setup, *decoder);
   if (!separator.empty()) json["turns"] = turns;
+  if (options.insert_anchors) json["anchors"] = anchor_count;
   add_totals(json, loss.overall());
   json["window"] = loss.window();
   json["windows"] = nlohmann::ordered_json::array();
@@ -324,6 +356,10 @@ Command add_stream_command(CLI::App& parent) {
                   "read only the first N bytes of the input (0 = all)")
       ->capture_default_str();
   add_policy_options(*app, options->policy);
+  add_insert_anchors_option(*app, options->insert_anchors,
+                            "the anchors are fed and take positions but are not scored: bits per "
+                            "byte and the token counts, overall and per window, cover the text "
+                            "only");
   app->add_flag("--json", options->json,
                 "print one JSON object: overall and per-window loss, policy, cache statistics");
   app->footer(
@@ -335,11 +371,19 @@ Command add_stream_command(CLI::App& parent) {
       "terminal. Token t is scored with the logits of position t - 1 (across chunk boundaries\n"
       "too); the first token (BOS) has no prediction and is not scored.\n"
       "\n"
+      "--insert-anchors (AnLLM toy models): <AC> follows every sentence end and the end of the\n"
+      "text. Anchors are fed to the model and the policy like any token and occupy positions\n"
+      "(the windows are windows of positions), but they are not scored: \"tokens scored\" and\n"
+      "each window's tokens count the text's tokens only, and bits per byte is the text's bits\n"
+      "over the text's bytes, so it compares with a run without anchors.\n"
+      "\n"
       "Examples:\n"
       "  kvevict stream --model build/release/models/random-tiny.gguf --input README.md \\\n"
       "      --policy streaming_llm --budget 64 --window 512\n"
       "  kvevict stream --model model.gguf --input chat.txt --turn-separator '\\n\\n' \\\n"
-      "      --policy sirllm --budget 256 --json");
+      "      --policy sirllm --budget 256 --json\n"
+      "  kvevict stream --model toy-anchor.safetensors --input book.txt --insert-anchors \\\n"
+      "      --policy anllm --budget 256");
   return Command{app, [options] { return run_stream(*options); }};
 }
 

@@ -67,6 +67,17 @@ inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
       ->group(group);
 }
 
+/// --insert-anchors (group "Policy"): AnLLM's <AC> after every sentence end (anchor_inserter.hpp).
+/// `what` tells what the command does with them.
+inline void add_insert_anchors_option(CLI::App& app, bool& insert, const std::string& what) {
+  app.add_flag("--insert-anchors", insert,
+               "insert the tokenizer's <AC> anchor after every sentence end, as the AnLLM toy "
+               "models were trained (tools/toy_data.py: . ? or ! plus closing \" ' ) ], then "
+               "whitespace or the end); byte-level tokenizers with an anchor only; " +
+                   what)
+      ->group("Policy");
+}
+
 /// --temperature, --top-p, --seed (group "Sampling").
 inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
   const std::string group = "Sampling";
