@@ -699,7 +699,14 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--anchors", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--export-heldout-kjv", metavar="PATH",
+                        help="write the held-out KJV books (public domain) as plain text: one "
+                        "chapter per paragraph, verses on their own lines; kvevict's eval harness "
+                        "builds its documents from this file (data/kjv-heldout.txt)")
     args = parser.parse_args()
+    if args.export_heldout_kjv:
+        chapters = [text for book, text in kjv_documents() if book in HELDOUT_KJV_BOOKS]
+        Path(args.export_heldout_kjv).write_text("\n\n".join(chapters) + "\n", encoding="ascii")
     if args.stats:
         for split in ("train", "heldout"):
             c = corpus(split)
