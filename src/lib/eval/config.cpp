@@ -1,0 +1,523 @@
+#include "eval/config.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+#include <kvevict/error.hpp>
+#include <kvevict/policy_registry.hpp>
+#include <limits>
+#include <set>
+
+#include "eval/documents.hpp"
+
+namespace kvevict::eval {
+namespace {
+
+using Json = nlohmann::json;
+
+// Reads one JSON object, naming `path` (e.g. "tasks[1]") in every message.
+class ObjectReader {
+ public:
+  ObjectReader(const Json& json, std::string source, std::string path,
+               std::initializer_list<std::string_view> known)
+      : json_(json), source_(std::move(source)), path_(std::move(path)) {
+    if (!json_.is_object()) fail(path_, fmt::format("expected an object, got {}", describe(json_)));
+    for (const auto& [key, value] : json_.items()) {
+      if (std::find(known.begin(), known.end(), key) == known.end()) {
+        std::string list;
+        for (const std::string_view name : known)
+          list += (list.empty() ? "" : ", ") + std::string(name);
+        fail(child(key), fmt::format("unknown key (known keys here: {})", list));
+      }
+    }
+  }
+
+  [[nodiscard]] bool has(const std::string& key) const { return json_.contains(key); }
+  [[nodiscard]] std::string child(const std::string& key) const {
+    return path_.empty() ? key : path_ + "." + key;
+  }
+
+  [[noreturn]] void fail(const std::string& path, const std::string& message) const {
+    throw Error(fmt::format("{}: {}: {}", source_, path.empty() ? "(top level)" : path, message));
+  }
+
+  static std::string describe(const Json& value) {
+    std::string text = value.dump();
+    if (text.size() > 40) text = text.substr(0, 37) + "...";
+    return fmt::format("{} {}", value.type_name(), text);
+  }
+
+  std::string string(const std::string& key, std::optional<std::string> fallback) const {
+    if (!has(key)) {
+      if (!fallback) fail(child(key), "required");
+      return *fallback;
+    }
+    const Json& value = json_.at(key);
+    if (!value.is_string())
+      fail(child(key), fmt::format("expected a string, got {}", describe(value)));
+    return value.get<std::string>();
+  }
+
+  std::int64_t integer_at(const Json& value, const std::string& path, std::int64_t min,
+                          std::int64_t max) const {
+    if (!value.is_number_integer()) {
+      fail(path, fmt::format("expected an integer, got {}", describe(value)));
+    }
+    if (value.is_number_unsigned() &&
+        value.get<std::uint64_t>() > static_cast<std::uint64_t>(max)) {
+      fail(path, fmt::format("must be at most {}, got {}", max, value.dump()));
+    }
+    const auto number = value.get<std::int64_t>();
+    if (number < min || number > max) {
+      fail(path, fmt::format("must be in [{}, {}], got {}", min, max, number));
+    }
+    return number;
+  }
+
+  std::int64_t integer(const std::string& key, std::optional<std::int64_t> fallback,
+                       std::int64_t min, std::int64_t max) const {
+    if (!has(key)) {
+      if (!fallback) fail(child(key), "required");
+      return *fallback;
+    }
+    return integer_at(json_.at(key), child(key), min, max);
+  }
+
+  bool boolean(const std::string& key, bool fallback) const {
+    if (!has(key)) return fallback;
+    const Json& value = json_.at(key);
+    if (!value.is_boolean())
+      fail(child(key), fmt::format("expected true or false, got {}", describe(value)));
+    return value.get<bool>();
+  }
+
+  const Json& array(const std::string& key, bool allow_empty) const {
+    const Json& value = json_.at(key);
+    if (!value.is_array())
+      fail(child(key), fmt::format("expected an array, got {}", describe(value)));
+    if (!allow_empty && value.empty()) fail(child(key), "must not be empty");
+    return value;
+  }
+
+  std::vector<std::int64_t> integers(const std::string& key, bool allow_empty, std::int64_t min,
+                                     std::int64_t max) const {
+    const Json& values = array(key, allow_empty);
+    std::vector<std::int64_t> out;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      out.push_back(integer_at(values[i], fmt::format("{}[{}]", child(key), i), min, max));
+    }
+    return out;
+  }
+
+  std::vector<double> numbers(const std::string& key, double min, double max) const {
+    const Json& values = array(key, false);
+    std::vector<double> out;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const std::string path = fmt::format("{}[{}]", child(key), i);
+      if (!values[i].is_number())
+        fail(path, fmt::format("expected a number, got {}", describe(values[i])));
+      const double number = values[i].get<double>();
+      if (!(number >= min && number <= max))
+        fail(path, fmt::format("must be in [{}, {}], got {}", min, max, number));
+      out.push_back(number);
+    }
+    return out;
+  }
+
+  std::vector<std::string> strings(const std::string& key) const {
+    const Json& values = array(key, true);
+    std::vector<std::string> out;
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      if (!values[i].is_string()) {
+        fail(fmt::format("{}[{}]", child(key), i),
+             fmt::format("expected a string, got {}", describe(values[i])));
+      }
+      out.push_back(values[i].get<std::string>());
+    }
+    return out;
+  }
+
+  template <class T>
+  void require_distinct(const std::string& key, const std::vector<T>& values) const {
+    std::vector<T> sorted = values;
+    std::sort(sorted.begin(), sorted.end());
+    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) {
+      fail(child(key), "holds a value twice");
+    }
+  }
+
+  [[nodiscard]] const std::string& source() const { return source_; }
+  [[nodiscard]] const std::string& path() const { return path_; }
+
+ private:
+  const Json& json_;
+  std::string source_;
+  std::string path_;
+};
+
+constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
+constexpr int kMaxBudget = 1 << 24;
+constexpr int kMaxDocuments = 100000;
+
+std::string default_label(const PolicyEntry& entry) {
+  std::string label = entry.policy;
+  if (entry.sinks) label += fmt::format(" sinks={}", *entry.sinks);
+  for (const std::string& param : entry.params) label += " " + param;
+  if (!entry.positions.empty()) label += " positions=" + entry.positions;
+  if (entry.keys != "post_rope") label += " keys=" + entry.keys;
+  return label;
+}
+
+PolicyEntry parse_policy(const Json& json, const std::string& source, const std::string& path,
+                         const std::vector<int>& grid_budgets, int chunk) {
+  const ObjectReader reader(
+      json, source, path,
+      {"policy", "label", "sinks", "params", "positions", "keys", "catalyst", "budgets"});
+  PolicyEntry entry;
+  entry.policy = reader.string("policy", std::nullopt);
+  const std::vector<std::string_view> names = policy_names();
+  if (std::find(names.begin(), names.end(), entry.policy) == names.end()) {
+    reader.fail(reader.child("policy"),
+                fmt::format("unknown policy '{}' (known: {})", entry.policy, cli::policy_list()));
+  }
+  if (reader.has("sinks"))
+    entry.sinks = static_cast<int>(reader.integer("sinks", std::nullopt, 0, kMaxBudget));
+  if (reader.has("params")) entry.params = reader.strings("params");
+  entry.positions = reader.string("positions", std::string());
+  entry.keys = reader.string("keys", std::string("post_rope"));
+  if (reader.has("catalyst")) entry.catalyst = reader.string("catalyst", std::nullopt);
+  if (entry.policy == "full") {
+    if (reader.has("budgets") && !reader.array("budgets", true).empty()) {
+      reader.fail(reader.child("budgets"), "policy 'full' has no budget");
+    }
+  } else if (reader.has("budgets")) {
+    for (const std::int64_t budget : reader.integers("budgets", true, 1, kMaxBudget)) {
+      entry.budgets.push_back(static_cast<int>(budget));
+    }
+    reader.require_distinct("budgets", entry.budgets);
+  } else {
+    entry.budgets = grid_budgets;
+  }
+  entry.label = reader.string("label", default_label(entry));
+  if (entry.label.empty()) reader.fail(reader.child("label"), "must not be empty");
+  // Everything the CLI would check before loading a model, at every budget of the entry.
+  std::vector<std::optional<int>> budgets;
+  for (const int budget : entry.budgets) budgets.emplace_back(budget);
+  if (budgets.empty()) budgets.emplace_back(std::nullopt);
+  for (const std::optional<int> budget : budgets) {
+    try {
+      cli::validate_policy_options(entry.options(budget, chunk));
+    } catch (const Error& error) {
+      reader.fail(path, fmt::format("policy '{}'{}: {}", entry.policy,
+                                    budget ? fmt::format(" at budget {}", *budget) : std::string(),
+                                    error.what()));
+    }
+  }
+  return entry;
+}
+
+TaskConfig parse_task(const Json& json, const std::string& source, const std::string& path,
+                      const std::vector<PolicyEntry>& policies) {
+  if (!json.is_object() || !json.contains("task") || !json.at("task").is_string()) {
+    throw Error(
+        fmt::format("{}: {}: expected an object with \"task\": one of stream_bpb, passkey, "
+                    "grocery, cost",
+                    source, path));
+  }
+  const std::string kind = json.at("task").get<std::string>();
+  TaskConfig task;
+  if (kind == "stream_bpb") {
+    const ObjectReader reader(json, source, path, {"task", "tokens", "window"});
+    task.kind = TaskKind::stream_bpb;
+    task.tokens = reader.integer("tokens", 4096, 2, kMaxTokens);
+    task.window = static_cast<int>(reader.integer("window", 256, 1, kMaxBudget));
+  } else if (kind == "cost") {
+    const ObjectReader reader(json, source, path, {"task", "tokens", "checkpoints"});
+    task.kind = TaskKind::cost;
+    task.tokens = reader.integer("tokens", std::nullopt, 1, kMaxTokens);
+    if (reader.has("checkpoints")) {
+      task.checkpoints = reader.integers("checkpoints", false, 1, task.tokens);
+      if (!std::is_sorted(task.checkpoints.begin(), task.checkpoints.end()) ||
+          std::adjacent_find(task.checkpoints.begin(), task.checkpoints.end()) !=
+              task.checkpoints.end()) {
+        reader.fail(reader.child("checkpoints"), "must be strictly ascending");
+      }
+    }
+    if (task.checkpoints.empty() || task.checkpoints.back() != task.tokens) {
+      task.checkpoints.push_back(task.tokens);  // the end is always a checkpoint
+    }
+  } else if (kind == "passkey") {
+    const ObjectReader reader(json, source, path,
+                              {"task", "depths", "lengths", "length_x_budget", "documents"});
+    task.kind = TaskKind::passkey;
+    task.depths = reader.has("depths") ? reader.numbers("depths", 0.0, 1.0)
+                                       : std::vector<double>{0.1, 0.5, 0.9};
+    reader.require_distinct("depths", task.depths);
+    task.documents = static_cast<int>(reader.integer("documents", 20, 1, kMaxDocuments));
+    if (reader.has("lengths") == reader.has("length_x_budget")) {
+      reader.fail(path, "give exactly one of \"lengths\" (tokens) and \"length_x_budget\"");
+    }
+    const std::int64_t shortest = passkey_template_tokens();
+    if (reader.has("lengths")) {
+      task.lengths = reader.integers("lengths", false, 1, kMaxTokens);
+      reader.require_distinct("lengths", task.lengths);
+      for (std::size_t i = 0; i < task.lengths.size(); ++i) {
+        if (task.lengths[i] < shortest) {
+          reader.fail(fmt::format("{}[{}]", reader.child("lengths"), i),
+                      fmt::format("length {} is shorter than the passkey template ({} tokens)",
+                                  task.lengths[i], shortest));
+        }
+      }
+    } else {
+      task.length_x_budget = reader.integers("length_x_budget", false, 1, 1 << 20);
+      reader.require_distinct("length_x_budget", task.length_x_budget);
+      bool any_budget = false;
+      for (const PolicyEntry& policy : policies) {
+        for (const int budget : policy.budgets) {
+          any_budget = true;
+          for (const std::int64_t factor : task.length_x_budget) {
+            if (factor * budget < shortest) {
+              reader.fail(reader.child("length_x_budget"),
+                          fmt::format("length {} x budget {} = {} is shorter than the passkey "
+                                      "template ({} tokens)",
+                                      factor, budget, factor * budget, shortest));
+            }
+          }
+        }
+      }
+      if (!any_budget) {
+        reader.fail(reader.child("length_x_budget"),
+                    "no policy has a budget to multiply: give \"lengths\"");
+      }
+    }
+  } else if (kind == "grocery") {
+    const ObjectReader reader(json, source, path,
+                              {"task", "items", "turns", "length", "documents"});
+    task.kind = TaskKind::grocery;
+    task.items = static_cast<int>(
+        reader.integer("items", 5, 1, static_cast<std::int64_t>(kGroceries.size())));
+    for (const std::int64_t turns : reader.has("turns")
+                                        ? reader.integers("turns", false, 1, 1 << 20)
+                                        : std::vector<std::int64_t>{3}) {
+      if (turns % 2 == 0) {
+        reader.fail(reader.child("turns"),
+                    fmt::format("{} is even: the filler turns alternate Assistant / User and end "
+                                "with an assistant turn, so their number is odd",
+                                turns));
+      }
+      task.turns.push_back(static_cast<int>(turns));
+    }
+    reader.require_distinct("turns", task.turns);
+    task.length = reader.integer("length", std::nullopt, 1, kMaxTokens);
+    task.documents = static_cast<int>(reader.integer("documents", 20, 1, kMaxDocuments));
+    for (const int turns : task.turns) {
+      const std::int64_t shortest = grocery_template_tokens(task.items, turns);
+      if (task.length < shortest) {
+        reader.fail(reader.child("length"),
+                    fmt::format("length {} cannot hold the grocery template with {} items and {} "
+                                "turns ({} tokens)",
+                                task.length, task.items, turns, shortest));
+      }
+    }
+  } else {
+    throw Error(
+        fmt::format("{}: {}.task: unknown task '{}' (known: stream_bpb, passkey, grocery, "
+                    "cost)",
+                    source, path, kind));
+  }
+  return task;
+}
+
+}  // namespace
+
+std::string_view to_string(TaskKind kind) {
+  switch (kind) {
+    case TaskKind::stream_bpb:
+      return "stream_bpb";
+    case TaskKind::passkey:
+      return "passkey";
+    case TaskKind::grocery:
+      return "grocery";
+    case TaskKind::cost:
+      return "cost";
+  }
+  return "unknown";
+}
+
+cli::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk) const {
+  cli::PolicyOptions options;
+  options.policy = policy;
+  options.budget = budget;
+  if (sinks) {
+    options.sinks = *sinks;
+    options.sinks_given = true;
+  }
+  options.params = params;
+  options.positions = positions;
+  options.keys = keys;
+  options.chunk = chunk;
+  options.catalyst = catalyst;
+  return options;
+}
+
+std::int64_t passkey_template_tokens() {
+  const std::string key(kPasskeyDigits, '0');
+  return static_cast<std::int64_t>(1 + kPasskeyIntro.size() + kPasskeyStatementPrefix.size() +
+                                   key.size() + kPasskeyEcho.size() + key.size() +
+                                   kPasskeyEchoSuffix.size() + kPasskeyQuestion.size() +
+                                   kPasskeyAnswerPrefix.size());
+}
+
+std::int64_t grocery_template_tokens(int items, int turns) {
+  std::vector<std::size_t> sizes;
+  for (const std::string_view item : kGroceries) sizes.push_back(item.size());
+  std::sort(sizes.rbegin(), sizes.rend());
+  std::size_t list = 0;
+  for (int k = 0; k < items && k < static_cast<int>(sizes.size()); ++k) {
+    list += sizes[static_cast<std::size_t>(k)] + (k > 0 ? 2 : 0);  // ", " between items
+  }
+  std::size_t total = 1 + kGroceryListPrefix.size() + list + 1 + kTurnSeparator.size() +
+                      kGroceryQuestion.size() + kTurnSeparator.size() + kGroceryAnswerPrefix.size();
+  for (int t = 0; t < turns; ++t) {
+    total += kGrocerySpeakers[static_cast<std::size_t>(t % 2)].size() + kTurnSeparator.size();
+  }
+  return static_cast<std::int64_t>(total);
+}
+
+EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& source) {
+  const ObjectReader reader(
+      json, source, "",
+      {"name", "model", "text", "seed", "chunk", "anchors", "policies", "budgets", "tasks"});
+  EvalConfig config;
+  config.source = source;
+  config.name = reader.string("name", std::nullopt);
+  if (config.name.empty()) reader.fail("name", "must not be empty");
+  for (const char c : config.name) {
+    const bool safe = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '-' || c == '_' || c == '.';
+    if (!safe) {
+      reader.fail("name", fmt::format("'{}' may hold only letters, digits, '-', '_' and '.' (it "
+                                      "names the output directory)",
+                                      config.name));
+    }
+  }
+  config.model = reader.string("model", std::nullopt);
+  if (config.model.empty()) reader.fail("model", "must not be empty");
+  config.text = reader.string("text", config.text);
+  if (config.text.empty()) reader.fail("text", "must not be empty");
+  config.seed = static_cast<std::uint64_t>(
+      reader.integer("seed", 1, 0, std::numeric_limits<std::int64_t>::max()));
+  config.chunk = static_cast<int>(reader.integer("chunk", 16, 1, cli::kMaxChunk));
+  config.anchors = reader.boolean("anchors", false);
+  if (reader.has("budgets")) {
+    for (const std::int64_t budget : reader.integers("budgets", true, 1, kMaxBudget)) {
+      config.budgets.push_back(static_cast<int>(budget));
+    }
+    reader.require_distinct("budgets", config.budgets);
+  }
+  if (!reader.has("policies")) reader.fail("policies", "required");
+  const Json& policies = reader.array("policies", false);
+  std::set<std::string> labels;
+  for (std::size_t i = 0; i < policies.size(); ++i) {
+    const std::string path = fmt::format("policies[{}]", i);
+    PolicyEntry entry = parse_policy(policies[i], source, path, config.budgets, config.chunk);
+    if (entry.policy != "full" && !policies[i].contains("budgets") && config.budgets.empty()) {
+      reader.fail(path, fmt::format("policy '{}' needs a budget: give the grid's \"budgets\" or "
+                                    "the entry's own (\"budgets\": [] runs it unbounded)",
+                                    entry.policy));
+    }
+    if (!labels.insert(entry.label).second) {
+      reader.fail(
+          path + ".label",
+          fmt::format("label '{}' is used twice: give each entry its own \"label\"", entry.label));
+    }
+    config.policies.push_back(std::move(entry));
+  }
+  if (!reader.has("tasks")) reader.fail("tasks", "required");
+  const Json& tasks = reader.array("tasks", false);
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    config.tasks.push_back(
+        parse_task(tasks[i], source, fmt::format("tasks[{}]", i), config.policies));
+  }
+  return config;
+}
+
+EvalConfig load_eval_config(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("cannot open the eval config '{}'", path.string()));
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  Json json;
+  try {
+    json = Json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const Json::exception& error) {
+    throw Error(fmt::format("eval config '{}' is not valid JSON: {}", path.string(), error.what()));
+  }
+  return parse_eval_config(json, path.string());
+}
+
+nlohmann::ordered_json to_json(const PolicyEntry& entry) {
+  nlohmann::ordered_json json;
+  json["policy"] = entry.policy;
+  json["label"] = entry.label;
+  json["sinks"] =
+      entry.sinks ? nlohmann::ordered_json(*entry.sinks) : nlohmann::ordered_json(nullptr);
+  json["params"] = entry.params;
+  json["positions"] = entry.positions;
+  json["keys"] = entry.keys;
+  json["catalyst"] =
+      entry.catalyst ? nlohmann::ordered_json(*entry.catalyst) : nlohmann::ordered_json(nullptr);
+  json["budgets"] = entry.budgets;
+  return json;
+}
+
+nlohmann::ordered_json to_json(const TaskConfig& task) {
+  nlohmann::ordered_json json;
+  json["task"] = std::string(to_string(task.kind));
+  switch (task.kind) {
+    case TaskKind::stream_bpb:
+      json["tokens"] = task.tokens;
+      json["window"] = task.window;
+      break;
+    case TaskKind::cost:
+      json["tokens"] = task.tokens;
+      json["checkpoints"] = task.checkpoints;
+      break;
+    case TaskKind::passkey:
+      json["depths"] = task.depths;
+      if (task.lengths.empty()) {
+        json["length_x_budget"] = task.length_x_budget;
+      } else {
+        json["lengths"] = task.lengths;
+      }
+      json["documents"] = task.documents;
+      break;
+    case TaskKind::grocery:
+      json["items"] = task.items;
+      json["turns"] = task.turns;
+      json["length"] = task.length;
+      json["documents"] = task.documents;
+      break;
+  }
+  return json;
+}
+
+nlohmann::ordered_json to_json(const EvalConfig& config) {
+  nlohmann::ordered_json json;
+  json["name"] = config.name;
+  json["model"] = config.model;
+  json["text"] = config.text;
+  json["seed"] = config.seed;
+  json["chunk"] = config.chunk;
+  json["anchors"] = config.anchors;
+  json["budgets"] = config.budgets;
+  json["policies"] = nlohmann::ordered_json::array();
+  for (const PolicyEntry& entry : config.policies) json["policies"].push_back(to_json(entry));
+  json["tasks"] = nlohmann::ordered_json::array();
+  for (const TaskConfig& task : config.tasks) json["tasks"].push_back(to_json(task));
+  return json;
+}
+
+}  // namespace kvevict::eval
