@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -581,6 +582,125 @@ TEST(DecoderMemory, InfiniPotPrefillStaysWithinPotPlusCatalyst) {
   EXPECT_EQ(decoder.cache().memory().reserved_bytes, reserved);
   // The pot fills at 50, then every 30 tokens: (500 - 50) / 30 + 1 distillations.
   EXPECT_EQ(decoder.stats().catalyst_runs, 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stage timing (DecoderStats): no thresholds on durations, only the structure of the split
+// ---------------------------------------------------------------------------------------------
+
+// Seconds converted from integer clock ticks field by field: a sum of converted parts may exceed
+// the converted total by a few ulps, far below one tick (1 ns).
+constexpr double kRounding = 1e-12;
+
+TEST(DecoderStats, StagesSplitForwardAndEvictionTime) {
+  const Model model = model_for(kModelCases[0]);
+  const std::vector<std::int32_t> tokens = tokens_for(160, 53);
+  struct Case {
+    const char* name;
+    PolicyParams params;
+  };
+  const std::vector<Case> cases{
+      {"full", PolicyParams()},
+      {"streaming_llm", PolicyParams().set("sinks", 4).set("recent", 28)},
+      {"h2o", PolicyParams().set("heavy", 16).set("recent", 16)},
+      {"tova", PolicyParams().set("budget", 32)},
+      {"infinipot", PolicyParams().set("pot", 48).set("keep", 24)},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    DecoderOptions options;
+    options.max_chunk = 8;
+    Decoder decoder(model, kvevict::make_policy(c.name, c.params), options);
+    const bool catalyst = std::string(c.name) == "infinipot";
+    if (catalyst) decoder.set_catalyst({1, 2, 3, 4, 5});
+    const auto wall_start = std::chrono::steady_clock::now();
+    (void)decoder.feed(std::span(tokens).first(100), {}, 8);
+    kvevict::model::DecoderStats before = decoder.stats();
+    for (std::size_t i = 100; i < tokens.size(); ++i)
+      (void)decoder.forward(std::span(tokens).subspan(i, 1));
+    const double wall =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+    const kvevict::model::DecoderStats& s = decoder.stats();
+
+    // Every part is a sum of non-negative durations; the model's stages all ran.
+    for (double part : {s.head_seconds, s.attention_seconds, s.mlp_seconds, s.policy_seconds,
+                        s.reposition_seconds, s.catalyst_seconds}) {
+      EXPECT_GE(part, 0.0);
+    }
+    EXPECT_GT(s.head_seconds, 0.0);
+    EXPECT_GT(s.attention_seconds, 0.0);
+    EXPECT_GT(s.mlp_seconds, 0.0);
+    // The parts are disjoint sub-intervals of their totals, and the two totals of the forward()
+    // calls, which the wall time measured around them contains.
+    EXPECT_LE(s.head_seconds + s.attention_seconds + s.mlp_seconds, s.forward_seconds + kRounding);
+    EXPECT_LE(s.policy_seconds + s.reposition_seconds + s.catalyst_seconds,
+              s.eviction_seconds + kRounding);
+    EXPECT_LE(s.forward_seconds + s.eviction_seconds, wall + kRounding);
+    // Totals accumulate: the 60 single-token forwards only add.
+    EXPECT_GE(s.attention_seconds, before.attention_seconds);
+    EXPECT_GE(s.policy_seconds, before.policy_seconds);
+    EXPECT_GE(s.reposition_seconds, before.reposition_seconds);
+    EXPECT_GE(s.eviction_seconds, before.eviction_seconds);
+
+    const kvevict::PipelineStats& pipeline = decoder.cache().pipeline().stats();
+    if (std::string(c.name) == "full") {
+      // No signal, no trigger: the policy is never consulted and nothing is compacted.
+      EXPECT_EQ(pipeline.compactions, 0);
+      EXPECT_EQ(s.policy_seconds, 0.0);
+      EXPECT_EQ(s.reposition_seconds, 0.0);
+    } else {
+      // Every bounded policy here evicted, so it selected and applied plans.
+      EXPECT_GT(pipeline.compactions, 0);
+      EXPECT_GT(s.policy_seconds, 0.0);
+      EXPECT_GT(s.reposition_seconds, 0.0);
+    }
+    // Only a catalyst run has catalyst time (pot 48, keep 24: runs at 48, 72, 96, ...).
+    EXPECT_EQ(s.catalyst_runs > 0, catalyst);
+    if (catalyst) {
+      EXPECT_GT(s.catalyst_seconds, 0.0);
+    } else {
+      EXPECT_EQ(s.catalyst_seconds, 0.0);
+    }
+    // The cache's own totals cover at least what the decoder attributes to them.
+    EXPECT_LE(s.policy_seconds, decoder.cache().timing().policy_seconds() + kRounding);
+    EXPECT_LE(s.reposition_seconds, decoder.cache().timing().reposition_seconds() + kRounding);
+  }
+}
+
+TEST(DecoderStats, CacheDrivenOutsideForwardIsNotCounted) {
+  // An engine may drive the cache directly (bench_decoder streams random K/V that way): that
+  // eviction shows in the cache's timing but not in the decoder's stats, which cover forward().
+  const Model model = model_for(kModelCases[0]);
+  DecoderOptions options;
+  options.max_chunk = 8;
+  Decoder decoder(
+      model, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 2).set("recent", 6)),
+      options);
+  kvevict::EvictingCache<float>& cache = decoder.cache();
+  const kvevict::model::RowMatrix rows = kvevict::model::RowMatrix::Ones(8, 16);
+  const std::vector<std::int32_t> ids = tokens_for(8, 59);
+  for (int chunk = 0; chunk < 3; ++chunk) {
+    cache.begin_chunk(ids);
+    for (int l = 0; l < 2; ++l) {
+      for (int g = 0; g < 2; ++g) cache.write_chunk(l, g, rows, rows);
+    }
+    cache.end_forward();
+  }
+  EXPECT_GT(cache.pipeline().stats().compactions, 0);
+  EXPECT_GT(cache.timing().reposition.count(), 0);
+  EXPECT_EQ(decoder.stats().policy_seconds, 0.0);
+  EXPECT_EQ(decoder.stats().reposition_seconds, 0.0);
+  EXPECT_EQ(decoder.stats().eviction_seconds, 0.0);
+  // A timing switched off reads no clock and adds nothing.
+  cache.set_timing(false);
+  const kvevict::EvictionTiming frozen = cache.timing();
+  cache.begin_chunk(ids);
+  for (int l = 0; l < 2; ++l) {
+    for (int g = 0; g < 2; ++g) cache.write_chunk(l, g, rows, rows);
+  }
+  cache.end_forward();
+  EXPECT_EQ(cache.timing().policy, frozen.policy);
+  EXPECT_EQ(cache.timing().reposition, frozen.reposition);
 }
 
 // ---------------------------------------------------------------------------------------------

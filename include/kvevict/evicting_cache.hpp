@@ -61,6 +61,10 @@ class EvictingCache {
   [[nodiscard]] bool wants(Signal signal) const { return pipeline_.wants(signal); }
   [[nodiscard]] int live(int layer, int kv_head) const { return store_.live(layer, kv_head); }
   [[nodiscard]] MemoryStats memory() const { return store_.memory(); }
+  /// Stage timing of the eviction path (EvictionTiming; off by default, no clock read while off).
+  /// Reposition time includes this cache's K/V gather and post-RoPE key re-rotation.
+  void set_timing(bool enabled) { pipeline_.set_timing(enabled); }
+  [[nodiscard]] const EvictionTiming& timing() const { return pipeline_.timing(); }
 
   /// Starts a forward over `token_ids`: evicts first if the policy does so before a turn, then
   /// appends the tokens' slots to every head (growing the buffers only if they are too small).
@@ -168,7 +172,9 @@ class EvictingCache {
     if (needed > store_.capacity()) store_.reserve(std::max(needed, 2 * store_.capacity()));
   }
   void apply_kv(const CompactionPlan& plan) {
+    const EvictionTiming::Clock::time_point start = pipeline_.timing_now();
     store_.apply_kv(plan, config_.key_storage == KeyStorage::post_rope ? &rope_ : nullptr);
+    pipeline_.add_reposition_time(pipeline_.timing_now() - start);
   }
 
   CacheConfig config_;

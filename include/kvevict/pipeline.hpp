@@ -12,8 +12,13 @@
 //   end_forward()                 anchor / after_forward trigger             -> plan or nullptr
 //   catalyst_pending()?           pot_full: begin_catalyst(ids), observe_catalyst(layer, ..) per
 //                                 layer, end_catalyst() (rolls the catalyst back) -> plan
+//
+// Stage timing (set_timing, off by default): wall time inside the policy and in applying plans,
+// for engines that report where eviction time goes. A few clock reads per call into the policy
+// and per plan, none per slot; while off, no clock is read.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -36,6 +41,29 @@ struct PipelineStats {
   std::int64_t tokens_fed = 0;     ///< stream tokens appended (catalyst tokens excluded)
   std::int64_t compactions = 0;    ///< plans applied
   std::int64_t evicted_slots = 0;  ///< slots dropped, summed over all heads
+};
+
+/// Wall time of the eviction path by stage, summed while timing is on (EvictionPipeline::
+/// set_timing). Integer clock ticks, so that sums of stages never drift from their parts.
+struct EvictionTiming {
+  using Clock = std::chrono::steady_clock;
+  /// Inside the policy's decisions: Policy::observe_attention / observe_surprisal /
+  /// observe_catalyst (scoring from the signals) and, per trigger fired, Policy::select (scores,
+  /// top-k, keep-lists) plus assign_positions (the plan's new positions and rotation deltas).
+  /// Appending the new tokens' slots (metadata, Policy::on_append) is not counted: every policy,
+  /// the full cache included, pays it per token like the K/V write itself.
+  Clock::duration policy{};
+  /// Applying plans: SlotTable::apply (metadata and score columns compacted) and, where the owner
+  /// of the K/V buffers reports it (add_reposition_time; EvictingCache does), gathering the kept
+  /// key / value rows and re-rotating post-RoPE keys by their deltas.
+  Clock::duration reposition{};
+
+  [[nodiscard]] double policy_seconds() const {
+    return std::chrono::duration<double>(policy).count();
+  }
+  [[nodiscard]] double reposition_seconds() const {
+    return std::chrono::duration<double>(reposition).count();
+  }
 };
 
 class EvictionPipeline {
@@ -62,6 +90,19 @@ class EvictionPipeline {
   [[nodiscard]] PositionMode position_mode() const { return position_mode_; }
   [[nodiscard]] const PipelineStats& stats() const { return stats_; }
   [[nodiscard]] bool wants(Signal signal) const { return policy_->signals().contains(signal); }
+  /// Turns stage timing on or off (off by default). Totals are kept across toggles.
+  void set_timing(bool enabled) { timing_enabled_ = enabled; }
+  [[nodiscard]] bool timing_enabled() const { return timing_enabled_; }
+  [[nodiscard]] const EvictionTiming& timing() const { return timing_; }
+  /// Adds time the caller spent applying a plan to its own K/V buffers (only while timing is on).
+  void add_reposition_time(EvictionTiming::Clock::duration elapsed) {
+    if (timing_enabled_) timing_.reposition += elapsed;
+  }
+  /// The clock while timing is on, else a constant (no clock read): differences of two calls are
+  /// the elapsed time, or zero.
+  [[nodiscard]] EvictionTiming::Clock::time_point timing_now() const {
+    return timing_enabled_ ? EvictionTiming::Clock::now() : EvictionTiming::Clock::time_point{};
+  }
   /// The chunk being processed (valid from append_chunk to the next before_chunk).
   [[nodiscard]] const ChunkInfo& chunk() const { return chunk_; }
 
@@ -93,14 +134,18 @@ class EvictionPipeline {
   }
 
   void observe_attention(int layer, const AttentionRows& rows) {
+    const EvictionTiming::Clock::time_point start = timing_now();
     policy_->observe_attention(*slots_, layer, rows);
+    timing_.policy += timing_now() - start;
   }
   void observe_surprisal(std::span<const float> surprisal) {
     KVEVICT_REQUIRE(static_cast<int>(surprisal.size()) == chunk_.size(),
                     "observe_surprisal: expected one value per token of the chunk (" +
                         std::to_string(chunk_.size()) + "), got " +
                         std::to_string(surprisal.size()));
+    const EvictionTiming::Clock::time_point start = timing_now();
     policy_->observe_surprisal(*slots_, chunk_, surprisal);
+    timing_.policy += timing_now() - start;
   }
 
   /// After the forward's signals were observed: fires anchor (if the chunk held an anchor and the
@@ -141,7 +186,9 @@ class EvictionPipeline {
 
   void observe_catalyst(int layer, const AttentionRows& rows) {
     KVEVICT_REQUIRE(in_catalyst_, "observe_catalyst: no catalyst prompt is open");
+    const EvictionTiming::Clock::time_point start = timing_now();
     policy_->observe_catalyst(*slots_, layer, rows);
+    timing_.policy += timing_now() - start;
   }
 
   /// Rolls the catalyst back and fires pot_full. Returns the applied plan, or nullptr. The caller
@@ -188,16 +235,23 @@ class EvictionPipeline {
   }
 
   const CompactionPlan* run(Trigger trigger, int incoming) {
+    const EvictionTiming::Clock::time_point start = timing_now();
     if (plan_.capacity() < slots_->capacity()) {
       plan_.resize(slots_->layers(), slots_->kv_heads(), slots_->capacity());
     }
     plan_.clear();
     plan_.trigger = trigger;
     const EvictionContext context{trigger, *slots_, incoming};
-    if (!policy_->select(context, plan_) || plan_.empty()) return nullptr;
+    if (!policy_->select(context, plan_) || plan_.empty()) {
+      timing_.policy += timing_now() - start;
+      return nullptr;
+    }
     assign_positions(position_mode_, *slots_, plan_);
+    const EvictionTiming::Clock::time_point planned = timing_now();
+    timing_.policy += planned - start;
     const std::int64_t before = slots_->total_live();
     slots_->apply(plan_);
+    timing_.reposition += timing_now() - planned;
     stats_.compactions += 1;
     stats_.evicted_slots += before - slots_->total_live();
     return &plan_;
@@ -208,6 +262,8 @@ class EvictionPipeline {
   PositionMode position_mode_ = PositionMode::original;
   CompactionPlan plan_;
   PipelineStats stats_;
+  EvictionTiming timing_;
+  bool timing_enabled_ = false;
   ChunkInfo chunk_;
   bool chunk_turn_start_ = false;
   bool chunk_has_anchor_ = false;

@@ -11,13 +11,8 @@
 namespace kvevict::model {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using RowVector = Eigen::Matrix<float, 1, Eigen::Dynamic, Eigen::RowMajor>;
 using Strided = Eigen::OuterStride<>;
-
-double seconds(Clock::time_point begin, Clock::time_point end) {
-  return std::chrono::duration<double>(end - begin).count();
-}
 
 void check_matrix(const WeightMatrix& w, std::int64_t rows, std::int64_t cols, const char* name,
                   int layer) {
@@ -104,6 +99,8 @@ float negative_log_softmax(const float* logits, int vocab, std::int32_t token) {
 Decoder::Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOptions options)
     : model_(model), options_(options), cache_(cache_config(model, options), std::move(policy)) {
   const ModelConfig& c = model_.config;
+  // DecoderStats itemises eviction time with the cache's stage timing.
+  cache_.set_timing(true);
   reserve_scratch(options_.max_chunk);
   logits_.assign(static_cast<std::size_t>(options_.max_chunk) * c.vocab_size, 0.0f);
   surprisal_.assign(static_cast<std::size_t>(options_.max_chunk), 0.0f);
@@ -166,6 +163,17 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
   check_tokens(tokens, "forward:");
   const bool wants_surprisal = cache_.wants(Signal::surprisal);
   const bool all_rows = request.all_logits || wants_surprisal;
+
+  const Clock::time_point start = Clock::now();
+  // The cache's policy / reposition totals may also grow outside forward() (an engine driving the
+  // cache directly): only what happens inside this forward is counted.
+  const EvictionTiming at_start = cache_.timing();
+  // Evict first if the policy does so before a turn, then append the chunk's slots.
+  cache_.begin_chunk(tokens, request.turn_start);
+  note_kv_bytes();
+  const Clock::time_point appended = Clock::now();
+  const Clock::duration policy_before_compute = cache_.timing().policy;
+
   // The first token's surprisal comes from the previous forward's last logits, read before the
   // head overwrites them; the stream's very first token gets 0.
   if (wants_surprisal) {
@@ -174,25 +182,25 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
                         : negative_log_softmax(
                               logits_.data() + static_cast<std::size_t>(logit_rows_ - 1) * vocab,
                               vocab, tokens[0]);
+    times_.head += Clock::now() - appended;
   }
-
-  const Clock::time_point start = Clock::now();
-  // Evict first if the policy does so before a turn, then append the chunk's slots.
-  cache_.begin_chunk(tokens, request.turn_start);
-  note_kv_bytes();
-  const Clock::time_point appended = Clock::now();
-
   // Layers over the chunk (attention rows go to the policy), then logits and surprisal.
-  transformer(tokens, Pass::stream);
+  transformer(tokens, Pass::stream, &times_);
+  const Clock::time_point head_start = Clock::now();
   output_head(n, all_rows);
   if (wants_surprisal) {
     for (int k = 1; k < n; ++k) {
       surprisal_[static_cast<std::size_t>(k)] = negative_log_softmax(
           logits_.data() + static_cast<std::size_t>(k - 1) * vocab, vocab, tokens[k]);
     }
+  }
+  times_.head += Clock::now() - head_start;
+  if (wants_surprisal) {
     cache_.observe_surprisal(std::span<const float>(surprisal_.data(), tokens.size()));
   }
   const Clock::time_point computed = Clock::now();
+  // The policy's observe_* hooks ran inside the compute: their time belongs to eviction.
+  const Clock::duration observed = cache_.timing().policy - policy_before_compute;
 
   // Evict if the policy does so after a forward (or after an anchor).
   cache_.end_forward();
@@ -201,16 +209,35 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
     KVEVICT_REQUIRE(catalyst_.has_value(),
                     "Decoder: policy '" + std::string(cache_.policy().name()) +
                         "' filled its pot and needs a catalyst prompt: call set_catalyst() first");
+    const Clock::time_point catalyst_start = Clock::now();
+    const EvictionTiming before = cache_.timing();
     cache_.begin_catalyst(*catalyst_);
     note_kv_bytes();
-    if (!catalyst_->empty()) transformer(*catalyst_, Pass::catalyst);
+    if (!catalyst_->empty()) transformer(*catalyst_, Pass::catalyst, nullptr);
     cache_.end_catalyst();
+    const EvictionTiming& after = cache_.timing();
+    // The block minus what the policy and the compaction report inside it.
+    times_.catalyst += (Clock::now() - catalyst_start) - (after.policy - before.policy) -
+                       (after.reposition - before.reposition);
     ++stats_.catalyst_runs;
   }
   const Clock::time_point done = Clock::now();
 
-  stats_.eviction_seconds += seconds(start, appended) + seconds(computed, done);
-  stats_.forward_seconds += seconds(appended, computed);
+  times_.forward += (computed - appended) - observed;
+  times_.eviction += (appended - start) + observed + (done - computed);
+  const auto to_seconds = [](Clock::duration elapsed) {
+    return std::chrono::duration<double>(elapsed).count();
+  };
+  stats_.forward_seconds = to_seconds(times_.forward);
+  stats_.eviction_seconds = to_seconds(times_.eviction);
+  stats_.head_seconds = to_seconds(times_.head);
+  stats_.attention_seconds = to_seconds(times_.attention);
+  stats_.mlp_seconds = to_seconds(times_.mlp);
+  times_.policy += cache_.timing().policy - at_start.policy;
+  times_.reposition += cache_.timing().reposition - at_start.reposition;
+  stats_.policy_seconds = to_seconds(times_.policy);
+  stats_.reposition_seconds = to_seconds(times_.reposition);
+  stats_.catalyst_seconds = to_seconds(times_.catalyst);
   stats_.tokens_fed += n;
   ++stats_.forwards;
 
@@ -267,7 +294,7 @@ ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest
 // The transformer over a chunk of n tokens whose slots were just appended to the cache: leaves the
 // final residual stream in x_ ([n, dim]). Pass::stream hands attention rows to observe_attention
 // when the policy wants them; Pass::catalyst hands every catalyst query's rows to observe_catalyst.
-void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
+void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass, StageTimes* times) {
   const ModelConfig& c = model_.config;
   const int n = static_cast<int>(tokens.size());
   const int hd = c.head_dim();
@@ -296,8 +323,22 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
   Eigen::Map<RowMatrix> hb(hb_.data(), n, c.hidden_dim);    // [n, hidden_dim]
   Eigen::Map<RowMatrix> hb2(hb2_.data(), n, c.hidden_dim);  // [n, hidden_dim]
 
+  // Stage timing (stream pass only): lap() adds the time since the last mark to a stage and moves
+  // the mark; restart() moves it without counting (the policy's observe_attention times itself).
+  Clock::time_point mark = times != nullptr ? Clock::now() : Clock::time_point{};
+  const auto lap = [&](Clock::duration StageTimes::*stage) {
+    if (times == nullptr) return;
+    const Clock::time_point now = Clock::now();
+    times->*stage += now - mark;
+    mark = now;
+  };
+  const auto restart = [&] {
+    if (times != nullptr) mark = Clock::now();
+  };
+
   // Token embedding: row i of x is the embedding of token i.                    // [n, dim]
   for (int i = 0; i < n; ++i) model_.token_embedding.row_to_f32(tokens[i], x.row(i).data());
+  lap(&StageTimes::head);
 
   for (int l = 0; l < c.layers; ++l) {
     const LayerWeights& w = model_.layers[static_cast<std::size_t>(l)];
@@ -362,6 +403,7 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       }
     }
     if (give_rows) {
+      lap(&StageTimes::attention);
       const int live = cache_.live(l, 0);
       const std::int64_t first_position = cache_.store().slots().original_positions(
           l, 0)[static_cast<std::size_t>(live - n + first_row)];
@@ -372,11 +414,13 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       } else {
         cache_.observe_catalyst(l, rows);
       }
+      restart();
     }
 
     // Output projection and residual.                                          // [n, dim]
     matmul(w.wo, att, xb);
     x += xb;
+    lap(&StageTimes::attention);
     // FFN RMSNorm.                                                              // [n, dim]
     rmsnorm(xb, x, w.ffn_norm, c.norm_eps);
     // Gate and up projections.                                                  // [n, hidden_dim]
@@ -387,6 +431,7 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
     // Down projection and residual.                                             // [n, dim]
     matmul(w.w_down, hb, xb);
     x += xb;
+    lap(&StageTimes::mlp);
   }
 }
 

@@ -70,12 +70,67 @@ struct ForwardResult {
   }
 };
 
+/// Counters and wall-clock time (std::chrono::steady_clock, seconds summed over every forward()
+/// since construction) of a decoder. Time is split in two disjoint totals, each itemised:
+///
+///   forward_seconds  = head_seconds + attention_seconds + mlp_seconds + r_f
+///   eviction_seconds = policy_seconds + reposition_seconds + catalyst_seconds + r_e
+///
+/// forward_seconds + eviction_seconds is the wall time of the forward() calls (past their argument
+/// checks). The remainders r_f and r_e are never negative (every part is a sub-interval of its
+/// total, measured in integer clock ticks): r_f is clock reads and glue between the stages; r_e is
+/// the per-token slot bookkeeping every policy pays, the full cache included (appending the chunk's
+/// slot metadata and positions, Policy::on_append, growing buffers) and trigger checks. The parts
+/// cover stream tokens only; a catalyst prompt's own model compute is catalyst_seconds. Typical
+/// use: the overhead of a policy over the model is (policy_seconds + reposition_seconds) /
+/// (attention_seconds + mlp_seconds), or with eviction_seconds in the numerator to include
+/// everything the policy causes.
+///
+/// Cost: two to five clock reads per layer and about a dozen per forward (tens of nanoseconds
+/// each), none per row or slot. With a full cache policy_seconds and reposition_seconds stay
+/// exactly 0.
 struct DecoderStats {
   std::int64_t tokens_fed = 0;     ///< stream tokens (catalyst tokens excluded)
   std::int64_t forwards = 0;       ///< forward() calls
   std::int64_t catalyst_runs = 0;  ///< catalyst prompts run (pot distillations)
-  double forward_seconds = 0;      ///< model compute: embedding, layers, head, surprisal
-  double eviction_seconds = 0;  ///< begin_chunk + end_forward + catalyst runs (with their forward)
+  /// Model compute on the stream tokens: embedding, layers, head, surprisal (head_seconds +
+  /// attention_seconds + mlp_seconds + glue). The policy's observe_* hooks, which run between the
+  /// layers, are not in it (they are policy_seconds, in eviction_seconds).
+  double forward_seconds = 0;
+  /// Everything the policy causes: begin_chunk + end_forward (append, trigger, selection,
+  /// compaction), catalyst runs with their forward, and the policy's observe_* hooks (scoring from
+  /// attention rows and surprisal during the forward): policy_seconds + reposition_seconds +
+  /// catalyst_seconds + slot bookkeeping.
+  double eviction_seconds = 0;
+
+  // --- forward_seconds, itemised ---------------------------------------------------------------
+  /// Embedding lookup of the chunk, final RMSNorm + classifier (logits), and the surprisal
+  /// (-log softmax) when the policy wants it.
+  double head_seconds = 0;
+  /// Attention blocks of every layer: attention RMSNorm, Q/K/V projections, writing the chunk's
+  /// K/V into the cache (with post-RoPE keys: their rotation), RoPE of the queries, keys rotated
+  /// for attention (pre-RoPE storage), q.K scores, causal softmax, softmax.V, copying the
+  /// probabilities out for a policy that reads them, output projection and residual.
+  double attention_seconds = 0;
+  /// MLP blocks of every layer: FFN RMSNorm, gate and up projections, SwiGLU, down projection and
+  /// residual.
+  double mlp_seconds = 0;
+
+  // --- eviction_seconds, itemised --------------------------------------------------------------
+  /// The policy's decisions (kvevict::EvictionTiming::policy): observe_attention /
+  /// observe_surprisal / observe_catalyst (scoring) and, for every trigger fired, select (scores,
+  /// top-k, keep-lists) plus the plan's new positions and rotation deltas. 0 for `full`.
+  double policy_seconds = 0;
+  /// Applying the plans (kvevict::EvictionTiming::reposition): slot metadata and score columns
+  /// compacted, kept key / value rows gathered in place, post-RoPE keys re-rotated by their
+  /// position deltas. 0 for `full`.
+  double reposition_seconds = 0;
+  /// The catalyst prompt runs (InfiniPot, once per pot fill): appending the prompt's slots, its
+  /// forward (embedding, attention and MLP over the pot and the prompt) and its rollback,
+  /// excluding observe_catalyst and the distillation's selection (policy_seconds) and compaction
+  /// (reposition_seconds). 0 for policies without a catalyst.
+  double catalyst_seconds = 0;
+
   std::size_t peak_kv_bytes = 0;  ///< largest live key + value bytes, taken right after appends
 };
 
@@ -106,8 +161,23 @@ class Decoder {
 
  private:
   enum class Pass { stream, catalyst };
+  using Clock = std::chrono::steady_clock;
+  // The totals behind DecoderStats' seconds, in integer clock ticks (converted once per forward,
+  // so that the parts never drift from their sums).
+  struct StageTimes {
+    Clock::duration forward{};
+    Clock::duration eviction{};
+    Clock::duration head{};
+    Clock::duration attention{};
+    Clock::duration mlp{};
+    Clock::duration policy{};
+    Clock::duration reposition{};
+    Clock::duration catalyst{};
+  };
 
-  void transformer(std::span<const std::int32_t> tokens, Pass pass);
+  // `times`: where the stream pass adds its head (embedding) / attention / MLP time; nullptr for
+  // the catalyst pass (timed as a whole), which then reads no clock.
+  void transformer(std::span<const std::int32_t> tokens, Pass pass, StageTimes* times);
   void output_head(int n, bool all_rows);
   void reserve_scratch(int rows);
   void check_tokens(std::span<const std::int32_t> tokens, const char* what) const;
@@ -118,6 +188,7 @@ class Decoder {
   EvictingCache<float> cache_;
   std::optional<std::vector<std::int32_t>> catalyst_;
   DecoderStats stats_;
+  StageTimes times_;
   int scratch_rows_ = 0;
   int logit_rows_ = 0;  // rows of logits_ written by the last forward (0 before the first)
 
