@@ -14,6 +14,7 @@ Command add_generate_command(CLI::App& parent);
 Command add_stream_command(CLI::App& parent);
 Command add_info_command(CLI::App& parent);
 Command add_random_model_command(CLI::App& parent);
+Command add_eval_command(CLI::App& parent);
 }  // namespace kvevict::cli
 
 namespace {
@@ -27,6 +28,7 @@ int run(int argc, char** argv) {
       kvevict::cli::add_stream_command(app),        // stream_command.cpp
       kvevict::cli::add_info_command(app),          // info_command.cpp
       kvevict::cli::add_random_model_command(app),  // random_model_command.cpp
+      kvevict::cli::add_eval_command(app),          // eval_command.cpp
   };
   try {
     app.parse(argc, argv);

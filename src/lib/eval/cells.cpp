@@ -1,0 +1,705 @@
+// The grid's cells: enumeration, preparation (model, text, checks) and running one cell of each
+// task over the reference decoder.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+#include <kvevict/error.hpp>
+#include <kvevict/policies/infinipot.hpp>
+#include <map>
+#include <memory>
+#include <set>
+#include <span>
+
+#include "cli_support/anchor_inserter.hpp"
+#include "cli_support/log_loss.hpp"
+#include "cli_support/policy_setup.hpp"
+#include "cli_support/report.hpp"
+#include "eval/grid.hpp"
+#include "eval/machine_info.hpp"
+#include "eval/sha256.hpp"
+#include "model/decoder.hpp"
+
+namespace kvevict::eval {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using OrderedJson = nlohmann::ordered_json;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Letters, digits, '.', '_' and '-' kept; anything else becomes '_'.
+std::string slug(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    const bool safe = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '.' || c == '_' || c == '-';
+    out += safe ? c : '_';
+  }
+  return out.substr(0, 60);
+}
+
+// The task's question, the catalyst InfiniPot gets where the task has one.
+std::optional<std::string> task_question(TaskKind kind) {
+  if (kind == TaskKind::passkey) return std::string(kPasskeyQuestion);
+  if (kind == TaskKind::grocery) return std::string(kGroceryQuestion);
+  return std::nullopt;
+}
+
+// The passkey lengths a cell list uses at `budget` (nullopt: the union over every budget).
+std::vector<std::int64_t> passkey_lengths(const EvalConfig& config, const TaskConfig& task,
+                                          std::optional<int> budget) {
+  if (!task.lengths.empty()) return task.lengths;
+  std::set<std::int64_t> lengths;
+  if (budget) {
+    for (const std::int64_t factor : task.length_x_budget) lengths.insert(factor * *budget);
+  } else {
+    for (const PolicyEntry& entry : config.policies) {
+      for (const int b : entry.budgets) {
+        for (const std::int64_t factor : task.length_x_budget) lengths.insert(factor * b);
+      }
+    }
+  }
+  return {lengths.begin(), lengths.end()};
+}
+
+// The task entry without the lists that only enumerate variants (depths, lengths, turns), so that
+// adding a variant leaves the existing cells' hashes as they are.
+OrderedJson task_hash_json(const TaskConfig& task) {
+  OrderedJson json = to_json(task);
+  json.erase("depths");
+  json.erase("lengths");
+  json.erase("length_x_budget");
+  json.erase("turns");
+  return json;
+}
+
+// The policy entry without its label (cosmetic) and budgets (they enumerate cells).
+OrderedJson policy_hash_json(const PolicyEntry& entry) {
+  OrderedJson json = to_json(entry);
+  json.erase("label");
+  json.erase("budgets");
+  return json;
+}
+
+// Sum / max of the decoder figures over the decoders of one cell (one per document).
+class CacheTotals {
+ public:
+  void add(const model::Decoder& decoder, std::size_t live_kv_bytes) {
+    const model::DecoderStats& stats = decoder.stats();
+    const PipelineStats& pipeline = decoder.cache().pipeline().stats();
+    tokens_fed_ += stats.tokens_fed;
+    forwards_ += stats.forwards;
+    catalyst_runs_ += stats.catalyst_runs;
+    forward_seconds_ += stats.forward_seconds;
+    eviction_seconds_ += stats.eviction_seconds;
+    peak_kv_bytes_ = std::max(peak_kv_bytes_, stats.peak_kv_bytes);
+    evicted_slots_ += pipeline.evicted_slots;
+    compactions_ += pipeline.compactions;
+    live_kv_bytes_sum_ += static_cast<double>(live_kv_bytes);
+    ++decoders_;
+  }
+
+  [[nodiscard]] std::int64_t tokens_fed() const { return tokens_fed_; }
+
+  void write(OrderedJson& metrics, double wall_seconds) const {
+    metrics["wall_seconds"] = wall_seconds;
+    metrics["tokens_fed"] = tokens_fed_;
+    metrics["tokens_per_second"] =
+        wall_seconds > 0 ? static_cast<double>(tokens_fed_) / wall_seconds : 0.0;
+    metrics["live_kv_bytes"] = decoders_ > 0 ? live_kv_bytes_sum_ / decoders_ : 0.0;
+    metrics["peak_kv_bytes"] = peak_kv_bytes_;
+    metrics["evicted_slots"] = evicted_slots_;
+    metrics["compactions"] = compactions_;
+    metrics["catalyst_runs"] = catalyst_runs_;
+    metrics["forwards"] = forwards_;
+    metrics["forward_seconds"] = forward_seconds_;
+    metrics["eviction_seconds"] = eviction_seconds_;
+    metrics["eviction_seconds_per_token"] =
+        tokens_fed_ > 0 ? eviction_seconds_ / static_cast<double>(tokens_fed_) : 0.0;
+  }
+
+ private:
+  std::int64_t tokens_fed_ = 0;
+  std::int64_t forwards_ = 0;
+  std::int64_t catalyst_runs_ = 0;
+  double forward_seconds_ = 0;
+  double eviction_seconds_ = 0;
+  std::size_t peak_kv_bytes_ = 0;
+  std::int64_t evicted_slots_ = 0;
+  std::int64_t compactions_ = 0;
+  double live_kv_bytes_sum_ = 0;
+  int decoders_ = 0;
+};
+
+// A decoder set up for one cell, as the CLI would set it up.
+class CellDecoder {
+ public:
+  CellDecoder(const GridContext& grid, const CellSpec& cell) {
+    const EvalConfig& config = grid.config;
+    const PolicyEntry& entry = config.policies[cell.policy_index];
+    setup_ = cli::make_policy_setup(entry.options(cell.budget, config.chunk), grid.model);
+    const TaskKind kind = config.tasks[cell.task_index].kind;
+    if (setup_.catalyst && !entry.catalyst) {
+      if (const std::optional<std::string> question = task_question(kind)) {
+        setup_.catalyst = grid.model.tokenizer.encode(*question, /*add_bos=*/false);
+        catalyst_ = *question;
+      } else {
+        catalyst_ = std::string(kInfiniPotGeneralCatalystPrompt);
+      }
+    } else if (setup_.catalyst) {
+      catalyst_ = *entry.catalyst;
+    }
+    decoder_ = cli::make_decoder(grid.model, setup_);
+  }
+
+  [[nodiscard]] model::Decoder& operator*() { return *decoder_; }
+  [[nodiscard]] model::Decoder* operator->() { return decoder_.get(); }
+
+  [[nodiscard]] OrderedJson policy_json() const {
+    OrderedJson json = cli::policy_json(setup_, *decoder_);
+    json["catalyst"] = catalyst_ ? OrderedJson(*catalyst_) : OrderedJson(nullptr);
+    return json;
+  }
+
+ private:
+  cli::PolicySetup setup_;
+  std::unique_ptr<model::Decoder> decoder_;
+  std::optional<std::string> catalyst_;
+};
+
+std::int32_t argmax(std::span<const float> logits) {
+  return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+// Tokens through the anchor inserter when the grid inserts anchors.
+class Feeder {
+ public:
+  Feeder(const GridContext& grid) {
+    if (grid.config.anchors) anchors_ = cli::AnchorInserter::for_tokenizer(grid.model.tokenizer);
+  }
+  std::vector<std::int32_t> operator()(std::span<const std::int32_t> tokens) {
+    if (!anchors_) return {tokens.begin(), tokens.end()};
+    std::vector<std::int32_t> out;
+    anchors_->push(tokens, out);
+    return out;
+  }
+  [[nodiscard]] std::int32_t anchor_id() const { return anchors_ ? anchors_->anchor_id() : -1; }
+  void finish(std::vector<std::int32_t>& out) {
+    if (anchors_) anchors_->finish(out);
+  }
+
+ private:
+  std::optional<cli::AnchorInserter> anchors_;
+};
+
+std::vector<std::int32_t> bytes_to_tokens(std::string_view text) {
+  std::vector<std::int32_t> tokens;
+  tokens.reserve(text.size());
+  for (const char c : text) tokens.push_back(static_cast<std::uint8_t>(c));
+  return tokens;
+}
+
+// BOS, then the text's tokens over and over (anchors inserted; a wrap is a document end).
+class CycledText {
+ public:
+  CycledText(const GridContext& grid) : grid_(grid), feeder_(grid) {}
+
+  std::int32_t next() {
+    while (position_ >= pending_.size()) {
+      pending_.clear();
+      position_ = 0;
+      if (!started_) {
+        started_ = true;
+        if (grid_.model.tokenizer.bos_id >= 0) pending_.push_back(grid_.model.tokenizer.bos_id);
+        continue;
+      }
+      const std::int32_t token = grid_.text_tokens[index_];
+      pending_ = feeder_(std::span<const std::int32_t>(&token, 1));
+      if (++index_ == grid_.text_tokens.size()) {
+        index_ = 0;
+        feeder_.finish(pending_);
+      }
+    }
+    return pending_[position_++];
+  }
+  [[nodiscard]] std::int32_t anchor_id() const { return feeder_.anchor_id(); }
+
+ private:
+  const GridContext& grid_;
+  Feeder feeder_;
+  std::vector<std::int32_t> pending_;
+  std::size_t position_ = 0;
+  std::size_t index_ = 0;
+  bool started_ = false;
+};
+
+// --- Tasks --------------------------------------------------------------------------------------
+
+void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
+  const TaskConfig& task = grid.config.tasks[cell.task_index];
+  const Clock::time_point start = Clock::now();
+  CellDecoder decoder(grid, cell);
+  result["policy_setup"] = decoder.policy_json();
+  const model::Tokenizer& tokenizer = grid.model.tokenizer;
+  const auto vocab = static_cast<std::size_t>(grid.model.config.vocab_size);
+  std::vector<std::size_t> token_bytes(vocab);
+  for (std::size_t id = 0; id < vocab; ++id) {
+    token_bytes[id] = tokenizer.decode(static_cast<std::int32_t>(id)).size();
+  }
+  CycledText source(grid);
+  cli::WindowedLoss loss(task.window);
+  std::vector<float> previous_logits(vocab);
+  std::vector<std::int32_t> chunk;
+  std::int64_t fed = 0;
+  while (fed < task.tokens) {
+    chunk.clear();
+    while (static_cast<int>(chunk.size()) < grid.config.chunk &&
+           fed + static_cast<std::int64_t>(chunk.size()) < task.tokens) {
+      chunk.push_back(source.next());
+    }
+    const model::ForwardResult forward =
+        decoder->feed(chunk, model::ForwardRequest{.all_logits = true});
+    // Token t is scored with the logits of position t - 1 (the previous forward's last row for
+    // a chunk's first token); the stream's first token and inserted anchors are not scored.
+    for (std::size_t k = 0; k < chunk.size(); ++k) {
+      const std::int64_t position = fed + static_cast<std::int64_t>(k);
+      if (position == 0 || chunk[k] == source.anchor_id()) continue;
+      const std::span<const float> logits = k == 0 ? std::span<const float>(previous_logits)
+                                                   : forward.logits.subspan((k - 1) * vocab, vocab);
+      loss.add(position, cli::surprisal_bits(logits, chunk[k]),
+               token_bytes[static_cast<std::size_t>(chunk[k])]);
+    }
+    const std::span<const float> last = forward.logits.subspan((chunk.size() - 1) * vocab, vocab);
+    std::copy(last.begin(), last.end(), previous_logits.begin());
+    fed += static_cast<std::int64_t>(chunk.size());
+  }
+  CacheTotals totals;
+  totals.add(*decoder, decoder->cache().memory().live_kv_bytes);
+  OrderedJson& metrics = result["metrics"];
+  totals.write(metrics, seconds_since(start));
+  const cli::LossTotals& overall = loss.overall();
+  metrics["bits_per_byte"] = overall.bits_per_byte();
+  metrics["perplexity"] = overall.perplexity();
+  metrics["tokens_scored"] = overall.tokens;
+  metrics["bytes_scored"] = overall.bytes;
+  OrderedJson windows = OrderedJson::array();
+  for (const cli::LossWindow& window : loss.windows()) {
+    windows.push_back({{"first_position", window.first_position},
+                       {"tokens", window.totals.tokens},
+                       {"bytes", window.totals.bytes},
+                       {"bits_per_byte", window.totals.bits_per_byte()}});
+  }
+  result["details"]["window"] = task.window;
+  result["details"]["windows"] = std::move(windows);
+}
+
+void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
+  const EvalConfig& config = grid.config;
+  const TaskConfig& task = config.tasks[cell.task_index];
+  const Clock::time_point start = Clock::now();
+  CacheTotals totals;
+  double digits_sum = 0;
+  int exact = 0;
+  OrderedJson documents = OrderedJson::array();
+  for (int d = 0; d < task.documents; ++d) {
+    Rng rng(mix_seed({config.seed, hash_name("passkey"), static_cast<std::uint64_t>(d),
+                      double_bits(*cell.depth), static_cast<std::uint64_t>(*cell.length)}));
+    const PasskeyDocument doc = make_passkey_document(grid.filler, *cell.length, *cell.depth, rng);
+    CellDecoder decoder(grid, cell);
+    if (d == 0) result["policy_setup"] = decoder.policy_json();
+    Feeder feeder(grid);
+    std::vector<std::int32_t> prompt = bytes_to_tokens(doc.text);
+    prompt.insert(prompt.begin(), grid.model.tokenizer.bos_id);
+    model::ForwardResult forward = decoder->feed(feeder(prompt), {}, config.chunk);
+    const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
+    std::string answer;
+    for (int k = 0; k < kPasskeyDigits; ++k) {
+      const std::int32_t token = argmax(forward.last());
+      answer += grid.model.tokenizer.decode(token);
+      if (k + 1 < kPasskeyDigits) {
+        forward = decoder->feed(feeder(std::span<const std::int32_t>(&token, 1)), {}, config.chunk);
+      }
+    }
+    totals.add(*decoder, live_at_question);
+    const double accuracy = per_digit_accuracy(answer, doc.key);
+    digits_sum += accuracy;
+    exact += answer == doc.key ? 1 : 0;
+    documents.push_back({{"key", doc.key},
+                         {"answer", answer},
+                         {"per_digit", accuracy},
+                         {"key_position", doc.key_position}});
+  }
+  OrderedJson& metrics = result["metrics"];
+  totals.write(metrics, seconds_since(start));
+  metrics["per_digit"] = digits_sum / task.documents;
+  metrics["exact"] = static_cast<double>(exact) / task.documents;
+  metrics["documents"] = task.documents;
+  result["details"]["documents"] = std::move(documents);
+}
+
+void run_grocery(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
+  const EvalConfig& config = grid.config;
+  const TaskConfig& task = config.tasks[cell.task_index];
+  const model::Tokenizer& tokenizer = grid.model.tokenizer;
+  const Clock::time_point start = Clock::now();
+  CacheTotals totals;
+  double recall_sum = 0;
+  int exact = 0;
+  OrderedJson documents = OrderedJson::array();
+  for (int d = 0; d < task.documents; ++d) {
+    Rng rng(
+        mix_seed({config.seed, hash_name("grocery"), static_cast<std::uint64_t>(d),
+                  static_cast<std::uint64_t>(*cell.turns), static_cast<std::uint64_t>(*cell.length),
+                  static_cast<std::uint64_t>(task.items)}));
+    const GroceryDocument doc =
+        make_grocery_document(grid.filler, *cell.length, task.items, *cell.turns, rng);
+    CellDecoder decoder(grid, cell);
+    if (d == 0) result["policy_setup"] = decoder.policy_json();
+    Feeder feeder(grid);
+    model::ForwardResult forward;
+    for (std::size_t t = 0; t < doc.turns.size(); ++t) {
+      std::vector<std::int32_t> tokens = bytes_to_tokens(doc.turns[t]);
+      if (t == 0) tokens.insert(tokens.begin(), tokenizer.bos_id);
+      forward =
+          decoder->feed(feeder(tokens), model::ForwardRequest{.turn_start = true}, config.chunk);
+    }
+    const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
+    std::string answer;
+    for (int k = 0; k < kGroceryMaxAnswerTokens; ++k) {
+      const std::int32_t token = argmax(forward.last());
+      if (token == tokenizer.eos_id) break;
+      answer += tokenizer.decode(token);
+      if (answer.ends_with('.') || k + 1 == kGroceryMaxAnswerTokens) break;
+      forward = decoder->feed(feeder(std::span<const std::int32_t>(&token, 1)), {}, config.chunk);
+    }
+    totals.add(*decoder, live_at_question);
+    const double recall = item_recall(answer, doc.items);
+    recall_sum += recall;
+    exact += answer == doc.expected_answer ? 1 : 0;
+    documents.push_back({{"items", doc.items}, {"answer", answer}, {"item_recall", recall}});
+  }
+  OrderedJson& metrics = result["metrics"];
+  totals.write(metrics, seconds_since(start));
+  metrics["item_recall"] = recall_sum / task.documents;
+  metrics["exact"] = static_cast<double>(exact) / task.documents;
+  metrics["documents"] = task.documents;
+  result["details"]["documents"] = std::move(documents);
+}
+
+void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
+  const EvalConfig& config = grid.config;
+  const TaskConfig& task = config.tasks[cell.task_index];
+  const Clock::time_point start = Clock::now();
+  CellDecoder decoder(grid, cell);
+  result["policy_setup"] = decoder.policy_json();
+  CycledText source(grid);
+  OrderedJson checkpoints = OrderedJson::array();
+  std::vector<std::int32_t> chunk;
+  std::int64_t fed = 0;
+  std::int64_t previous_tokens = 0;
+  double previous_seconds = 0;
+  for (const std::int64_t checkpoint : task.checkpoints) {
+    while (fed < checkpoint) {
+      chunk.clear();
+      while (static_cast<int>(chunk.size()) < config.chunk &&
+             fed + static_cast<std::int64_t>(chunk.size()) < checkpoint) {
+        chunk.push_back(source.next());
+      }
+      (void)decoder->feed(chunk);
+      fed += static_cast<std::int64_t>(chunk.size());
+    }
+    const double seconds = seconds_since(start);
+    const ProcessMemory memory = process_memory();
+    const model::DecoderStats& stats = decoder->stats();
+    const double interval = seconds - previous_seconds;
+    checkpoints.push_back(
+        {{"tokens", fed},
+         {"seconds", seconds},
+         {"interval_tokens_per_second",
+          interval > 0 ? static_cast<double>(fed - previous_tokens) / interval : 0.0},
+         {"tokens_per_second", seconds > 0 ? static_cast<double>(fed) / seconds : 0.0},
+         {"rss_bytes", memory.rss_bytes},
+         {"peak_rss_bytes", memory.peak_rss_bytes},
+         {"live_kv_bytes", decoder->cache().memory().live_kv_bytes},
+         {"peak_kv_bytes", stats.peak_kv_bytes},
+         {"forward_seconds_per_token", stats.forward_seconds / static_cast<double>(fed)},
+         {"eviction_seconds_per_token", stats.eviction_seconds / static_cast<double>(fed)}});
+    previous_tokens = fed;
+    previous_seconds = seconds;
+  }
+  CacheTotals totals;
+  totals.add(*decoder, decoder->cache().memory().live_kv_bytes);
+  totals.write(result["metrics"], seconds_since(start));
+  result["details"]["checkpoints"] = std::move(checkpoints);
+}
+
+bool is_file(const fs::path& path) {
+  std::error_code error;
+  return fs::is_regular_file(path, error);
+}
+
+}  // namespace
+
+// --- Cells --------------------------------------------------------------------------------------
+
+OrderedJson CellSpec::variant_json() const {
+  OrderedJson json = OrderedJson::object();
+  if (length) json["length"] = *length;
+  if (depth) json["depth"] = *depth;
+  if (turns) json["turns"] = *turns;
+  return json;
+}
+
+std::string CellSpec::describe(const EvalConfig& config) const {
+  std::string text = fmt::format("{} {} budget={}", to_string(config.tasks[task_index].kind),
+                                 config.policies[policy_index].label,
+                                 budget ? std::to_string(*budget) : std::string("-"));
+  if (length) text += fmt::format(" length={}", *length);
+  if (depth) text += fmt::format(" depth={}", *depth);
+  if (turns) text += fmt::format(" turns={}", *turns);
+  return text;
+}
+
+std::vector<CellSpec> enumerate_cells(const EvalConfig& config) {
+  std::vector<CellSpec> cells;
+  std::map<std::string, std::string> slugs;  // slug -> label, to refuse two labels with one id
+  for (const PolicyEntry& entry : config.policies) {
+    const auto [it, inserted] = slugs.emplace(slug(entry.label), entry.label);
+    if (!inserted) {
+      throw Error(
+          fmt::format("{}: policy labels '{}' and '{}' give the same cell file name '{}': "
+                      "rename one",
+                      config.source, it->second, entry.label, it->first));
+    }
+  }
+  for (std::size_t t = 0; t < config.tasks.size(); ++t) {
+    const TaskConfig& task = config.tasks[t];
+    for (std::size_t p = 0; p < config.policies.size(); ++p) {
+      const PolicyEntry& entry = config.policies[p];
+      std::vector<std::optional<int>> budgets;
+      for (const int budget : entry.budgets) budgets.emplace_back(budget);
+      if (budgets.empty()) budgets.emplace_back(std::nullopt);
+      for (const std::optional<int> budget : budgets) {
+        CellSpec base;
+        base.task_index = t;
+        base.policy_index = p;
+        base.budget = budget;
+        const std::string prefix =
+            fmt::format("t{}-{}-{}-{}", t, to_string(task.kind), slug(entry.label),
+                        budget ? fmt::format("b{}", *budget) : std::string("full"));
+        switch (task.kind) {
+          case TaskKind::stream_bpb:
+          case TaskKind::cost:
+            base.id = prefix;
+            cells.push_back(base);
+            break;
+          case TaskKind::passkey:
+            for (const std::int64_t length : passkey_lengths(config, task, budget)) {
+              for (const double depth : task.depths) {
+                CellSpec cell = base;
+                cell.length = length;
+                cell.depth = depth;
+                cell.id = fmt::format("{}-L{}-d{}", prefix, length, depth);
+                cells.push_back(cell);
+              }
+            }
+            break;
+          case TaskKind::grocery:
+            for (const int turns : task.turns) {
+              CellSpec cell = base;
+              cell.length = task.length;
+              cell.turns = turns;
+              cell.id = fmt::format("{}-T{}", prefix, turns);
+              cells.push_back(cell);
+            }
+            break;
+        }
+      }
+    }
+  }
+  return cells;
+}
+
+ModelChecksum checksum_model(const fs::path& path) {
+  std::vector<fs::path> files;
+  std::error_code error;
+  if (fs::is_directory(path, error)) {
+    for (const fs::directory_entry& entry : fs::directory_iterator(path)) {
+      if (entry.is_regular_file()) files.push_back(entry.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+    // A .safetensors model reads config.json beside it (model.cpp): part of the model too.
+    const fs::path config = path.parent_path() / "config.json";
+    if (path.extension() == ".safetensors" && is_file(config)) files.push_back(config);
+  }
+  if (files.empty()) throw Error(fmt::format("model directory '{}' holds no files", path.string()));
+  ModelChecksum checksum;
+  checksum.files = OrderedJson::array();
+  std::string listing;
+  for (const fs::path& file : files) {
+    const std::string sha = sha256_file(file);
+    checksum.files.push_back(
+        {{"path", file.string()}, {"bytes", fs::file_size(file)}, {"sha256", sha}});
+    listing += sha + "  " + file.filename().string() + "\n";
+  }
+  checksum.sha256 =
+      files.size() == 1 ? checksum.files[0]["sha256"].get<std::string>() : sha256_hex(listing);
+  return checksum;
+}
+
+GridContext prepare_grid(EvalConfig config) {
+  std::vector<CellSpec> cells = enumerate_cells(config);
+  model::Model model = cli::load_model_file(config.model);
+  ModelChecksum model_checksum = checksum_model(config.model);
+
+  if (!is_file(config.text)) {
+    throw Error(fmt::format("{}: text file '{}' does not exist", config.source, config.text));
+  }
+  std::ifstream in(config.text, std::ios::binary);
+  std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (text.empty())
+    throw Error(fmt::format("{}: text file '{}' is empty", config.source, config.text));
+  std::vector<std::int32_t> text_tokens = model.tokenizer.encode(text, /*add_bos=*/false);
+  if (text_tokens.empty()) {
+    throw Error(fmt::format("{}: text file '{}' holds no tokens", config.source, config.text));
+  }
+  std::optional<FillerText> filler;
+  try {
+    filler.emplace(text);
+  } catch (const Error& error) {
+    throw Error(fmt::format("{}: text file '{}': {}", config.source, config.text, error.what()));
+  }
+
+  const model::Tokenizer& tokenizer = model.tokenizer;
+  for (std::size_t t = 0; t < config.tasks.size(); ++t) {
+    const TaskKind kind = config.tasks[t].kind;
+    if ((kind == TaskKind::passkey || kind == TaskKind::grocery) &&
+        (tokenizer.kind != model::Tokenizer::Kind::byte_level || tokenizer.bos_id < 0)) {
+      throw Error(
+          fmt::format("{}: tasks[{}]: the {} task builds byte-level documents and needs a "
+                      "byte-level tokenizer with BOS; model '{}' has neither or not both",
+                      config.source, t, to_string(kind), config.model));
+    }
+  }
+  if (config.anchors) {
+    try {
+      (void)cli::AnchorInserter::for_tokenizer(tokenizer);
+    } catch (const Error& error) {
+      throw Error(fmt::format("{}: anchors: {}", config.source, error.what()));
+    }
+  }
+  for (std::size_t p = 0; p < config.policies.size(); ++p) {
+    const PolicyEntry& entry = config.policies[p];
+    std::vector<std::optional<int>> budgets(entry.budgets.begin(), entry.budgets.end());
+    if (budgets.empty()) budgets.emplace_back(std::nullopt);
+    for (const std::optional<int> budget : budgets) {
+      try {
+        (void)cli::make_policy_setup(entry.options(budget, config.chunk), model);
+      } catch (const Error& error) {
+        throw Error(fmt::format("{}: policies[{}] ({}){}: {}", config.source, p, entry.label,
+                                budget ? fmt::format(" at budget {}", *budget) : std::string(),
+                                error.what()));
+      }
+    }
+  }
+  std::string config_sha256 = sha256_hex(to_json(config).dump());
+  std::string text_sha256 = sha256_hex(text);
+  return GridContext{std::move(config),  std::move(model),         std::move(model_checksum),
+                     std::move(text),    std::move(text_sha256),   std::move(text_tokens),
+                     std::move(*filler), std::move(config_sha256), std::move(cells)};
+}
+
+OrderedJson cell_config_json(const GridContext& grid, const CellSpec& cell) {
+  const EvalConfig& config = grid.config;
+  OrderedJson json;
+  json["grid"] = config.name;
+  // Paths are left out on purpose: the checksums say what was run, wherever it lies.
+  json["model_sha256"] = grid.model_checksum.sha256;
+  json["text_sha256"] = grid.text_sha256;
+  json["seed"] = config.seed;
+  json["chunk"] = config.chunk;
+  json["anchors"] = config.anchors;
+  json["policy"] = policy_hash_json(config.policies[cell.policy_index]);
+  json["budget"] = cell.budget ? OrderedJson(*cell.budget) : OrderedJson(nullptr);
+  json["task"] = task_hash_json(config.tasks[cell.task_index]);
+  json["variant"] = cell.variant_json();
+  return json;
+}
+
+OrderedJson run_cell(const GridContext& grid, const CellSpec& cell) {
+  const EvalConfig& config = grid.config;
+  const TaskConfig& task = config.tasks[cell.task_index];
+  const PolicyEntry& entry = config.policies[cell.policy_index];
+  OrderedJson result;
+  const OrderedJson cell_config = cell_config_json(grid, cell);
+  result["id"] = cell.id;
+  result["grid"] = config.name;
+  result["cell_hash"] = sha256_hex(cell_config.dump());
+  result["git_revision"] = git_revision();
+  result["task"] = std::string(to_string(task.kind));
+  result["task_index"] = cell.task_index;
+  result["policy"] = entry.policy;
+  result["label"] = entry.label;
+  result["policy_index"] = cell.policy_index;
+  result["budget"] = cell.budget ? OrderedJson(*cell.budget) : OrderedJson(nullptr);
+  result["variant"] = cell.variant_json();
+  result["config"] = cell_config;
+  result["policy_setup"] = nullptr;
+  result["metrics"] = OrderedJson::object();
+  result["details"] = OrderedJson::object();
+  switch (task.kind) {
+    case TaskKind::stream_bpb:
+      run_stream_bpb(grid, cell, result);
+      break;
+    case TaskKind::passkey:
+      run_passkey(grid, cell, result);
+      break;
+    case TaskKind::grocery:
+      run_grocery(grid, cell, result);
+      break;
+    case TaskKind::cost:
+      run_cost(grid, cell, result);
+      break;
+  }
+  const ProcessMemory memory = process_memory();
+  result["metrics"]["rss_bytes"] = memory.rss_bytes;
+  result["metrics"]["peak_rss_bytes"] = memory.peak_rss_bytes;
+  return result;
+}
+
+Headline headline(const OrderedJson& cell_result) {
+  const std::string task = cell_result.value("task", "");
+  const OrderedJson& metrics = cell_result.at("metrics");
+  Headline line;
+  const auto number = [&](const char* key) {
+    return metrics.contains(key) && metrics.at(key).is_number() ? metrics.at(key).get<double>()
+                                                                : std::nan("");
+  };
+  if (task == "stream_bpb") {
+    line = {"bits/byte", number("bits_per_byte"), ""};
+    line.text = fmt::format("bits/byte {:.4f}", line.value);
+  } else if (task == "passkey") {
+    line = {"per-digit", number("per_digit"), ""};
+    line.text = fmt::format("per-digit {:.3f}, exact {:.3f}", line.value, number("exact"));
+  } else if (task == "grocery") {
+    line = {"recall", number("item_recall"), ""};
+    line.text = fmt::format("recall {:.3f}, exact {:.3f}", line.value, number("exact"));
+  } else {
+    line = {"tokens/s", number("tokens_per_second"), ""};
+    line.text =
+        fmt::format("{:.0f} tokens/s, peak RSS {}", line.value,
+                    cli::format_bytes(static_cast<std::uint64_t>(number("peak_rss_bytes"))));
+  }
+  return line;
+}
+
+}  // namespace kvevict::eval
