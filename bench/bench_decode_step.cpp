@@ -1,0 +1,205 @@
+// One decode step of the reference decoder with the cache at its budget, split into the model's
+// stages and the policy's (DecoderStats), for every policy at budgets 1K and 4K.
+//
+//   build/release/bin/bench_decode_step --benchmark_counters_tabular=true
+//       --benchmark_repetitions=3 --benchmark_min_time=1   (one command line)
+//
+// BM_DecodeStep/policy:<p>/budget:<N> (the label names the policy): a single-token forward() with
+// the cache full at the budget, so every step of a bounded policy evicts. Policies are configured
+// exactly as `kvevict stream --policy P --budget N` does (cli_support/policy_setup.hpp: the
+// --budget mapping, 4 sinks, chunk 64, keys post_rope, each policy's own position mode, InfiniPot's
+// default catalyst prompt). `full` is the reference at the same live size: it is filled to N
+// tokens and, after every step and outside the timing, truncated back to N slots, so that each
+// step attends over N + 1 slots like the bounded policies.
+//
+// The cache is filled before timing by real forwards (chunks of 64) of the stream below, so the
+// policies' scores come from the model's own attention and surprisal. One decoder per
+// (policy, budget) is kept across Google Benchmark's runs of that benchmark (iteration estimation,
+// repetitions): the fill is paid once, and later runs continue the same stream at steady state.
+//
+// Stream: byte tokens from an LCG with the <AC> anchor (id 258) every 16th token, the same for
+// every policy (AnLLM reduces at each anchor). AnLLM is filled with anchors only, the steady state
+// of an endless stream under its max_slots cap (a cache of anchors, oldest dropped at the cap).
+// SirLLM, RandomLLM and IntervalLLM evict before a turn: every step is a turn start (their worst
+// case: every step evicts, as with the other bounded policies).
+// InfiniPot (pot N, keep N/2, novel N/4) distils once per pot fill, i.e. every N/2 tokens, with a
+// catalyst prompt forward: each run is exactly N/2 steps (one pot cycle, one distillation), so
+// its figures are the per-step average with the distillation amortised; its live size cycles from
+// N/2 to N.
+//
+// Model: a random Llama, dim 512, 8 layers, 8 query / 2 KV heads (head_dim 64, GQA 4:1), hidden
+// 1536 (Llama's 8/3 x dim rounded up to 256), vocabulary 259 (the byte-level tokenizer of the toy
+// models, with bos, eos and <AC>), untied, f32: 24.4 M parameters, 98 MB of weights. The KV side
+// matches small Llamas (head_dim 64 and GQA as TinyLlama / Llama 3.2 1B), so attention and the
+// policies see realistic rows; the weights are far larger than the last-level cache, so the MLP
+// and projections stream from memory as in a real model; 8 layers (not 22+) keep the fill of a
+// 4K cache at seconds. The vocabulary is tiny, so the head is cheaper than in a real model.
+//
+// Counters, per step (µs of wall time, steady_clock, from DecoderStats deltas over the run):
+//   step_us        forward_seconds + eviction_seconds: the whole forward()
+//   attention_us   attention blocks (norm, QKV, K/V write, RoPE, q.K, softmax, .V, out-proj)
+//   mlp_us         MLP blocks (norm, gate/up, SwiGLU, down)
+//   head_us        embedding, final norm, classifier, surprisal
+//   policy_us      observe_* scoring + select (top-k, keep-lists) + new positions
+//   reposition_us  compaction of slot metadata, K/V rows gathered, post-RoPE keys re-rotated
+//   catalyst_us    InfiniPot's catalyst prompt forward (amortised over the pot cycle)
+//   eviction_us    eviction_seconds: policy + reposition + catalyst + slot bookkeeping
+//   overhead       (policy + reposition) / (attention + mlp)
+//   evict_overhead eviction / (attention + mlp)
+//   live           slots of head (0, 0) after the run; evictions: compactions per step
+#include <benchmark/benchmark.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cli_support/policy_setup.hpp"
+#include "model/decoder.hpp"
+#include "model/random_model.hpp"
+
+namespace {
+
+using kvevict::model::Decoder;
+using kvevict::model::DecoderStats;
+using kvevict::model::Model;
+using kvevict::model::ModelConfig;
+
+constexpr std::array<const char*, 10> kPolicies{
+    "full",   "window",     "streaming_llm", "h2o",       "tova",
+    "sirllm", "random_llm", "interval_llm",  "infinipot", "anllm"};
+constexpr int kFull = 0;
+constexpr int kInfiniPot = 8;
+constexpr int kAnLLM = 9;
+constexpr std::int32_t kAnchor = 258;  // <AC> in the byte-level tokenizer of a 259-id vocabulary
+
+const Model& model() {
+  static const Model model = [] {
+    ModelConfig config;
+    config.dim = 512;
+    config.hidden_dim = 1536;
+    config.layers = 8;
+    config.heads = 8;
+    config.kv_heads = 2;
+    config.vocab_size = 259;
+    // Sizes the RoPE table (16384 positions): every position of these runs is in it.
+    config.context_length = 16384;
+    return kvevict::model::make_random_model(config, 512, kvevict::model::DType::f32);
+  }();
+  return model;
+}
+
+// Token `index` of the stream: a byte from an LCG, or the anchor every 16th token.
+std::int32_t stream_token(std::int64_t index) {
+  if (index % 16 == 15) return kAnchor;
+  const auto mixed =
+      static_cast<std::uint64_t>(index) * 6364136223846793005ULL + 1442695040888963407ULL;
+  return static_cast<std::int32_t>((mixed >> 33) % 256);
+}
+
+// The decoder of the benchmark being run, kept across its runs (see the header comment).
+struct Running {
+  int policy = -1;
+  int budget = 0;
+  std::unique_ptr<Decoder> decoder;
+  std::int64_t next = 0;  // index of the next stream token
+};
+
+Running& running_for(int policy, int budget) {
+  static Running running;
+  if (running.decoder && running.policy == policy && running.budget == budget) return running;
+  running.decoder.reset();              // free the previous cache first
+  kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
+  options.policy = kPolicies[static_cast<std::size_t>(policy)];
+  if (policy != kFull) options.budget = budget;
+  kvevict::cli::PolicySetup setup = kvevict::cli::make_policy_setup(options, model());
+  running.decoder = kvevict::cli::make_decoder(model(), setup);
+  running.policy = policy;
+  running.budget = budget;
+
+  std::vector<std::int32_t> fill(static_cast<std::size_t>(budget));
+  for (int i = 0; i < budget; ++i) {
+    fill[static_cast<std::size_t>(i)] = policy == kAnLLM ? kAnchor : stream_token(i);
+  }
+  (void)running.decoder->feed(fill);
+  running.next = budget;
+  return running;
+}
+
+void BM_DecodeStep(benchmark::State& state) {
+  const int policy = static_cast<int>(state.range(0));
+  const int budget = static_cast<int>(state.range(1));
+  Running& running = running_for(policy, budget);
+  Decoder& decoder = *running.decoder;
+  state.SetLabel(kPolicies[static_cast<std::size_t>(policy)]);
+  const kvevict::model::ModelConfig& c = model().config;
+  // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
+  const bool turns = decoder.cache().policy().triggers().contains(kvevict::Trigger::before_turn);
+  const kvevict::model::ForwardRequest request{turns, false};
+
+  const DecoderStats before = decoder.stats();
+  const std::int64_t compactions_before = decoder.cache().pipeline().stats().compactions;
+  for (auto _ : state) {
+    const std::int32_t token = stream_token(running.next++);
+    benchmark::DoNotOptimize(decoder.forward(std::span<const std::int32_t>(&token, 1), request));
+    if (policy == kFull) {
+      // Back to N slots for the next step, outside the timing (and outside DecoderStats).
+      state.PauseTiming();
+      for (int l = 0; l < c.layers; ++l) {
+        for (int g = 0; g < c.kv_heads; ++g) decoder.cache().store().truncate(l, g, budget);
+      }
+      state.ResumeTiming();
+    }
+  }
+  const DecoderStats& after = decoder.stats();
+  const double steps = static_cast<double>(state.iterations());
+  const auto per_step_us = [&](double DecoderStats::*field) {
+    return (after.*field - before.*field) / steps * 1e6;
+  };
+  const double attention = per_step_us(&DecoderStats::attention_seconds);
+  const double mlp = per_step_us(&DecoderStats::mlp_seconds);
+  const double policy_us = per_step_us(&DecoderStats::policy_seconds);
+  const double reposition = per_step_us(&DecoderStats::reposition_seconds);
+  const double eviction = per_step_us(&DecoderStats::eviction_seconds);
+  state.counters["step_us"] = per_step_us(&DecoderStats::forward_seconds) + eviction;
+  state.counters["attention_us"] = attention;
+  state.counters["mlp_us"] = mlp;
+  state.counters["head_us"] = per_step_us(&DecoderStats::head_seconds);
+  state.counters["policy_us"] = policy_us;
+  state.counters["reposition_us"] = reposition;
+  state.counters["catalyst_us"] = per_step_us(&DecoderStats::catalyst_seconds);
+  state.counters["eviction_us"] = eviction;
+  state.counters["overhead"] = (policy_us + reposition) / (attention + mlp);
+  state.counters["evict_overhead"] = eviction / (attention + mlp);
+  state.counters["live"] = decoder.cache().live(0, 0);
+  state.counters["evictions"] =
+      static_cast<double>(decoder.cache().pipeline().stats().compactions - compactions_before) /
+      steps;
+}
+
+void register_benchmarks() {
+  for (const int budget : {1024, 4096}) {
+    for (int policy = 0; policy < static_cast<int>(kPolicies.size()); ++policy) {
+      benchmark::internal::Benchmark* b =
+          benchmark::RegisterBenchmark("BM_DecodeStep", BM_DecodeStep)
+              ->ArgNames({"policy", "budget"})
+              ->Args({policy, budget})
+              ->Unit(benchmark::kMicrosecond);
+      // One pot cycle per run: exactly one distillation, amortised over the tokens it serves.
+      if (policy == kInfiniPot) b->Iterations(budget / 2);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_benchmarks();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
