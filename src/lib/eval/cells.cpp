@@ -88,6 +88,17 @@ OrderedJson policy_hash_json(const PolicyEntry& entry) {
   return json;
 }
 
+// DecoderStats' itemised times: forward_seconds = head + attention + mlp (+ glue), eviction_seconds
+// = policy + reposition + catalyst (+ bookkeeping).
+std::vector<std::pair<std::string, double>> split_seconds(const model::DecoderStats& stats) {
+  return {{"head_seconds", stats.head_seconds},
+          {"attention_seconds", stats.attention_seconds},
+          {"mlp_seconds", stats.mlp_seconds},
+          {"policy_seconds", stats.policy_seconds},
+          {"reposition_seconds", stats.reposition_seconds},
+          {"catalyst_seconds", stats.catalyst_seconds}};
+}
+
 // Sum / max of the decoder figures over the decoders of one cell (one per document).
 class CacheTotals {
  public:
@@ -99,6 +110,7 @@ class CacheTotals {
     catalyst_runs_ += stats.catalyst_runs;
     forward_seconds_ += stats.forward_seconds;
     eviction_seconds_ += stats.eviction_seconds;
+    for (const auto& [name, seconds] : split_seconds(stats)) split_[name] += seconds;
     peak_kv_bytes_ = std::max(peak_kv_bytes_, stats.peak_kv_bytes);
     evicted_slots_ += pipeline.evicted_slots;
     compactions_ += pipeline.compactions;
@@ -123,6 +135,7 @@ class CacheTotals {
     metrics["eviction_seconds"] = eviction_seconds_;
     metrics["eviction_seconds_per_token"] =
         tokens_fed_ > 0 ? eviction_seconds_ / static_cast<double>(tokens_fed_) : 0.0;
+    for (const auto& [name, seconds] : split_) metrics[name] = seconds;
   }
 
  private:
@@ -136,6 +149,7 @@ class CacheTotals {
   std::int64_t compactions_ = 0;
   double live_kv_bytes_sum_ = 0;
   int decoders_ = 0;
+  std::map<std::string, double> split_;
 };
 
 // A decoder set up for one cell, as the CLI would set it up.
@@ -431,6 +445,10 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
          {"peak_kv_bytes", stats.peak_kv_bytes},
          {"forward_seconds_per_token", stats.forward_seconds / static_cast<double>(fed)},
          {"eviction_seconds_per_token", stats.eviction_seconds / static_cast<double>(fed)}});
+    for (const auto& [name, seconds] : split_seconds(stats)) {
+      checkpoints.back()[name.substr(0, name.size() - std::string_view("seconds").size()) +
+                         "seconds_per_token"] = seconds / static_cast<double>(fed);
+    }
     previous_tokens = fed;
     previous_seconds = seconds;
   }

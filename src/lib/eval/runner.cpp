@@ -208,7 +208,13 @@ const std::vector<std::string>& known_metric_columns() {
                                                    "forwards",
                                                    "forward_seconds",
                                                    "eviction_seconds",
-                                                   "eviction_seconds_per_token"};
+                                                   "eviction_seconds_per_token",
+                                                   "head_seconds",
+                                                   "attention_seconds",
+                                                   "mlp_seconds",
+                                                   "policy_seconds",
+                                                   "reposition_seconds",
+                                                   "catalyst_seconds"};
   return columns;
 }
 
