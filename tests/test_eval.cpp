@@ -459,6 +459,22 @@ TEST_F(Grid, AnchorsAreInsertedInEverythingFed) {
             full.at("metrics").at("live_kv_bytes").get<double>());
 }
 
+TEST_F(Grid, TurnSeparatorStartsTurnsInStreams) {
+  json config = tiny_config();
+  config["policies"] = json::parse(R"([{"policy": "full"}, {"policy": "sirllm"}])");
+  config["tasks"] = json::parse(R"([{"task": "stream_bpb", "tokens": 300, "window": 100,
+                                     "turn_separator": "\n"}])");
+  const GridContext grid = prepare_grid(parse(config));
+  const json full = run_cell(grid, grid.cells[0]);
+  const json sirllm = run_cell(grid, grid.cells[1]);
+  // One turn per "\n" among the 299 text tokens after BOS.
+  const std::string text = sample_text().substr(0, 299);
+  EXPECT_EQ(sirllm.at("metrics").at("turns"), std::count(text.begin(), text.end(), '\n'));
+  // SirLLM evicts before turns: at budget 32 its cache stays below the full cache's.
+  EXPECT_LT(sirllm.at("metrics").at("peak_kv_bytes").get<double>(),
+            full.at("metrics").at("peak_kv_bytes").get<double>());
+}
+
 // --- Bad input ----------------------------------------------------------------------------------
 
 TEST_F(Grid, BadConfigsAreClearErrors) {

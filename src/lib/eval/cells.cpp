@@ -220,15 +220,18 @@ std::vector<std::int32_t> bytes_to_tokens(std::string_view text) {
   return tokens;
 }
 
-// BOS, then the text's tokens over and over (anchors inserted; a wrap is a document end).
+// BOS, then the text's tokens over and over (anchors inserted; a wrap is a document end). With a
+// turn separator, the token after each occurrence of it in the text starts a turn.
 class CycledText {
  public:
-  CycledText(const GridContext& grid) : grid_(grid), feeder_(grid) {}
+  CycledText(const GridContext& grid, std::string separator)
+      : grid_(grid), feeder_(grid), separator_(std::move(separator)) {}
 
   std::int32_t next() {
     while (position_ >= pending_.size()) {
       pending_.clear();
       position_ = 0;
+      separator_at_ = kNone;
       if (!started_) {
         started_ = true;
         if (grid_.model.tokenizer.bos_id >= 0) pending_.push_back(grid_.model.tokenizer.bos_id);
@@ -236,22 +239,56 @@ class CycledText {
       }
       const std::int32_t token = grid_.text_tokens[index_];
       pending_ = feeder_(std::span<const std::int32_t>(&token, 1));
+      if (!separator_.empty()) {
+        tail_ += grid_.model.tokenizer.decode(token);
+        if (tail_.size() > separator_.size()) tail_.erase(0, tail_.size() - separator_.size());
+        if (tail_ == separator_) separator_at_ = pending_.size() - 1;  // the text token is last
+      }
       if (++index_ == grid_.text_tokens.size()) {
         index_ = 0;
         feeder_.finish(pending_);
       }
     }
-    return pending_[position_++];
+    const std::size_t index = position_++;
+    turn_next_ = index == separator_at_;
+    if (turn_next_) ++turns_;
+    return pending_[index];
   }
+  /// Whether the token next() returns next starts a turn.
+  [[nodiscard]] bool turn_starts() const { return turn_next_; }
+  [[nodiscard]] std::int64_t turns() const { return turns_; }
   [[nodiscard]] std::int32_t anchor_id() const { return feeder_.anchor_id(); }
 
+  /// Up to `size` tokens into `chunk`, fewer where `limit` tokens were handed out in all or where
+  /// a turn starts (a turn always starts a chunk). Returns whether the chunk starts a turn.
+  bool fill(std::vector<std::int32_t>& chunk, int size, std::int64_t& handed_out,
+            std::int64_t limit) {
+    chunk.clear();
+    bool turn_start = false;
+    while (static_cast<int>(chunk.size()) < size && handed_out < limit) {
+      if (turn_starts()) {
+        if (!chunk.empty()) break;
+        turn_start = true;
+      }
+      chunk.push_back(next());
+      ++handed_out;
+    }
+    return turn_start;
+  }
+
  private:
+  static constexpr std::size_t kNone = static_cast<std::size_t>(-1);
   const GridContext& grid_;
   Feeder feeder_;
+  std::string separator_;
+  std::string tail_;
   std::vector<std::int32_t> pending_;
   std::size_t position_ = 0;
   std::size_t index_ = 0;
+  std::size_t separator_at_ = kNone;
   bool started_ = false;
+  bool turn_next_ = false;
+  std::int64_t turns_ = 0;
 };
 
 // --- Tasks --------------------------------------------------------------------------------------
@@ -267,19 +304,16 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   for (std::size_t id = 0; id < vocab; ++id) {
     token_bytes[id] = tokenizer.decode(static_cast<std::int32_t>(id)).size();
   }
-  CycledText source(grid);
+  CycledText source(grid, task.turn_separator);
   cli::WindowedLoss loss(task.window);
   std::vector<float> previous_logits(vocab);
   std::vector<std::int32_t> chunk;
   std::int64_t fed = 0;
-  while (fed < task.tokens) {
-    chunk.clear();
-    while (static_cast<int>(chunk.size()) < grid.config.chunk &&
-           fed + static_cast<std::int64_t>(chunk.size()) < task.tokens) {
-      chunk.push_back(source.next());
-    }
+  std::int64_t handed_out = 0;
+  while (handed_out < task.tokens) {
+    const bool turn_start = source.fill(chunk, grid.config.chunk, handed_out, task.tokens);
     const model::ForwardResult forward =
-        decoder->feed(chunk, model::ForwardRequest{.all_logits = true});
+        decoder->feed(chunk, model::ForwardRequest{.turn_start = turn_start, .all_logits = true});
     // Token t is scored with the logits of position t - 1 (the previous forward's last row for
     // a chunk's first token); the stream's first token and inserted anchors are not scored.
     for (std::size_t k = 0; k < chunk.size(); ++k) {
@@ -303,6 +337,7 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   metrics["perplexity"] = overall.perplexity();
   metrics["tokens_scored"] = overall.tokens;
   metrics["bytes_scored"] = overall.bytes;
+  if (!task.turn_separator.empty()) metrics["turns"] = source.turns();
   OrderedJson windows = OrderedJson::array();
   for (const cli::LossWindow& window : loss.windows()) {
     windows.push_back({{"first_position", window.first_position},
@@ -413,7 +448,7 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
   const Clock::time_point start = Clock::now();
   CellDecoder decoder(grid, cell);
   result["policy_setup"] = decoder.policy_json();
-  CycledText source(grid);
+  CycledText source(grid, task.turn_separator);
   OrderedJson checkpoints = OrderedJson::array();
   std::vector<std::int32_t> chunk;
   std::int64_t fed = 0;
@@ -421,13 +456,8 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
   double previous_seconds = 0;
   for (const std::int64_t checkpoint : task.checkpoints) {
     while (fed < checkpoint) {
-      chunk.clear();
-      while (static_cast<int>(chunk.size()) < config.chunk &&
-             fed + static_cast<std::int64_t>(chunk.size()) < checkpoint) {
-        chunk.push_back(source.next());
-      }
-      (void)decoder->feed(chunk);
-      fed += static_cast<std::int64_t>(chunk.size());
+      const bool turn_start = source.fill(chunk, config.chunk, fed, checkpoint);
+      (void)decoder->feed(chunk, model::ForwardRequest{.turn_start = turn_start});
     }
     const double seconds = seconds_since(start);
     const ProcessMemory memory = process_memory();

@@ -230,14 +230,17 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
   const std::string kind = json.at("task").get<std::string>();
   TaskConfig task;
   if (kind == "stream_bpb") {
-    const ObjectReader reader(json, source, path, {"task", "tokens", "window"});
+    const ObjectReader reader(json, source, path, {"task", "tokens", "window", "turn_separator"});
     task.kind = TaskKind::stream_bpb;
     task.tokens = reader.integer("tokens", 4096, 2, kMaxTokens);
     task.window = static_cast<int>(reader.integer("window", 256, 1, kMaxBudget));
+    task.turn_separator = reader.string("turn_separator", std::string());
   } else if (kind == "cost") {
-    const ObjectReader reader(json, source, path, {"task", "tokens", "checkpoints"});
+    const ObjectReader reader(json, source, path,
+                              {"task", "tokens", "checkpoints", "turn_separator"});
     task.kind = TaskKind::cost;
     task.tokens = reader.integer("tokens", std::nullopt, 1, kMaxTokens);
+    task.turn_separator = reader.string("turn_separator", std::string());
     if (reader.has("checkpoints")) {
       task.checkpoints = reader.integers("checkpoints", false, 1, task.tokens);
       if (!std::is_sorted(task.checkpoints.begin(), task.checkpoints.end()) ||
@@ -480,10 +483,12 @@ nlohmann::ordered_json to_json(const TaskConfig& task) {
     case TaskKind::stream_bpb:
       json["tokens"] = task.tokens;
       json["window"] = task.window;
+      json["turn_separator"] = task.turn_separator;
       break;
     case TaskKind::cost:
       json["tokens"] = task.tokens;
       json["checkpoints"] = task.checkpoints;
+      json["turn_separator"] = task.turn_separator;
       break;
     case TaskKind::passkey:
       json["depths"] = task.depths;

@@ -44,11 +44,14 @@ struct PolicyEntry {
 
 struct TaskConfig {
   TaskKind kind = TaskKind::stream_bpb;
-  std::int64_t tokens = 0;                ///< stream_bpb, cost: tokens fed (BOS and anchors too)
-  int window = 256;                       ///< stream_bpb: positions per loss window
-  std::vector<std::int64_t> checkpoints;  ///< cost: ascending token counts, the last <= tokens
-  std::vector<double> depths;             ///< passkey
-  std::vector<std::int64_t> lengths;      ///< passkey: absolute document lengths (tokens)
+  std::int64_t tokens = 0;  ///< stream_bpb, cost: tokens fed (BOS and anchors too)
+  int window = 256;         ///< stream_bpb: positions per loss window
+  /// stream_bpb, cost: the token after each occurrence of this text starts a turn (SirLLM
+  /// evicts before turns); "" = the stream is one turn.
+  std::string turn_separator;
+  std::vector<std::int64_t> checkpoints;      ///< cost: ascending token counts, the last <= tokens
+  std::vector<double> depths;                 ///< passkey
+  std::vector<std::int64_t> lengths;          ///< passkey: absolute document lengths (tokens)
   std::vector<std::int64_t> length_x_budget;  ///< passkey: lengths as multiples of the budget
   int documents = 20;                         ///< passkey, grocery: documents per cell
   int items = 5;                              ///< grocery: shopping-list items
