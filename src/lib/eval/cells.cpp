@@ -349,6 +349,29 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   result["details"]["windows"] = std::move(windows);
 }
 
+// Feeds `tokens` (byte-level text) as turns: a new turn (ForwardRequest::turn_start) begins after
+// every occurrence of `separator`, and the first piece starts one too; no separator = one turn.
+model::ForwardResult feed_turns(model::Decoder& decoder, Feeder& feeder,
+                                std::span<const std::int32_t> tokens, const std::string& separator,
+                                int chunk) {
+  model::ForwardResult forward;
+  std::size_t begin = 0;  // the current turn is [begin, end)
+  std::string tail;       // the last separator.size() bytes decoded
+  for (std::size_t end = 0; end < tokens.size();) {
+    if (!separator.empty()) {
+      tail += static_cast<char>(tokens[end]);
+      if (tail.size() > separator.size()) tail.erase(0, 1);
+    }
+    ++end;
+    if (end == tokens.size() || (!separator.empty() && tail == separator)) {
+      forward = decoder.feed(feeder(tokens.subspan(begin, end - begin)),
+                             model::ForwardRequest{.turn_start = true}, chunk);
+      begin = end;
+    }
+  }
+  return forward;
+}
+
 void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
   const EvalConfig& config = grid.config;
   const TaskConfig& task = config.tasks[cell.task_index];
@@ -366,7 +389,8 @@ void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& res
     Feeder feeder(grid);
     std::vector<std::int32_t> prompt = bytes_to_tokens(doc.text);
     prompt.insert(prompt.begin(), grid.model.tokenizer.bos_id);
-    model::ForwardResult forward = decoder->feed(feeder(prompt), {}, config.chunk);
+    model::ForwardResult forward =
+        feed_turns(*decoder, feeder, prompt, task.turn_separator, config.chunk);
     const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
     std::string answer;
     for (int k = 0; k < kPasskeyDigits; ++k) {

@@ -253,9 +253,11 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
       task.checkpoints.push_back(task.tokens);  // the end is always a checkpoint
     }
   } else if (kind == "passkey") {
-    const ObjectReader reader(json, source, path,
-                              {"task", "depths", "lengths", "length_x_budget", "documents"});
+    const ObjectReader reader(
+        json, source, path,
+        {"task", "depths", "lengths", "length_x_budget", "documents", "turn_separator"});
     task.kind = TaskKind::passkey;
+    task.turn_separator = reader.string("turn_separator", std::string());
     task.depths = reader.has("depths") ? reader.numbers("depths", 0.0, 1.0)
                                        : std::vector<double>{0.1, 0.5, 0.9};
     reader.require_distinct("depths", task.depths);
@@ -498,6 +500,7 @@ nlohmann::ordered_json to_json(const TaskConfig& task) {
         json["lengths"] = task.lengths;
       }
       json["documents"] = task.documents;
+      json["turn_separator"] = task.turn_separator;
       break;
     case TaskKind::grocery:
       json["items"] = task.items;

@@ -46,8 +46,8 @@ struct TaskConfig {
   TaskKind kind = TaskKind::stream_bpb;
   std::int64_t tokens = 0;  ///< stream_bpb, cost: tokens fed (BOS and anchors too)
   int window = 256;         ///< stream_bpb: positions per loss window
-  /// stream_bpb, cost: the token after each occurrence of this text starts a turn (SirLLM
-  /// evicts before turns); "" = the stream is one turn.
+  /// stream_bpb, cost, passkey: the token after each occurrence of this text starts a turn
+  /// (SirLLM evicts before turns); "" = the stream (the passkey prompt) is one turn.
   std::string turn_separator;
   std::vector<std::int64_t> checkpoints;      ///< cost: ascending token counts, the last <= tokens
   std::vector<double> depths;                 ///< passkey
