@@ -475,6 +475,28 @@ TEST_F(Grid, TurnSeparatorStartsTurnsInStreams) {
             full.at("metrics").at("peak_kv_bytes").get<double>());
 }
 
+TEST_F(Grid, TurnSeparatorStartsTurnsInPasskeyPrompts) {
+  json config = tiny_config();
+  config["policies"] = json::parse(R"([{"policy": "full"}, {"policy": "sirllm"}])");
+  config["tasks"] = json::parse(R"([{"task": "passkey", "lengths": [400], "depths": [0.5],
+                                     "documents": 1},
+                                    {"task": "passkey", "lengths": [400], "depths": [0.5],
+                                     "documents": 1, "turn_separator": "\n"}])");
+  const GridContext grid = prepare_grid(parse(config));
+  ASSERT_EQ(grid.cells.size(), 4u);  // task by task, then policy by policy
+  const json full = run_cell(grid, grid.cells[0]);
+  const json one_turn = run_cell(grid, grid.cells[1]);
+  const json turns = run_cell(grid, grid.cells[3]);
+  // Without a separator the prompt is one turn: SirLLM (which evicts only before a turn) keeps
+  // every slot, like the full cache.
+  EXPECT_EQ(one_turn.at("metrics").at("evicted_slots"), 0);
+  EXPECT_EQ(one_turn.at("metrics").at("live_kv_bytes"), full.at("metrics").at("live_kv_bytes"));
+  // With "\n" every line of filler starts a turn, so it evicts inside the prompt.
+  EXPECT_GT(turns.at("metrics").at("evicted_slots").get<double>(), 0);
+  EXPECT_LT(turns.at("metrics").at("live_kv_bytes").get<double>(),
+            full.at("metrics").at("live_kv_bytes").get<double>());
+}
+
 // --- Bad input ----------------------------------------------------------------------------------
 
 TEST_F(Grid, BadConfigsAreClearErrors) {
