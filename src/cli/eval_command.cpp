@@ -87,7 +87,7 @@ Command add_eval_command(CLI::App& parent) {
       "Examples:\n"
       "  kvevict eval eval/configs/toy-base-passkey.json\n"
       "  kvevict eval eval/configs/toy-base-stream.json --out /tmp/stream --jobs 2 --fresh\n"
-      "  kvevict eval bench/configs/tiny.json --model build/release/models/random-tiny.gguf");
+      "  kvevict eval eval/configs/tiny.json --out /tmp/tiny --fresh");
   return Command{app, [options] { return run_eval(*options); }};
 }
 
