@@ -27,6 +27,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+# Grids have up to ~16 policy rows: 20 distinct colours instead of the default 10.
+plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.cm.tab20.colors)
+
 
 def budget_text(budget) -> str:
     return "unbounded" if budget is None else str(budget)
@@ -58,6 +61,22 @@ def panels(count: int, width: float = 5.0, height: float = 3.6):
     return fig, list(axes[0])
 
 
+def plot_vs_budget(ax, cells, metric: str) -> None:
+    """`metric` against the budget, a line per label; an unbounded label is a dashed level."""
+    for label in labels_in_order(cells):
+        chosen = sorted((c for c in cells if c["label"] == label and c["budget"] is not None),
+                        key=lambda c: c["budget"])
+        if chosen:
+            ax.plot([c["budget"] for c in chosen], [c["metrics"][metric] for c in chosen],
+                    label=label, marker="o")
+        else:
+            unbounded = next(c for c in cells if c["label"] == label)
+            ax.axhline(unbounded["metrics"][metric], label=label, linestyle="--", color="black")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("budget (KV slots per head)")
+    ax.grid(alpha=0.3)
+
+
 def plot_stream_bpb(name: str, cells, out: Path) -> Path:
     budgets = bounded_budgets(cells) or [None]
     fig, axes = panels(len(budgets) + 1)
@@ -75,21 +94,9 @@ def plot_stream_bpb(name: str, cells, out: Path) -> Path:
         ax.set_ylabel("bits per byte")
         ax.grid(alpha=0.3)
     ax = axes[-1]
-    for label in labels_in_order(cells):
-        chosen = sorted((c for c in cells if c["label"] == label and c["budget"] is not None),
-                        key=lambda c: c["budget"])
-        if chosen:
-            ax.plot([c["budget"] for c in chosen], [c["metrics"]["bits_per_byte"] for c in chosen],
-                    label=label, marker="o")
-        else:
-            full = [c for c in cells if c["label"] == label]
-            ax.axhline(full[0]["metrics"]["bits_per_byte"], label=label, linestyle="--",
-                       color="black")
-    ax.set_xscale("log", base=2)
+    plot_vs_budget(ax, cells, "bits_per_byte")
     ax.set_title("overall bits per byte vs budget")
-    ax.set_xlabel("budget (KV slots per head)")
     ax.set_ylabel("bits per byte")
-    ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return save(fig, out / f"{name}-stream_bpb.png")
 
@@ -123,23 +130,10 @@ def plot_grocery(name: str, cells, out: Path) -> Path:
     turn_counts = sorted({c["variant"]["turns"] for c in cells})
     fig, axes = panels(len(turn_counts))
     for ax, turns in zip(axes, turn_counts):
-        subset = [c for c in cells if c["variant"]["turns"] == turns]
-        for label in labels_in_order(subset):
-            chosen = sorted((c for c in subset if c["label"] == label and c["budget"] is not None),
-                            key=lambda c: c["budget"])
-            if chosen:
-                ax.plot([c["budget"] for c in chosen],
-                        [c["metrics"]["item_recall"] for c in chosen], label=label, marker="o")
-            else:
-                full = [c for c in subset if c["label"] == label]
-                ax.axhline(full[0]["metrics"]["item_recall"], label=label, linestyle="--",
-                           color="black")
-        ax.set_xscale("log", base=2)
+        plot_vs_budget(ax, [c for c in cells if c["variant"]["turns"] == turns], "item_recall")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{name}: {turns} turns")
-        ax.set_xlabel("budget (KV slots per head)")
         ax.set_ylabel("grocery item recall")
-        ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return save(fig, out / f"{name}-grocery.png")
 
