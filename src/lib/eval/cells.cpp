@@ -372,6 +372,30 @@ model::ForwardResult feed_turns(model::Decoder& decoder, Feeder& feeder,
   return forward;
 }
 
+enum class AnswerEnd {
+  after_max_tokens,  ///< exactly max_tokens tokens (passkey digits)
+  at_eos_or_period,  ///< EOS (not part of the answer), the first '.', or max_tokens
+};
+
+// Greedy decoding of an answer under the cell's policy, starting from the logits of `forward`
+// (the question's last forward). Every answer token but the last is fed back (with anchors where
+// the grid inserts them); the last is never fed, nothing reads its logits.
+std::string greedy_answer(model::Decoder& decoder, Feeder& feeder, model::ForwardResult forward,
+                          int max_tokens, AnswerEnd end, int chunk) {
+  const model::Tokenizer& tokenizer = decoder.model().tokenizer;
+  std::string answer;
+  for (int k = 0; k < max_tokens; ++k) {
+    const std::int32_t token = argmax(forward.last());
+    if (end == AnswerEnd::at_eos_or_period && token == tokenizer.eos_id) break;
+    answer += tokenizer.decode(token);
+    if (k + 1 == max_tokens || (end == AnswerEnd::at_eos_or_period && answer.ends_with('.'))) {
+      break;
+    }
+    forward = decoder.feed(feeder(std::span<const std::int32_t>(&token, 1)), {}, chunk);
+  }
+  return answer;
+}
+
 void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
   const EvalConfig& config = grid.config;
   const TaskConfig& task = config.tasks[cell.task_index];
@@ -392,14 +416,8 @@ void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& res
     model::ForwardResult forward =
         feed_turns(*decoder, feeder, prompt, task.turn_separator, config.chunk);
     const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
-    std::string answer;
-    for (int k = 0; k < kPasskeyDigits; ++k) {
-      const std::int32_t token = argmax(forward.last());
-      answer += grid.model.tokenizer.decode(token);
-      if (k + 1 < kPasskeyDigits) {
-        forward = decoder->feed(feeder(std::span<const std::int32_t>(&token, 1)), {}, config.chunk);
-      }
-    }
+    const std::string answer = greedy_answer(*decoder, feeder, forward, kPasskeyDigits,
+                                             AnswerEnd::after_max_tokens, config.chunk);
     totals.add(*decoder, live_at_question);
     const double accuracy = per_digit_accuracy(answer, doc.key);
     digits_sum += accuracy;
@@ -444,14 +462,8 @@ void run_grocery(const GridContext& grid, const CellSpec& cell, OrderedJson& res
           decoder->feed(feeder(tokens), model::ForwardRequest{.turn_start = true}, config.chunk);
     }
     const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
-    std::string answer;
-    for (int k = 0; k < kGroceryMaxAnswerTokens; ++k) {
-      const std::int32_t token = argmax(forward.last());
-      if (token == tokenizer.eos_id) break;
-      answer += tokenizer.decode(token);
-      if (answer.ends_with('.') || k + 1 == kGroceryMaxAnswerTokens) break;
-      forward = decoder->feed(feeder(std::span<const std::int32_t>(&token, 1)), {}, config.chunk);
-    }
+    const std::string answer = greedy_answer(*decoder, feeder, forward, kGroceryMaxAnswerTokens,
+                                             AnswerEnd::at_eos_or_period, config.chunk);
     totals.add(*decoder, live_at_question);
     const double recall = item_recall(answer, doc.items);
     recall_sum += recall;
