@@ -51,14 +51,14 @@
 
 #include <array>
 #include <cstdint>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/random_model.hpp>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "cli_support/policy_setup.hpp"
-#include "model/decoder.hpp"
-#include "model/random_model.hpp"
+#include "cli_common/policy_setup.hpp"
 
 namespace {
 

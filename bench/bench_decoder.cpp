@@ -36,13 +36,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <ctime>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <memory>
 #include <span>
 #include <vector>
 
-#include "model/decoder.hpp"
-#include "model/random_model.hpp"
+#include "model/matmul.hpp"
 
 namespace {
 

@@ -1,5 +1,5 @@
 # Writes the build's git revision and build type into a generated header, for the eval harness's
-# results (src/lib/eval/machine_info.cpp). Run at every build by the always-out-of-date target
+# results (src/eval/machine_info.cpp). Run at every build by the always-out-of-date target
 # kvevict_git_revision (src/CMakeLists.txt); the header is rewritten only when its content changes,
 # so an unchanged revision recompiles nothing.
 #

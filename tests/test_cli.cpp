@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <kvevict/model/model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -21,12 +22,11 @@
 #include <utility>
 #include <vector>
 
-#include "cli_support/anchor_inserter.hpp"
-#include "cli_support/log_loss.hpp"
-#include "cli_support/policy_setup.hpp"
-#include "cli_support/sampling.hpp"
-#include "cli_support/text_pieces.hpp"
-#include "model/model.hpp"
+#include "cli_common/anchor_inserter.hpp"
+#include "cli_common/log_loss.hpp"
+#include "cli_common/policy_setup.hpp"
+#include "cli_common/sampling.hpp"
+#include "cli_common/text_pieces.hpp"
 #include "support/expect_error.hpp"
 
 namespace {

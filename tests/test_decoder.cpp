@@ -12,6 +12,9 @@
 #include <cstring>
 #include <functional>
 #include <kvevict/kvevict.hpp>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
+#include <kvevict/model/random_model.hpp>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -19,10 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "model/decoder.hpp"
 #include "model/half.hpp"
-#include "model/model.hpp"
-#include "model/random_model.hpp"
+#include "model/matmul.hpp"
 #include "support/expect_error.hpp"
 
 namespace {

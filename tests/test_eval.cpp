@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <kvevict/model/random_model.hpp>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -22,7 +23,6 @@
 #include "eval/grid.hpp"
 #include "eval/sha256.hpp"
 #include "model/model_io.hpp"
-#include "model/random_model.hpp"
 #include "support/expect_error.hpp"
 
 namespace {

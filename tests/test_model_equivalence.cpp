@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <string>
 #include <vector>
 
-#include "model/decoder.hpp"
 #include "model/model_io.hpp"
-#include "model/random_model.hpp"
 
 namespace {
 

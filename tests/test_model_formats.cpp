@@ -15,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <kvevict/error.hpp>
+#include <kvevict/model/model.hpp>
 #include <kvevict/rope.hpp>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -27,7 +28,6 @@
 #include "model/gguf.hpp"
 #include "model/half.hpp"
 #include "model/llama2c.hpp"
-#include "model/model.hpp"
 #include "model/model_io.hpp"
 #include "model/safetensors.hpp"
 #include "support/expect_error.hpp"

@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "replay.hpp"
+#include "replay/replay.hpp"
 
 namespace {
 

@@ -5,10 +5,10 @@
 
 #include <cstdint>
 #include <kvevict/error.hpp>
+#include <kvevict/model/model.hpp>
 #include <string>
 #include <vector>
 
-#include "model/model.hpp"
 #include "model/model_io.hpp"
 
 namespace {

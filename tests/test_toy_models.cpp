@@ -22,14 +22,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include "model/decoder.hpp"
-#include "model/model.hpp"
 
 namespace {
 

@@ -12,20 +12,20 @@
 #include <cstdint>
 #include <iostream>
 #include <kvevict/error.hpp>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "cli_support/anchor_inserter.hpp"
-#include "cli_support/cli_options.hpp"
-#include "cli_support/policy_setup.hpp"
-#include "cli_support/report.hpp"
-#include "cli_support/sampling.hpp"
+#include "cli_common/anchor_inserter.hpp"
+#include "cli_common/cli_options.hpp"
+#include "cli_common/policy_setup.hpp"
+#include "cli_common/report.hpp"
+#include "cli_common/sampling.hpp"
 #include "command.hpp"
-#include "model/decoder.hpp"
-#include "model/model.hpp"
 
 namespace kvevict::cli {
 namespace {

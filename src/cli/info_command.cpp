@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iostream>
 #include <kvevict/error.hpp>
+#include <kvevict/model/model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/slot_table.hpp>
 #include <map>
@@ -15,11 +16,10 @@
 #include <system_error>
 #include <vector>
 
-#include "cli_support/cli_options.hpp"
-#include "cli_support/policy_setup.hpp"
-#include "cli_support/report.hpp"
+#include "cli_common/cli_options.hpp"
+#include "cli_common/policy_setup.hpp"
+#include "cli_common/report.hpp"
 #include "command.hpp"
-#include "model/model.hpp"
 
 namespace kvevict::cli {
 namespace {

@@ -7,15 +7,15 @@
 #include <filesystem>
 #include <iostream>
 #include <kvevict/error.hpp>
+#include <kvevict/model/model.hpp>
+#include <kvevict/model/random_model.hpp>
 #include <memory>
 #include <string>
 #include <system_error>
 
-#include "cli_support/report.hpp"
+#include "cli_common/report.hpp"
 #include "command.hpp"
-#include "model/model.hpp"
 #include "model/model_io.hpp"
-#include "model/random_model.hpp"
 
 namespace kvevict::cli {
 namespace {

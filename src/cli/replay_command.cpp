@@ -9,7 +9,7 @@
 
 #include "command.hpp"
 #include "kvevict/error.hpp"
-#include "replay.hpp"
+#include "replay/replay.hpp"
 
 namespace kvevict::cli {
 namespace {

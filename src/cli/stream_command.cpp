@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <iostream>
 #include <kvevict/error.hpp>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
 #include <memory>
 #include <optional>
 #include <span>
@@ -29,15 +31,13 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_support/anchor_inserter.hpp"
-#include "cli_support/cli_options.hpp"
-#include "cli_support/log_loss.hpp"
-#include "cli_support/policy_setup.hpp"
-#include "cli_support/report.hpp"
-#include "cli_support/text_pieces.hpp"
+#include "cli_common/anchor_inserter.hpp"
+#include "cli_common/cli_options.hpp"
+#include "cli_common/log_loss.hpp"
+#include "cli_common/policy_setup.hpp"
+#include "cli_common/report.hpp"
+#include "cli_common/text_pieces.hpp"
 #include "command.hpp"
-#include "model/decoder.hpp"
-#include "model/model.hpp"
 
 namespace kvevict::cli {
 namespace {

@@ -19,6 +19,7 @@
 // first token of the stream has no prediction and gets 0.
 #pragma once
 
+#include <Eigen/Core>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -30,8 +31,7 @@
 #include <span>
 #include <vector>
 
-#include "matmul.hpp"
-#include "model.hpp"
+#include "kvevict/model/model.hpp"
 
 namespace kvevict::model {
 
@@ -206,7 +206,8 @@ class Decoder {
   std::vector<float> scores_;          // [n, live] one query head's attention; grows with the cache
   std::vector<float> rows_;            // [heads][queries][stride] probabilities for the policy
   std::vector<int> keys_per_kv_head_;  // [kv_heads]
-  RowMatrix key_scratch_;              // rotated keys of one KV head (pre-RoPE storage)
+  Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>
+      key_scratch_;  // rotated keys of one KV head (pre-RoPE storage)
   // feed(): every chunk's logits / surprisal when asked for.
   std::vector<float> feed_logits_;
   std::vector<float> feed_surprisal_;

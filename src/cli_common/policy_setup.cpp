@@ -1,4 +1,4 @@
-#include "cli_support/policy_setup.hpp"
+#include "cli_common/policy_setup.hpp"
 
 #include <fmt/format.h>
 

@@ -15,7 +15,7 @@
 #include <map>
 #include <set>
 
-#include "cli_support/report.hpp"
+#include "cli_common/report.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"

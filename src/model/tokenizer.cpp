@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
+#include <kvevict/model/model.hpp>
 #include <queue>
 #include <string>
 #include <string_view>
@@ -9,7 +10,6 @@
 #include <vector>
 
 #include "kvevict/error.hpp"
-#include "model.hpp"
 #include "model_io.hpp"
 
 namespace kvevict::model {

@@ -8,20 +8,20 @@
 #include <fstream>
 #include <iterator>
 #include <kvevict/error.hpp>
+#include <kvevict/model/decoder.hpp>
 #include <kvevict/policies/infinipot.hpp>
 #include <map>
 #include <memory>
 #include <set>
 #include <span>
 
-#include "cli_support/anchor_inserter.hpp"
-#include "cli_support/log_loss.hpp"
-#include "cli_support/policy_setup.hpp"
-#include "cli_support/report.hpp"
+#include "cli_common/anchor_inserter.hpp"
+#include "cli_common/log_loss.hpp"
+#include "cli_common/policy_setup.hpp"
+#include "cli_common/report.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
-#include "model/decoder.hpp"
 
 namespace kvevict::eval {
 namespace {

@@ -1,4 +1,4 @@
-#include "cli_support/anchor_inserter.hpp"
+#include "cli_common/anchor_inserter.hpp"
 
 #include <kvevict/error.hpp>
 

@@ -5,12 +5,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
-
-#include "model/decoder.hpp"
-#include "model/model.hpp"
 
 namespace kvevict::cli {
 

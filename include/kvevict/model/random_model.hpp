@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "model.hpp"
+#include "kvevict/model/model.hpp"
 
 namespace kvevict::model {
 

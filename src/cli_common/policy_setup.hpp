@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
 #include <kvevict/policy.hpp>
 #include <kvevict/policy_params.hpp>
 #include <map>
@@ -17,9 +19,6 @@
 #include <string_view>
 #include <variant>
 #include <vector>
-
-#include "model/decoder.hpp"
-#include "model/model.hpp"
 
 namespace kvevict::cli {
 

@@ -8,8 +8,7 @@
 #pragma once
 
 #include <Eigen/Core>
-
-#include "model.hpp"
+#include <kvevict/model/model.hpp>
 
 namespace kvevict::model {
 

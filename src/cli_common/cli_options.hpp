@@ -5,8 +5,8 @@
 #include <CLI/CLI.hpp>
 #include <string>
 
-#include "cli_support/policy_setup.hpp"
-#include "cli_support/sampling.hpp"
+#include "cli_common/policy_setup.hpp"
+#include "cli_common/sampling.hpp"
 
 namespace kvevict::cli {
 

@@ -1,4 +1,4 @@
-#include "cli_support/log_loss.hpp"
+#include "cli_common/log_loss.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "cli_support/report.hpp"
+#include "cli_common/report.hpp"
 
 #include <fmt/format.h>
 #include <unistd.h>

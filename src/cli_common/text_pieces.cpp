@@ -1,4 +1,4 @@
-#include "cli_support/text_pieces.hpp"
+#include "cli_common/text_pieces.hpp"
 
 #include <fmt/format.h>
 

@@ -1,13 +1,12 @@
 // Model contract (dtype helpers, config validation, weight accounting, format dispatch) and the
 // helpers the format readers and writers share.
-#include "model.hpp"
-
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <kvevict/model/model.hpp>
 #include <limits>
 #include <new>
 #include <system_error>

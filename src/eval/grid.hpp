@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <kvevict/model/model.hpp>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
@@ -15,7 +16,6 @@
 
 #include "eval/config.hpp"
 #include "eval/documents.hpp"
-#include "model/model.hpp"
 
 namespace kvevict::eval {
 

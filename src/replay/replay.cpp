@@ -1,4 +1,4 @@
-#include "replay.hpp"
+#include "replay/replay.hpp"
 
 #include <algorithm>
 #include <array>

@@ -17,10 +17,9 @@
 #pragma once
 
 #include <cstdint>
+#include <kvevict/model/model.hpp>
 #include <span>
 #include <vector>
-
-#include "model/model.hpp"
 
 namespace kvevict::cli {
 

@@ -1,4 +1,4 @@
-#include "cli_support/sampling.hpp"
+#include "cli_common/sampling.hpp"
 
 #include <fmt/format.h>
 

@@ -54,13 +54,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <kvevict/model/model.hpp>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include "model.hpp"
 
 namespace kvevict::model {
 

@@ -1,12 +1,12 @@
-#include "decoder.hpp"
-
 #include <algorithm>
 #include <cmath>
+#include <kvevict/model/decoder.hpp>
 #include <string>
 #include <utility>
 
 #include "kvevict/error.hpp"
 #include "kvevict/signals.hpp"
+#include "matmul.hpp"
 
 namespace kvevict::model {
 namespace {

@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_support/policy_setup.hpp"
+#include "cli_common/policy_setup.hpp"
 
 namespace kvevict::eval {
 

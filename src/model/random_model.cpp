@@ -1,9 +1,8 @@
-#include "random_model.hpp"
-
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <kvevict/model/random_model.hpp>
 #include <memory>
 #include <vector>
 
