@@ -1,0 +1,295 @@
+// The replay simulator: drives a policy through kvevict's own Sequence with the synthetic attention
+// oracle of docs/replay-format.md ("Simulated forward") and records the kept original positions.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvevict/pipeline.hpp"
+#include "kvevict/policy_registry.hpp"
+#include "kvevict/signals.hpp"
+#include "kvevict/slot_table.hpp"
+#include "replay/replay.hpp"
+
+namespace kvevict::replay {
+namespace {
+
+// Checks the invariants parse_replay establishes, so that a hand-built Replay cannot index out of
+// bounds.
+void check_consistent(const Replay& replay) {
+  const ReplayShape& shape = replay.shape;
+  KVEVICT_REQUIRE(shape.layers > 0 && shape.q_heads > 0 && shape.kv_heads > 0 &&
+                      shape.q_heads % shape.kv_heads == 0,
+                  "replay: invalid shape");
+  KVEVICT_REQUIRE(replay.tokens > 0 && replay.tokens <= kMaxTokens, "replay: invalid token count");
+  std::int64_t covered = 0;
+  for (int size : replay.chunks) {
+    KVEVICT_REQUIRE(size > 0, "replay: chunk sizes must be positive");
+    covered += size;
+  }
+  KVEVICT_REQUIRE(covered == replay.tokens, "replay: chunk sizes do not sum to tokens");
+  const auto t = static_cast<std::size_t>(replay.tokens);
+  const auto layer_heads = static_cast<std::size_t>(shape.layers) * shape.q_heads;
+  KVEVICT_REQUIRE(replay.logits.size() == layer_heads * t * t,
+                  "replay: logits do not have [layers][q_heads][tokens][tokens] entries");
+  KVEVICT_REQUIRE(!replay.surprisal || replay.surprisal->size() == t,
+                  "replay: surprisal needs one value per token");
+  KVEVICT_REQUIRE(!replay.token_ids || replay.token_ids->size() == t,
+                  "replay: token_ids needs one id per token");
+  if (replay.catalyst) {
+    const auto p = static_cast<std::size_t>(replay.catalyst->length);
+    KVEVICT_REQUIRE(
+        replay.catalyst->length > 0 && replay.catalyst->logits.size() == layer_heads * p * (t + p),
+        "replay: catalyst logits do not have [layers][q_heads][P][tokens + P] entries");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Simulated forward (replay-format.md, "Simulated forward")
+// ---------------------------------------------------------------------------------------------
+
+// Writes into `row` the softmax, computed in double, of logit(s) over the slots s < keys with
+// allowed(s); the other slots get probability 0.
+template <class AllowedFn, class LogitFn>
+void softmax_row(int keys, AllowedFn allowed, LogitFn logit, std::span<float> row,
+                 std::vector<double>& scratch) {
+  scratch.resize(static_cast<std::size_t>(keys));
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (int s = 0; s < keys; ++s) {
+    if (!allowed(s)) continue;
+    scratch[static_cast<std::size_t>(s)] = logit(s);
+    max_logit = std::max(max_logit, scratch[static_cast<std::size_t>(s)]);
+  }
+  double sum = 0.0;
+  for (int s = 0; s < keys; ++s) {
+    if (!allowed(s)) continue;
+    double& value = scratch[static_cast<std::size_t>(s)];
+    value = std::exp(value - max_logit);
+    sum += value;
+  }
+  for (int s = 0; s < keys; ++s) {
+    row[static_cast<std::size_t>(s)] =
+        allowed(s) ? static_cast<float>(scratch[static_cast<std::size_t>(s)] / sum) : 0.0f;
+  }
+}
+
+class Simulator {
+ public:
+  Simulator(const Replay& replay, std::unique_ptr<Policy> policy)
+      : replay_(replay),
+        slots_(replay.shape.layers, replay.shape.kv_heads,
+               replay.tokens + (replay.catalyst ? replay.catalyst->length : 0) + 1,
+               checked(policy).score_columns()),
+        pipeline_(slots_, std::move(policy)),
+        keys_per_kv_head_(static_cast<std::size_t>(replay.shape.kv_heads)) {
+    const std::string policy_name(pipeline_.policy().name());
+    if (pipeline_.wants(Signal::surprisal) && !replay.surprisal) {
+      throw ReplayError("policy '" + policy_name +
+                        "' observes surprisal, but the replay has no \"surprisal\"");
+    }
+    if (pipeline_.wants(Signal::token_ids) && !replay.token_ids) {
+      throw ReplayError("policy '" + policy_name +
+                        "' reads token ids, but the replay has no \"token_ids\"");
+    }
+    if (pipeline_.wants(Signal::catalyst_attention) && !replay.catalyst) {
+      throw ReplayError("policy '" + policy_name +
+                        "' observes catalyst attention, but the replay has no \"catalyst\"");
+    }
+    if (!replay.token_ids) zero_ids_.assign(static_cast<std::size_t>(replay.tokens), 0);
+    if (replay.catalyst) catalyst_ids_.assign(static_cast<std::size_t>(replay.catalyst->length), 0);
+  }
+
+  ReplayResult run() {
+    ReplayResult result;
+    result.after_chunk.reserve(replay_.chunks.size());
+    std::int64_t begin = 0;
+    for (std::size_t k = 0; k < replay_.chunks.size(); ++k) {
+      const std::int64_t end = begin + replay_.chunks[k];
+      try {
+        feed_input_chunk(begin, end);
+      } catch (const Error& error) {
+        throw ReplayError("chunk " + std::to_string(k) + " (positions [" + std::to_string(begin) +
+                          ", " + std::to_string(end) + ")): " + error.what());
+      }
+      result.after_chunk.push_back(kept_now());
+      begin = end;
+    }
+    return result;
+  }
+
+ private:
+  static Policy& checked(const std::unique_ptr<Policy>& policy) {
+    KVEVICT_REQUIRE(policy != nullptr, "run_replay: policy is null");
+    return *policy;
+  }
+
+  // One input chunk, split where the policy's pot would overflow (an engine does the same).
+  void feed_input_chunk(std::int64_t begin, std::int64_t end) {
+    bool turn_start = true;  // every input chunk of a replay is a turn
+    while (begin < end) {
+      std::int64_t size = end - begin;
+      const std::optional<int> room = pipeline_.policy().pot_room(slots_);
+      if (room && *room > 0 && size > *room) size = *room;
+      forward(begin, begin + size, turn_start);
+      turn_start = false;
+      begin += size;
+    }
+  }
+
+  void forward(std::int64_t begin, std::int64_t end, bool turn_start) {
+    const int size = static_cast<int>(end - begin);
+    pipeline_.before_chunk(size, turn_start);
+    const std::vector<std::int32_t>& ids = replay_.token_ids ? *replay_.token_ids : zero_ids_;
+    pipeline_.append_chunk(std::span<const std::int32_t>(ids).subspan(
+        static_cast<std::size_t>(begin), static_cast<std::size_t>(size)));
+
+    if (pipeline_.wants(Signal::attention_rows)) {
+      for (int l = 0; l < replay_.shape.layers; ++l) observe_forward_rows(l, begin, end);
+    } else if (pipeline_.wants(Signal::last_attention_row)) {
+      for (int l = 0; l < replay_.shape.layers; ++l) observe_forward_rows(l, end - 1, end);
+    }
+    if (pipeline_.wants(Signal::surprisal)) {
+      pipeline_.observe_surprisal(
+          std::span<const float>(*replay_.surprisal)
+              .subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(size)));
+    }
+    pipeline_.end_forward();
+
+    if (pipeline_.catalyst_pending()) {
+      run_catalyst();
+      if (pipeline_.catalyst_pending()) {
+        throw ReplayError("policy '" + std::string(pipeline_.policy().name()) +
+                          "' still reports a full pot after distillation");
+      }
+    }
+  }
+
+  // Slots per KV head of `layer` (into keys_per_kv_head_); returns the largest.
+  int count_keys(int layer) {
+    int widest = 0;
+    for (int g = 0; g < replay_.shape.kv_heads; ++g) {
+      keys_per_kv_head_[static_cast<std::size_t>(g)] = slots_.live(layer, g);
+      widest = std::max(widest, slots_.live(layer, g));
+    }
+    return widest;
+  }
+
+  // Attention rows of queries [first_query, end) in `layer`, over the slots now in the cache.
+  void observe_forward_rows(int layer, std::int64_t first_query, std::int64_t end) {
+    const ReplayShape& shape = replay_.shape;
+    const int queries = static_cast<int>(end - first_query);
+    const int stride = count_keys(layer);
+    rows_.assign(static_cast<std::size_t>(shape.q_heads) * queries * stride, 0.0f);
+    for (int h = 0; h < shape.q_heads; ++h) {
+      const int g = h / shape.group_size();
+      const std::span<const std::int64_t> original = slots_.original_positions(layer, g);
+      for (int q = 0; q < queries; ++q) {
+        const std::int64_t query = first_query + q;
+        softmax_row(
+            slots_.live(layer, g),
+            [&](int s) { return original[static_cast<std::size_t>(s)] <= query; },
+            [&](int s) {
+              return replay_.logit(layer, h, query, original[static_cast<std::size_t>(s)]);
+            },
+            row_span(h, q, queries, stride), scratch_);
+      }
+    }
+    const AttentionRows rows(rows_.data(), shape.q_heads, shape.group_size(), queries, stride,
+                             keys_per_kv_head_, first_query);
+    pipeline_.observe_attention(layer, rows);
+  }
+
+  // The catalyst prompt attends to the pot and to itself, then is rolled back; the policy
+  // distills on end_catalyst().
+  void run_catalyst() {
+    if (!replay_.catalyst) {
+      throw ReplayError("policy '" + std::string(pipeline_.policy().name()) +
+                        "' needs a catalyst prompt, but the replay has no \"catalyst\"");
+    }
+    const ReplayShape& shape = replay_.shape;
+    const int length = replay_.catalyst->length;
+    const std::int64_t first_query = pipeline_.stats().tokens_fed;
+    pipeline_.begin_catalyst(catalyst_ids_);
+    for (int l = 0; l < shape.layers; ++l) {
+      const int stride = count_keys(l);
+      rows_.assign(static_cast<std::size_t>(shape.q_heads) * length * stride, 0.0f);
+      for (int h = 0; h < shape.q_heads; ++h) {
+        const int g = h / shape.group_size();
+        const std::span<const std::int64_t> original = slots_.original_positions(l, g);
+        const std::span<const std::uint8_t> flags = slots_.flags(l, g);
+        const int base = pipeline_.catalyst_base(l, g);
+        const auto is_catalyst = [&](int s) {
+          return (flags[static_cast<std::size_t>(s)] & slot_flag::catalyst) != 0;
+        };
+        for (int p = 0; p < length; ++p) {
+          softmax_row(
+              slots_.live(l, g), [&](int s) { return !is_catalyst(s) || s - base <= p; },
+              [&](int s) {
+                const std::int64_t column = is_catalyst(s)
+                                                ? std::int64_t{replay_.tokens} + (s - base)
+                                                : original[static_cast<std::size_t>(s)];
+                return replay_.catalyst_logit(l, h, p, column);
+              },
+              row_span(h, p, length, stride), scratch_);
+        }
+      }
+      const AttentionRows rows(rows_.data(), shape.q_heads, shape.group_size(), length, stride,
+                               keys_per_kv_head_, first_query);
+      pipeline_.observe_catalyst(l, rows);
+    }
+    pipeline_.end_catalyst();
+  }
+
+  std::span<float> row_span(int q_head, int query, int queries, int stride) {
+    const std::size_t offset = (static_cast<std::size_t>(q_head) * queries + query) * stride;
+    return {rows_.data() + offset, static_cast<std::size_t>(stride)};
+  }
+
+  ChunkKept kept_now() const {
+    ChunkKept chunk;
+    chunk.kept.resize(static_cast<std::size_t>(replay_.shape.layers));
+    for (int l = 0; l < replay_.shape.layers; ++l) {
+      auto& layer = chunk.kept[static_cast<std::size_t>(l)];
+      layer.reserve(static_cast<std::size_t>(replay_.shape.kv_heads));
+      for (int g = 0; g < replay_.shape.kv_heads; ++g) {
+        const std::span<const std::int64_t> original = slots_.original_positions(l, g);
+        std::vector<std::int64_t> positions(original.begin(), original.end());
+        std::sort(positions.begin(), positions.end());
+        layer.push_back(std::move(positions));
+      }
+    }
+    return chunk;
+  }
+
+  const Replay& replay_;
+  SlotTable slots_;
+  EvictionPipeline pipeline_;
+  std::vector<int> keys_per_kv_head_;
+  std::vector<std::int32_t> zero_ids_;      // token ids when the replay has none
+  std::vector<std::int32_t> catalyst_ids_;  // dummy ids of the catalyst prompt
+  std::vector<float> rows_;                 // [q_heads][queries][stride] of one layer
+  std::vector<double> scratch_;             // one row's logits / exponentials
+};
+
+}  // namespace
+
+ReplayResult run_replay(const Replay& replay) {
+  std::unique_ptr<Policy> policy;
+  try {
+    policy = make_policy(replay.policy_name, replay.policy_params);
+  } catch (const Error& error) {
+    throw ReplayError(std::string("policy: ") + error.what());
+  }
+  return run_replay(replay, std::move(policy));
+}
+
+ReplayResult run_replay(const Replay& replay, std::unique_ptr<Policy> policy) {
+  check_consistent(replay);
+  Simulator simulator(replay, std::move(policy));
+  return simulator.run();
+}
+
+}  // namespace kvevict::replay
