@@ -12,9 +12,7 @@
 
 namespace {
 
-using kvevict::EvictionPipeline;
 using kvevict::PolicyParams;
-using kvevict::SlotTable;
 using Ids = std::vector<std::int32_t>;
 using Positions = std::vector<std::int64_t>;
 
@@ -25,36 +23,42 @@ constexpr std::int32_t kAc = 32001;   // AnLLM-AC's <AC>
 class Stream {
  public:
   explicit Stream(std::unique_ptr<kvevict::Policy> policy)
-      : slots_(2, 2, 64, policy->score_columns()), pipeline_(slots_, std::move(policy)) {}
+      : sequence_(config(), std::move(policy)) {}
 
   // One forward of these token ids.
   void feed(const Ids& ids) {
-    pipeline_.before_chunk(static_cast<int>(ids.size()), false);
-    pipeline_.append_chunk(ids);
-    pipeline_.end_forward();
+    sequence_.begin_chunk(ids);
+    sequence_.end_forward();
   }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    return kvevict::test::kept_positions(slots_, l, g);
+    return kvevict::test::kept_positions(sequence_.slots(), sequence_.unit_of(l, g));
   }
   [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    return kvevict::test::rope_positions(slots_, l, g);
+    return kvevict::test::rope_positions(sequence_.slots(), sequence_.unit_of(l, g));
   }
   void expect_uniform() const {
-    for (int l = 0; l < slots_.layers(); ++l) {
-      for (int g = 0; g < slots_.kv_heads(); ++g) EXPECT_EQ(kept(l, g), kept());
+    for (int l = 0; l < 2; ++l) {
+      for (int g = 0; g < 2; ++g) EXPECT_EQ(kept(l, g), kept());
     }
   }
-  [[nodiscard]] const EvictionPipeline& pipeline() const { return pipeline_; }
+  [[nodiscard]] const kvevict::SequenceStats& stats() const { return sequence_.stats(); }
 
  private:
-  SlotTable slots_;
-  EvictionPipeline pipeline_;
+  static kvevict::SequenceConfig config() {
+    kvevict::SequenceConfig c;
+    c.layers = 2;
+    c.q_heads = 2;
+    c.kv_heads = 2;
+    c.max_chunk = 64;
+    return c;
+  }
+
+  kvevict::Sequence sequence_;
 };
 
 std::unique_ptr<kvevict::Policy> anllm(Ids anchors, int max_slots = 0) {
-  return std::make_unique<kvevict::AnLlmPolicy>(
-      kvevict::AnLlmConfig{std::move(anchors), max_slots});
+  return kvevict::make_anllm(kvevict::AnLlmConfig{std::move(anchors), max_slots});
 }
 
 TEST(AnLlmPolicy, DeclaresItsSignalsTriggersAndFlags) {
@@ -62,7 +66,10 @@ TEST(AnLlmPolicy, DeclaresItsSignalsTriggersAndFlags) {
   EXPECT_EQ(policy->name(), "anllm");
   EXPECT_TRUE(policy->signals().contains(kvevict::Signal::token_ids));
   EXPECT_TRUE(policy->triggers().contains(kvevict::Trigger::anchor));
-  EXPECT_TRUE(policy->triggers().contains(kvevict::Trigger::after_forward));
+  // The paper reduces only after a forward holding an anchor; the cap (a SlotCap decorator) also
+  // acts after every other forward.
+  EXPECT_FALSE(policy->triggers().contains(kvevict::Trigger::after_forward));
+  EXPECT_TRUE(anllm({kPeriod}, 16)->triggers().contains(kvevict::Trigger::after_forward));
   EXPECT_EQ(policy->score_columns(), 0);
   EXPECT_EQ(policy->default_position_mode(), kvevict::PositionMode::original);
   EXPECT_EQ(policy->retained_limit(), std::nullopt);  // the paper's cache is unbounded
@@ -78,7 +85,7 @@ TEST(AnLlmPolicy, StreamWithoutAnchorsOnlyGrows) {
   stream.feed({103});
   stream.feed({104, 105});
   EXPECT_EQ(stream.kept(), (Positions{0, 1, 2, 3, 4, 5, 6}));
-  EXPECT_EQ(stream.pipeline().stats().evicted_slots, 0);
+  EXPECT_EQ(stream.stats().evicted_slots, 0);
 }
 
 TEST(AnLlmPolicy, ReducesToAnchorsPlusTailAfterTheNewestAnchor) {
@@ -133,8 +140,7 @@ TEST(AnLlmPolicy, RejectsBadConfigurations) {
   EXPECT_THROW(anllm({-5}), kvevict::Error);
   EXPECT_THROW(anllm({kPeriod}, -1), kvevict::Error);
   // Duplicates are harmless.
-  EXPECT_EQ(kvevict::AnLlmPolicy(kvevict::AnLlmConfig{{kAc, kPeriod, kAc}, 0}).anchor_ids().size(),
-            2u);
+  EXPECT_EQ(kvevict::AnLlmPolicy({kAc, kPeriod, kAc}).anchor_ids().size(), 2u);
 }
 
 TEST(AnLlmPolicy, RegistryReadsTheReplayParameters) {

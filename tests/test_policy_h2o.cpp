@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <kvevict/error.hpp>
-#include <kvevict/pipeline.hpp>
 #include <kvevict/policies/h2o.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/slot_table.hpp>
@@ -23,11 +22,8 @@
 
 namespace {
 
-using kvevict::EvictionPipeline;
 using kvevict::H2oConfig;
-using kvevict::H2oPolicy;
 using kvevict::PolicyParams;
-using kvevict::SlotTable;
 using kvevict::test::every_head;
 using kvevict::test::expect_error;
 using kvevict::test::Harness;
@@ -36,7 +32,7 @@ using kvevict::test::LayerRows;
 using kvevict::test::Positions;
 
 std::unique_ptr<kvevict::Policy> h2o(int heavy, int recent) {
-  return std::make_unique<H2oPolicy>(H2oConfig{heavy, recent});
+  return kvevict::make_h2o(H2oConfig{heavy, recent});
 }
 
 void expect_scores_near(const std::vector<float>& actual, const std::vector<float>& expected) {
@@ -54,7 +50,7 @@ TEST(H2oPolicy, SteadyDecodeDropsTheArgminAmongNonRecentSlots) {
   run.feed(4, HeadRows{{1.0f}, {0.5f, 0.5f}, {0.2f, 0.6f, 0.2f}, {0.1f, 0.3f, 0.4f, 0.2f}});
   EXPECT_EQ(run.kept(), (Positions{0, 1, 2, 3}));
   expect_scores_near(run.scores(), {1.8f, 1.4f, 0.6f, 0.2f});
-  EXPECT_EQ(run.pipeline().stats().compactions, 0);
+  EXPECT_EQ(run.stats().decisions, 0);
 
   // Token 4 attends [.1 .2 .3 .1 .3] -> sums 1.9 1.6 .9 .3 .3. Recent = positions 3, 4; the top 2
   // of {0: 1.9, 1: 1.6, 2: .9} keep 0 and 1, so 2 goes although 3 scores less (3 is recent).
@@ -73,8 +69,8 @@ TEST(H2oPolicy, SteadyDecodeDropsTheArgminAmongNonRecentSlots) {
   EXPECT_EQ(run.kept(), (Positions{0, 4, 5, 6}));
   expect_scores_near(run.scores(), {2.05f, 1.7f, 0.3f, 0.0f});
 
-  EXPECT_EQ(run.pipeline().stats().evicted_slots, 3);  // exactly one slot per decode step
-  EXPECT_EQ(run.positions(), run.kept());              // original positions by default
+  EXPECT_EQ(run.stats().evicted_slots, 3);  // exactly one slot per decode step
+  EXPECT_EQ(run.positions(), run.kept());   // original positions by default
 }
 
 TEST(H2oPolicy, PrefillLongerThanTheBudgetIsCutInOneShot) {
@@ -99,7 +95,7 @@ TEST(H2oPolicy, PrefillLongerThanTheBudgetIsCutInOneShot) {
   EXPECT_EQ(run.kept(0), (Positions{1, 3, 4}));
   EXPECT_EQ(run.kept(1), (Positions{0, 3, 4}));
   expect_scores_near(run.scores(0), {3.2f, 0.2f, 0.1f});
-  EXPECT_EQ(run.pipeline().stats().compactions, 1);  // one cut, not one per token
+  EXPECT_EQ(run.stats().decisions, 1);  // one cut, not one per token
 }
 
 TEST(H2oPolicy, NewTokensStartAtTheirColumnSumsWithinTheChunkAndAreNeverNormalised) {
@@ -129,7 +125,7 @@ TEST(H2oPolicy, BudgetCoveringEveryTokenEvictsNothing) {
   for (int l = 0; l < 2; ++l) {
     for (int g = 0; g < 2; ++g) EXPECT_EQ(run.kept(l, g), (Positions{0, 1, 2, 3, 4, 5, 6, 7}));
   }
-  EXPECT_EQ(run.pipeline().stats().compactions, 0);
+  EXPECT_EQ(run.stats().decisions, 0);
 }
 
 TEST(H2oPolicy, GqaScoreIsTheSumOverTheGroupsQueryHeads) {
@@ -179,11 +175,19 @@ TEST(H2oPolicy, NanAttentionIsAnError) {
 }
 
 TEST(H2oPolicy, InvalidConfigurationsAreErrors) {
-  expect_error([] { H2oPolicy policy(H2oConfig{-1, 4}); }, "h2o: heavy must be >= 0, got -1");
-  expect_error([] { H2oPolicy policy(H2oConfig{4, -1}); }, "h2o: recent must be >= 0, got -1");
-  expect_error([] { H2oPolicy policy(H2oConfig{0, 0}); }, "heavy + recent must be positive");
+  expect_error(
+      [] {
+        (void)kvevict::make_h2o(H2oConfig{-1, 4});
+      },
+      "h2o: heavy must be >= 0, got -1");
+  expect_error(
+      [] {
+        (void)kvevict::make_h2o(H2oConfig{4, -1});
+      },
+      "h2o: recent must be >= 0, got -1");
+  expect_error([] { (void)kvevict::make_h2o(H2oConfig{0, 0}); }, "heavy + recent must be positive");
   expect_error([] { (void)kvevict::make_policy("h2o", PolicyParams().set("heavy", 2)); },
-               "missing parameter 'recent'");
+               "policy 'h2o' needs parameter 'recent'");
   expect_error(
       [] {
         (void)kvevict::make_policy("h2o",
@@ -202,9 +206,10 @@ TEST(H2oPolicy, RegistryBuildsItWithTheReplayParameterNames) {
   EXPECT_TRUE(policy->signals().contains(kvevict::Signal::attention_rows));
   EXPECT_TRUE(policy->triggers().contains(kvevict::Trigger::after_forward));
   EXPECT_EQ(policy->default_position_mode(), kvevict::PositionMode::original);
-  const auto& config = dynamic_cast<const H2oPolicy&>(*policy).config();
-  EXPECT_EQ(config.heavy, 3);
-  EXPECT_EQ(config.recent, 5);
+  // The recent window is a decorator around the heavy-hitter rule (policies/protection.hpp).
+  const auto& recent = dynamic_cast<const kvevict::ProtectNewest&>(*policy);
+  EXPECT_EQ(recent.count(), 5);
+  EXPECT_EQ(dynamic_cast<const kvevict::HeavyHitterPolicy&>(recent.inner()).retained_limit(), 3);
 }
 
 }  // namespace

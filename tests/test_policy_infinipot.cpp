@@ -1,5 +1,5 @@
 // InfiniPot: keep-sets derived by hand from the paper (Sec. 3.3.3 and Appendix B), driven through
-// an EvictionPipeline with hand-built catalyst attention rows. Every expected set is worked out in
+// a Sequence with hand-built catalyst attention rows. Every expected set is worked out in
 // the comment above it; none is taken from the fixtures or from the code's own output.
 #include <gtest/gtest.h>
 
@@ -19,8 +19,6 @@
 
 namespace {
 
-using kvevict::CompactionPlan;
-using kvevict::EvictionPipeline;
 using kvevict::InfiniPotConfig;
 using kvevict::InfiniPotPolicy;
 using kvevict::PolicyParams;
@@ -30,76 +28,95 @@ using Positions = std::vector<std::int64_t>;
 // Catalyst attention of (layer, query head, catalyst query, pot slot).
 using CatalystAttention = std::function<float(int layer, int q_head, int query, int slot)>;
 
-// One sequence: a slot table sized for the pot plus the catalyst, and its pipeline.
+// One sequence with room for the pot plus a chunk or the catalyst. Rows are built in stream order
+// (pot token i, then catalyst token c) and laid out by slot.
 class Rig {
  public:
   Rig(int layers, int q_heads, int kv_heads, const InfiniPotConfig& config, int max_chunk)
-      : q_heads_(q_heads),
-        slots_(layers, kv_heads, config.pot + max_chunk, 2),
-        pipeline_(slots_, std::make_unique<InfiniPotPolicy>(config)) {}
+      : sequence_(sequence_config(layers, q_heads, kv_heads, max_chunk),
+                  std::make_unique<InfiniPotPolicy>(config)) {}
 
-  SlotTable& slots() { return slots_; }
-  EvictionPipeline& pipeline() { return pipeline_; }
+  kvevict::Sequence& sequence() { return sequence_; }
+  const SlotTable& slots() const { return sequence_.slots(); }
+  const kvevict::SequenceStats& stats() const { return sequence_.stats(); }
 
   // One forward over surprisal.size() tokens; the surprisal is handed in when the policy asks.
   void feed(const std::vector<float>& surprisal) {
-    const int n = static_cast<int>(surprisal.size());
-    pipeline_.before_chunk(n, false);
-    pipeline_.append_chunk(std::vector<std::int32_t>(surprisal.size(), 42));
-    if (pipeline_.wants(kvevict::Signal::surprisal)) pipeline_.observe_surprisal(surprisal);
-    EXPECT_EQ(pipeline_.end_forward(), nullptr);  // InfiniPot never evicts inside a forward
+    const std::int64_t decisions = stats().decisions;
+    sequence_.begin_chunk(std::vector<std::int32_t>(surprisal.size(), 42));
+    if (sequence_.wants(kvevict::Signal::surprisal)) sequence_.observe_surprisal(surprisal);
+    sequence_.end_forward();
+    EXPECT_EQ(stats().decisions, decisions);  // InfiniPot never evicts inside a forward
   }
   // A forward without surprisal (engines that skip the signal).
   void feed_without_surprisal(int n) {
-    pipeline_.before_chunk(n, false);
-    pipeline_.append_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 42));
-    EXPECT_EQ(pipeline_.end_forward(), nullptr);
+    const std::int64_t decisions = stats().decisions;
+    sequence_.begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 42));
+    sequence_.end_forward();
+    EXPECT_EQ(stats().decisions, decisions);
   }
 
-  // Opens a catalyst of `length` tokens, hands every layer its rows (pot slots from `attention`,
+  // Opens a catalyst of `length` tokens, hands every layer its rows (pot tokens from `attention`,
   // then the catalyst's own causal slots at a large 0.9 that must not matter), and closes it.
-  const CompactionPlan* catalyst(int length, const CatalystAttention& attention) {
+  // Returns whether the distillation evicted anything.
+  bool catalyst(int length, const CatalystAttention& attention) {
     open_catalyst(length);
-    for (int l = 0; l < slots_.layers(); ++l) observe_layer(l, length, attention);
-    return pipeline_.end_catalyst();
+    for (int l = 0; l < sequence_.config().layers; ++l) observe_layer(l, length, attention);
+    return close_catalyst();
   }
 
   void open_catalyst(int length) {
-    EXPECT_TRUE(pipeline_.catalyst_pending());
-    pipeline_.begin_catalyst(std::vector<std::int32_t>(static_cast<std::size_t>(length), 7));
+    EXPECT_TRUE(sequence_.catalyst_pending());
+    catalyst_length_ = length;
+    sequence_.begin_catalyst(std::vector<std::int32_t>(static_cast<std::size_t>(length), 7));
+  }
+  bool close_catalyst() {
+    const std::int64_t decisions = stats().decisions;
+    sequence_.end_catalyst();
+    return stats().decisions > decisions;
   }
 
   void observe_layer(int layer, int length, const CatalystAttention& attention) {
-    const int kv_heads = slots_.kv_heads();
-    const int group = q_heads_ / kv_heads;
-    std::vector<int> keys(static_cast<std::size_t>(kv_heads));
-    for (int g = 0; g < kv_heads; ++g) keys[static_cast<std::size_t>(g)] = slots_.live(layer, g);
-    const int stride = *std::max_element(keys.begin(), keys.end());
-    std::vector<float> rows(static_cast<std::size_t>(q_heads_ * length * stride), 0.0f);
-    for (int h = 0; h < q_heads_; ++h) {
-      const int pot = pipeline_.catalyst_base(layer, h / group);
+    const kvevict::SequenceConfig& c = sequence_.config();
+    const int group = c.q_heads / c.kv_heads;
+    kvevict::test::LayerRows rows(static_cast<std::size_t>(c.q_heads));
+    for (int h = 0; h < c.q_heads; ++h) {
+      const int pot = sequence_.live(layer, h / group) - catalyst_length_;
       for (int p = 0; p < length; ++p) {
-        float* row = rows.data() + (static_cast<std::ptrdiff_t>(h) * length + p) * stride;
-        for (int s = 0; s < pot; ++s) row[s] = attention(layer, h, p, s);
-        for (int c = 0; c <= p; ++c) row[pot + c] = 0.9f;
+        std::vector<float> row(static_cast<std::size_t>(pot + length), 0.0f);
+        for (int i = 0; i < pot; ++i) row[static_cast<std::size_t>(i)] = attention(layer, h, p, i);
+        for (int k = 0; k <= p; ++k) row[static_cast<std::size_t>(pot + k)] = 0.9f;
+        rows[static_cast<std::size_t>(h)].push_back(std::move(row));
       }
     }
-    pipeline_.observe_catalyst(
-        layer, kvevict::AttentionRows(rows.data(), q_heads_, group, length, stride, keys,
-                                      pipeline_.stats().tokens_fed));
+    sequence_.observe_catalyst(layer, rows_.make(sequence_, layer, rows, stats().tokens_fed));
   }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    return kvevict::test::kept_positions(slots_, l, g);
+    return kvevict::test::kept_positions(slots(), sequence_.unit_of(l, g));
   }
   [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    return kvevict::test::rope_positions(slots_, l, g);
+    return kvevict::test::rope_positions(slots(), sequence_.unit_of(l, g));
+  }
+  [[nodiscard]] std::vector<float> cap(int l = 0, int g = 0) const {
+    return kvevict::test::score_column(slots(), sequence_.unit_of(l, g),
+                                       InfiniPotPolicy::kCapColumn);
   }
 
  private:
-  int q_heads_;
-  SlotTable slots_;
-  EvictionPipeline pipeline_;
+  static kvevict::SequenceConfig sequence_config(int layers, int q_heads, int kv_heads,
+                                                 int max_chunk) {
+    kvevict::SequenceConfig c;
+    c.layers = layers;
+    c.q_heads = q_heads;
+    c.kv_heads = kv_heads;
+    c.max_chunk = max_chunk;
+    return c;
+  }
+
+  kvevict::Sequence sequence_;
+  kvevict::test::SlotRows rows_;
+  int catalyst_length_ = 0;
 };
 
 Positions range(std::int64_t begin, std::int64_t end) {
@@ -140,9 +157,9 @@ TEST(InfiniPotPolicy, DeclaresItsSignalsTriggerColumnsAndPositionMode) {
 // slots go to the best CaP among the rest: 0 (.30), 1 (.25). Kept {0, 1, 2, 5}.
 TEST(InfiniPotPolicy, NucForcedTokensAreKeptEvenWithZeroCatalystAttention) {
   Rig rig(1, 1, 1, InfiniPotConfig{8, 4, 2}, 1);
-  EXPECT_EQ(rig.pipeline().policy().pot_room(rig.slots()), 8);
+  EXPECT_EQ(rig.sequence().pot_room(), 8);
   rig.feed({0.1f, 0.2f, 5.0f, 0.3f, 0.4f, 4.0f, 0.5f, 0.6f});
-  ASSERT_NE(rig.catalyst(1, by_slot({.30f, .25f, 0, .05f, .12f, 0, .20f, .08f})), nullptr);
+  ASSERT_TRUE(rig.catalyst(1, by_slot({.30f, .25f, 0, .05f, .12f, 0, .20f, .08f})));
   EXPECT_EQ(rig.kept(), (Positions{0, 1, 2, 5}));
 }
 
@@ -151,7 +168,7 @@ TEST(InfiniPotPolicy, NucForcedTokensAreKeptEvenWithZeroCatalystAttention) {
 TEST(InfiniPotPolicy, NovelZeroSelectsByCatalystAttentionOnly) {
   Rig rig(1, 1, 1, InfiniPotConfig{8, 4, 0}, 1);
   rig.feed_without_surprisal(8);
-  ASSERT_NE(rig.catalyst(1, by_slot({.30f, .25f, 0, .05f, .12f, 0, .20f, .08f})), nullptr);
+  ASSERT_TRUE(rig.catalyst(1, by_slot({.30f, .25f, 0, .05f, .12f, 0, .20f, .08f})));
   EXPECT_EQ(rig.kept(), (Positions{0, 1, 4, 6}));
 }
 
@@ -183,10 +200,10 @@ TEST(InfiniPotPolicy, GqaCatalystScoreIsSummedOverTheGroupsQueryHeadsAndQueries)
   rig.open_catalyst(2);
   rig.observe_layer(0, 2, attention);
   // The CaP column holds the group sum (.60 for slot 0, not the mean .30).
-  const auto cap = rig.slots().scores(0, 0, InfiniPotPolicy::kCapColumn);
+  const std::vector<float> cap = rig.cap(0, 0);
   EXPECT_FLOAT_EQ(cap[0], .60f);
   EXPECT_FLOAT_EQ(cap[3], .50f);
-  ASSERT_NE(rig.pipeline().end_catalyst(), nullptr);
+  ASSERT_TRUE(rig.close_catalyst());
   EXPECT_EQ(rig.kept(0, 0), (Positions{0, 1, 3}));
   EXPECT_EQ(rig.kept(0, 1), (Positions{2, 4, 5}));
 }
@@ -211,27 +228,23 @@ TEST(InfiniPotPolicy, NucCandidatesIncludeRetainedTokensAcrossTwoDistillations) 
   Rig rig(1, 1, 1, InfiniPotConfig{8, 4, 2}, 2);
   rig.feed({0.1f, 9.0f, 0.2f, 8.0f, 0.3f, 0.4f, 0.5f, 0.6f});
   EXPECT_EQ(rig.positions(), range(0, 8));
-  const CompactionPlan* plan = rig.catalyst(2, by_slot({.40f, 0, .02f, 0, .03f, .01f, .30f, .04f}));
-  ASSERT_NE(plan, nullptr);
-  EXPECT_EQ(plan->trigger, kvevict::Trigger::pot_full);
-  const auto deltas = plan->position_deltas(0, 0);
-  EXPECT_EQ(Positions(deltas.begin(), deltas.end()), (Positions{0, 0, -1, -3}));
+  ASSERT_TRUE(rig.catalyst(2, by_slot({.40f, 0, .02f, 0, .03f, .01f, .30f, .04f})));
   EXPECT_EQ(rig.kept(), (Positions{0, 1, 3, 6}));
-  EXPECT_EQ(rig.positions(), range(0, 4));
+  EXPECT_EQ(rig.positions(), range(0, 4));  // moved by 0, 0, -1, -3
 
-  EXPECT_EQ(rig.pipeline().policy().pot_room(rig.slots()), 4);
+  EXPECT_EQ(rig.sequence().pot_room(), 4);
   rig.feed({1.0f, 2.0f, 0.5f, 1.5f});
   EXPECT_EQ(rig.positions(), range(0, 8));  // the new tokens continue from C = 4
   rig.open_catalyst(2);
   // The catalyst sits after the pot, at positions M = 8 and 9: no position ever exceeds M + P - 1.
   EXPECT_EQ(rig.positions(), range(0, 10));
   rig.observe_layer(0, 2, by_slot({.05f, 0, 0, .04f, .30f, 0, .25f, 0}));
-  ASSERT_NE(rig.pipeline().end_catalyst(), nullptr);
+  ASSERT_TRUE(rig.close_catalyst());
   EXPECT_EQ(rig.kept(), (Positions{1, 3, 8, 10}));
   EXPECT_EQ(rig.positions(), range(0, 4));
   rig.feed({0.7f});
   EXPECT_EQ(rig.positions(), range(0, 5));
-  EXPECT_EQ(rig.pipeline().stats().compactions, 2);
+  EXPECT_EQ(rig.stats().decisions, 2);
 }
 
 // 2 layers x 2 KV heads (MHA), M = 4, C = 2, T = 1. Surprisal 0.1 0.2 3.0 0.3 forces position 2
@@ -244,7 +257,7 @@ TEST(InfiniPotPolicy, KeepSetsDifferPerLayerAndHead) {
   };
   Rig rig(2, 2, 2, InfiniPotConfig{4, 2, 1}, 1);
   rig.feed({0.1f, 0.2f, 3.0f, 0.3f});
-  ASSERT_NE(rig.catalyst(1, attention), nullptr);
+  ASSERT_TRUE(rig.catalyst(1, attention));
   EXPECT_EQ(rig.kept(0, 0), (Positions{0, 2}));
   EXPECT_EQ(rig.kept(0, 1), (Positions{1, 2}));
   EXPECT_EQ(rig.kept(1, 0), (Positions{2, 3}));
@@ -261,11 +274,10 @@ TEST(InfiniPotPolicy, KeepSetsDifferPerLayerAndHead) {
 TEST(InfiniPotPolicy, EnginesSplitChunksAtPotRoom) {
   const int pot = 8, max_chunk = 5, catalyst_length = 3;
   Rig rig(1, 1, 1, InfiniPotConfig{pot, 4, 2}, max_chunk);
-  kvevict::Policy& policy = rig.pipeline().policy();
   std::vector<int> chunks;
   int remaining = 21, next = 0;
   while (remaining > 0) {
-    const int room = *policy.pot_room(rig.slots());
+    const int room = *rig.sequence().pot_room();
     ASSERT_GT(room, 0);
     const int n = std::min({remaining, room, max_chunk});
     std::vector<float> surprisal(static_cast<std::size_t>(n));
@@ -274,9 +286,8 @@ TEST(InfiniPotPolicy, EnginesSplitChunksAtPotRoom) {
     chunks.push_back(n);
     remaining -= n;
     EXPECT_LE(rig.slots().max_live(), pot);
-    EXPECT_EQ(policy.pot_full(rig.slots()), rig.slots().max_live() == pot);
-    EXPECT_EQ(rig.pipeline().catalyst_pending(), rig.slots().max_live() == pot);
-    if (rig.pipeline().catalyst_pending()) {
+    EXPECT_EQ(rig.sequence().catalyst_pending(), rig.slots().max_live() == pot);
+    if (rig.sequence().catalyst_pending()) {
       rig.catalyst(catalyst_length, [](int, int, int p, int s) {
         return 0.001f * static_cast<float>((s * 7 + p) % 11 + s);  // distinct per slot
       });
@@ -284,7 +295,7 @@ TEST(InfiniPotPolicy, EnginesSplitChunksAtPotRoom) {
     }
   }
   EXPECT_EQ(chunks, (std::vector<int>{5, 3, 4, 4, 4, 1}));
-  EXPECT_EQ(rig.pipeline().stats().compactions, 4);
+  EXPECT_EQ(rig.stats().decisions, 4);
   EXPECT_EQ(rig.slots().max_live(), 5);
 }
 
@@ -293,46 +304,49 @@ TEST(InfiniPotPolicy, EnginesSplitChunksAtPotRoom) {
 TEST(InfiniPotPolicy, AnOverfullPotIsStillDistilledToKeep) {
   Rig rig(1, 1, 1, InfiniPotConfig{8, 4, 0}, 8);
   rig.feed_without_surprisal(6);
-  EXPECT_FALSE(rig.pipeline().catalyst_pending());
+  EXPECT_FALSE(rig.sequence().catalyst_pending());
   rig.feed_without_surprisal(5);
-  EXPECT_EQ(rig.pipeline().policy().pot_room(rig.slots()), 0);
-  ASSERT_NE(
-      rig.catalyst(1, [](int, int, int,
-                         int s) { return (s == 0 || s == 2 || s == 9 || s == 10) ? .5f : .01f; }),
-      nullptr);
+  EXPECT_EQ(rig.sequence().pot_room(), 0);
+  ASSERT_TRUE(rig.catalyst(1, [](int, int, int, int s) {
+    return (s == 0 || s == 2 || s == 9 || s == 10) ? .5f : .01f;
+  }));
   EXPECT_EQ(rig.kept(), (Positions{0, 2, 9, 10}));
 }
 
-// Without catalyst attention for a layer (empty catalyst, the "w/o CaP" ablation) the C - T slots
-// left after NuC go to the most recent pot slots. M = 8, C = 4, T = 2, 2 layers; surprisal is high
-// at 1 (9.0) and 3 (8.0). Layer 0 gets catalyst rows favouring 0 and 4 -> {0, 1, 3, 4}; layer 1
-// gets none -> NuC {1, 3} + most recent {6, 7} -> {1, 3, 6, 7}.
-TEST(InfiniPotPolicy, MissingCatalystAttentionFallsBackToTheMostRecentSlots) {
+// Without catalyst attention (an empty catalyst, the "w/o CaP" ablation) the C - T slots left
+// after NuC go to the most recent pot slots. M = 8, C = 4, T = 2, 2 layers; surprisal is high at 1
+// (9.0) and 3 (8.0): NuC {1, 3} + most recent {6, 7} -> {1, 3, 6, 7} in both layers.
+TEST(InfiniPotPolicy, WithoutCatalystAttentionTheFillIsTheMostRecentSlots) {
+  Rig rig(2, 1, 1, InfiniPotConfig{8, 4, 2}, 1);
+  rig.feed({0.1f, 9.0f, 0.2f, 8.0f, 0.3f, 0.4f, 0.5f, 0.6f});
+  rig.open_catalyst(0);
+  ASSERT_TRUE(rig.close_catalyst());
+  EXPECT_EQ(rig.kept(0), (Positions{1, 3, 6, 7}));
+  EXPECT_EQ(rig.kept(1), (Positions{1, 3, 6, 7}));
+}
+
+// A catalyst was run but a layer's attention never reached the policy: that is a misuse, not the
+// ablation, and the distillation refuses to guess.
+TEST(InfiniPotPolicy, CatalystAttentionMissingForALayerIsAnError) {
   Rig rig(2, 1, 1, InfiniPotConfig{8, 4, 2}, 1);
   rig.feed({0.1f, 9.0f, 0.2f, 8.0f, 0.3f, 0.4f, 0.5f, 0.6f});
   rig.open_catalyst(1);
   rig.observe_layer(0, 1, by_slot({.5f, .01f, .01f, .01f, .4f, .01f, .01f, .01f}));
-  ASSERT_NE(rig.pipeline().end_catalyst(), nullptr);
-  EXPECT_EQ(rig.kept(0), (Positions{0, 1, 3, 4}));
-  EXPECT_EQ(rig.kept(1), (Positions{1, 3, 6, 7}));
-
-  // Next pot (8..11 added, surprisal 0.7..1.0), an empty catalyst for every layer. Layer 0 holds
-  // 0 1 3 4 8 9 10 11, layer 1 holds 1 3 6 7 8 9 10 11: NuC over the whole pot still forces 1 and
-  // 3 (9.0, 8.0) in both, and the fill is the newest two, 10 and 11.
-  rig.feed({0.7f, 0.8f, 0.9f, 1.0f});
-  rig.open_catalyst(0);
-  ASSERT_NE(rig.pipeline().end_catalyst(), nullptr);
-  EXPECT_EQ(rig.kept(1), (Positions{1, 3, 10, 11}));
-  EXPECT_EQ(rig.kept(0), (Positions{1, 3, 10, 11}));
+  try {
+    rig.close_catalyst();
+    FAIL() << "a pot was distilled without layer 1's catalyst attention";
+  } catch (const kvevict::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("layer 1 was not observed"), std::string::npos)
+        << error.what();
+  }
 }
 
 TEST(InfiniPotPolicy, NanSurprisalIsAnError) {
   Rig rig(1, 1, 1, InfiniPotConfig{8, 4, 2}, 1);
-  rig.pipeline().before_chunk(3, false);
-  rig.pipeline().append_chunk(std::vector<std::int32_t>{1, 2, 3});
+  rig.sequence().begin_chunk(std::vector<std::int32_t>{1, 2, 3});
   const std::vector<float> surprisal{0.5f, std::numeric_limits<float>::quiet_NaN(), 0.5f};
   try {
-    rig.pipeline().observe_surprisal(surprisal);
+    rig.sequence().observe_surprisal(surprisal);
     FAIL() << "NaN surprisal was accepted";
   } catch (const kvevict::Error& error) {
     EXPECT_NE(std::string(error.what()).find("original position 1 is NaN"), std::string::npos)
@@ -342,14 +356,11 @@ TEST(InfiniPotPolicy, NanSurprisalIsAnError) {
 
 TEST(InfiniPotPolicy, MissingSurprisalIsAnErrorWhenNovelIsPositive) {
   Rig rig(1, 1, 1, InfiniPotConfig{4, 2, 1}, 1);
-  rig.feed_without_surprisal(4);
-  rig.open_catalyst(1);
-  rig.observe_layer(0, 1, by_slot({.1f, .2f, .3f, .4f}));
   try {
-    rig.pipeline().end_catalyst();
-    FAIL() << "a pot without surprisal was distilled";
+    rig.feed_without_surprisal(4);
+    FAIL() << "a forward ended without the surprisal the policy needs";
   } catch (const kvevict::Error& error) {
-    EXPECT_NE(std::string(error.what()).find("no surprisal was observed"), std::string::npos)
+    EXPECT_NE(std::string(error.what()).find("needs the surprisal"), std::string::npos)
         << error.what();
   }
 }
@@ -361,7 +372,7 @@ TEST(InfiniPotPolicy, NanCatalystAttentionIsAnError) {
   rig.observe_layer(0, 1, [](int, int, int, int s) {
     return s == 2 ? std::numeric_limits<float>::quiet_NaN() : .1f;
   });
-  EXPECT_THROW(rig.pipeline().end_catalyst(), kvevict::Error);
+  EXPECT_THROW(rig.close_catalyst(), kvevict::Error);
 }
 
 TEST(InfiniPotPolicy, InvalidConfigurationsAreErrors) {

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <kvevict/pipeline.hpp>
 #include <kvevict/policy_registry.hpp>
+#include <kvevict/sequence.hpp>
 #include <kvevict/slot_table.hpp>
 #include <random>
 #include <string>
@@ -14,8 +14,8 @@
 
 namespace {
 
-using kvevict::EvictionPipeline;
 using kvevict::PolicyParams;
+using kvevict::Sequence;
 using kvevict::Signal;
 using kvevict::SlotTable;
 
@@ -51,20 +51,26 @@ std::int32_t token_at(std::int64_t p) {
   return p % 11 == 5 ? kAnchor : static_cast<std::int32_t>(100 + p % 997);
 }
 
-// Random softmax rows [q_heads][queries][stride] over each KV head's live slots, causal.
-std::vector<float> random_rows(std::mt19937& rng, const SlotTable& slots, int layer, int queries,
-                               int stride, std::vector<int>& keys) {
+// Random softmax rows [q_heads][queries][stride] over each KV head's live slots (by slot; free
+// slots 0), causal: query q of the chunk does not see the chunk's later tokens.
+std::vector<float> random_rows(std::mt19937& rng, const Sequence& sequence, int layer, int queries,
+                               int& stride, std::vector<int>& keys) {
+  stride = 1;
+  for (int g = 0; g < kKvHeads; ++g) {
+    keys[static_cast<std::size_t>(g)] = sequence.slot_limit(layer, g);
+    stride = std::max(stride, keys[static_cast<std::size_t>(g)]);
+  }
   std::vector<float> rows(static_cast<std::size_t>(kQueryHeads) * queries * stride, 0.0f);
   std::exponential_distribution<float> weight(1.0f);
-  for (int g = 0; g < kKvHeads; ++g) keys[static_cast<std::size_t>(g)] = slots.live(layer, g);
   for (int h = 0; h < kQueryHeads; ++h) {
-    const int live = keys[static_cast<std::size_t>(h / (kQueryHeads / kKvHeads))];
+    const int unit = sequence.unit_of(layer, h / (kQueryHeads / kKvHeads));
+    const auto order = sequence.slots().stream_order(unit);
     for (int q = 0; q < queries; ++q) {
       float* row = rows.data() + (static_cast<std::size_t>(h) * queries + q) * stride;
-      const int visible = live - queries + q + 1;
+      const std::size_t visible = order.size() - static_cast<std::size_t>(queries - q - 1);
       float sum = 0;
-      for (int s = 0; s < visible; ++s) sum += row[s] = weight(rng);
-      for (int s = 0; s < visible; ++s) row[s] /= sum;
+      for (std::size_t i = 0; i < visible; ++i) sum += row[order[i]] = weight(rng);
+      for (std::size_t i = 0; i < visible; ++i) row[order[i]] /= sum;
     }
   }
   return rows;
@@ -79,76 +85,86 @@ History run(const Case& test_case, std::uint32_t seed, int steps) {
   const std::optional<int> bound = policy->retained_limit();
   const bool turn_level = policy->triggers().contains(kvevict::Trigger::before_turn);
   constexpr int kMaxChunk = 6;
-  SlotTable slots(kLayers, kKvHeads, 64, policy->score_columns());
-  EvictionPipeline pipeline(slots, std::move(policy));
-  const kvevict::PositionMode mode = pipeline.position_mode();
+  kvevict::SequenceConfig config;
+  config.layers = kLayers;
+  config.q_heads = kQueryHeads;
+  config.kv_heads = kKvHeads;
+  config.max_chunk = kMaxChunk;
+  Sequence sequence(config, std::move(policy));
+  const SlotTable& slots = sequence.slots();
+  const kvevict::PositionMode mode = sequence.position_mode();
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> surprisal(0.0f, 8.0f);
   std::vector<int> keys(kKvHeads);
+  int stride = 0;
   History history;
   for (int step = 0; step < steps; ++step) {
     int n = 1 + static_cast<int>(rng() % kMaxChunk);
-    if (const std::optional<int> room = pipeline.pot_room(); room && *room > 0)
+    if (const std::optional<int> room = sequence.pot_room(); room && *room > 0)
       n = std::min(n, *room);
     std::vector<std::int32_t> ids;
-    for (int i = 0; i < n; ++i) ids.push_back(token_at(pipeline.stats().tokens_fed + i));
-    pipeline.before_chunk(n, /*turn_start=*/true);
-    pipeline.append_chunk(ids);
+    for (int i = 0; i < n; ++i) ids.push_back(token_at(sequence.stats().tokens_fed + i));
+    sequence.begin_chunk(ids, /*turn_start=*/true);
     if (turn_level && bound) {
       // A turn-level policy made room for the whole turn before it came in.
       EXPECT_LE(slots.max_live(), *bound) << test_case.policy << " step " << step;
     }
-    const bool all = pipeline.wants(Signal::attention_rows);
-    if (all || pipeline.wants(Signal::last_attention_row)) {
+    const bool all = sequence.wants(Signal::attention_rows);
+    if (all || sequence.wants(Signal::last_attention_row)) {
       const int queries = all ? n : 1;
       for (int l = 0; l < kLayers; ++l) {
-        const std::vector<float> rows = random_rows(rng, slots, l, queries, 64, keys);
-        pipeline.observe_attention(
-            l, kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, queries, 64,
-                                      keys, 0));
+        const std::vector<float> rows = random_rows(rng, sequence, l, queries, stride, keys);
+        sequence.observe_attention(
+            l, kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, queries,
+                                      stride, keys, 0));
       }
     }
-    if (pipeline.wants(Signal::surprisal)) {
+    if (sequence.wants(Signal::surprisal)) {
       std::vector<float> values(static_cast<std::size_t>(n));
       for (float& v : values) v = surprisal(rng);
-      pipeline.observe_surprisal(values);
+      sequence.observe_surprisal(values);
     }
-    pipeline.end_forward();
-    if (pipeline.catalyst_pending()) {
-      pipeline.begin_catalyst(std::vector<std::int32_t>{1, 2, 3});
+    sequence.end_forward();
+    if (sequence.catalyst_pending()) {
+      sequence.begin_catalyst(std::vector<std::int32_t>{1, 2, 3});
       for (int l = 0; l < kLayers; ++l) {
-        const std::vector<float> rows = random_rows(rng, slots, l, 3, 64, keys);
-        pipeline.observe_catalyst(
-            l, kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, 3, 64, keys,
-                                      0));
+        const std::vector<float> rows = random_rows(rng, sequence, l, 3, stride, keys);
+        sequence.observe_catalyst(
+            l, kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, 3, stride,
+                                      keys, 0));
       }
-      pipeline.end_catalyst();
+      sequence.end_catalyst();
     }
     for (int l = 0; l < kLayers; ++l) {
       for (int g = 0; g < kKvHeads; ++g) {
-        const auto original = slots.original_positions(l, g);
-        const auto positions = slots.positions(l, g);
-        const auto tokens = slots.token_ids(l, g);
+        const int unit = sequence.unit_of(l, g);
+        const auto order = slots.stream_order(unit);
         if (bound && !turn_level) {
-          EXPECT_LE(static_cast<int>(original.size()), *bound)
-              << test_case.policy << " step " << step;
+          EXPECT_LE(static_cast<int>(order.size()), *bound) << test_case.policy << " step " << step;
         }
-        // Strictly ascending: sorted and unique.
+        std::vector<std::int64_t> original;
+        for (std::size_t i = 0; i < order.size(); ++i) {
+          const std::int32_t slot = order[i];
+          original.push_back(slots.original_positions(unit)[static_cast<std::size_t>(slot)]);
+          // Metadata follows its token; positions follow the mode.
+          EXPECT_EQ(slots.token_ids(unit)[static_cast<std::size_t>(slot)],
+                    token_at(original.back()))
+              << test_case.policy << " step " << step;
+          const std::int64_t expected = mode == kvevict::PositionMode::original
+                                            ? original.back()
+                                            : static_cast<std::int64_t>(i);
+          EXPECT_EQ(slots.position(unit, slot), expected) << test_case.policy << " step " << step;
+        }
+        // Stream order is strictly ascending: sorted and unique.
         EXPECT_TRUE(std::adjacent_find(original.begin(), original.end(),
                                        [](auto a, auto b) { return a >= b; }) == original.end())
             << test_case.policy << " step " << step;
-        for (std::size_t s = 0; s < original.size(); ++s) {
-          EXPECT_EQ(tokens[s], token_at(original[s])) << test_case.policy << " step " << step;
-          const std::int64_t expected =
-              mode == kvevict::PositionMode::original ? original[s] : static_cast<std::int64_t>(s);
-          EXPECT_EQ(positions[s], expected) << test_case.policy << " step " << step;
-        }
-        history.emplace_back(original.begin(), original.end());
+        history.push_back(std::move(original));
       }
     }
   }
   // Every policy here is bounded and the stream is far longer than the bound: it must have evicted.
-  EXPECT_GT(pipeline.stats().evicted_slots, 0) << test_case.policy;
+  EXPECT_GT(sequence.stats().evicted_slots, 0) << test_case.policy;
   return history;
 }
 

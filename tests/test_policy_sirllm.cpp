@@ -16,9 +16,7 @@
 
 namespace {
 
-using kvevict::EvictionPipeline;
 using kvevict::PolicyParams;
-using kvevict::SlotTable;
 using Positions = std::vector<std::int64_t>;
 using Scores = std::vector<float>;
 
@@ -26,52 +24,58 @@ constexpr int kLayers = 2;
 constexpr int kKvHeads = 2;
 constexpr int kTableCapacity = 64;
 
-// A pipeline over its own slot table; every chunk fed is a turn unless told otherwise.
+// A sequence of kLayers x kKvHeads heads; every chunk fed is a turn unless told otherwise.
 class Stream {
  public:
   explicit Stream(std::unique_ptr<kvevict::Policy> policy)
-      : slots_(kLayers, kKvHeads, kTableCapacity, policy->score_columns()),
-        pipeline_(slots_, std::move(policy)) {}
+      : sequence_(config(), std::move(policy)) {}
 
   // One forward of surprisal.size() tokens carrying these surprisal values.
   void turn(const Scores& surprisal, bool turn_start = true) {
     const int n = static_cast<int>(surprisal.size());
-    pipeline_.before_chunk(n, turn_start);
     std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
     std::iota(ids.begin(), ids.end(), 100 + static_cast<std::int32_t>(fed_));
     fed_ += n;
-    pipeline_.append_chunk(ids);
-    if (pipeline_.wants(kvevict::Signal::surprisal)) pipeline_.observe_surprisal(surprisal);
-    pipeline_.end_forward();
+    sequence_.begin_chunk(ids, turn_start);
+    if (sequence_.wants(kvevict::Signal::surprisal)) sequence_.observe_surprisal(surprisal);
+    sequence_.end_forward();
   }
   // A turn of n tokens with surprisal 1 (a separate name: turn({8}) must stay one token).
   void turn_of(int n) { turn(Scores(static_cast<std::size_t>(n), 1.0f)); }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
-    return kvevict::test::kept_positions(slots_, l, g);
+    return kvevict::test::kept_positions(sequence_.slots(), sequence_.unit_of(l, g));
   }
   [[nodiscard]] Positions positions(int l = 0, int g = 0) const {
-    return kvevict::test::rope_positions(slots_, l, g);
+    return kvevict::test::rope_positions(sequence_.slots(), sequence_.unit_of(l, g));
   }
   [[nodiscard]] Scores scores(int l = 0, int g = 0) const {
-    return kvevict::test::score_column(slots_, l, g, 0);
+    return kvevict::test::score_column(sequence_.slots(), sequence_.unit_of(l, g), 0);
   }
   // The same keep-set in every layer and head.
   void expect_uniform() const {
     for (int l = 0; l < kLayers; ++l) {
       for (int g = 0; g < kKvHeads; ++g) {
         EXPECT_EQ(kept(l, g), kept()) << "head (" << l << ", " << g << ")";
-        if (slots_.score_columns() > 0) {
+        if (sequence_.slots().score_columns() > 0) {
           EXPECT_EQ(scores(l, g), scores());
         }
       }
     }
   }
-  [[nodiscard]] EvictionPipeline& pipeline() { return pipeline_; }
+  [[nodiscard]] kvevict::Sequence& sequence() { return sequence_; }
 
  private:
-  SlotTable slots_;
-  EvictionPipeline pipeline_;
+  static kvevict::SequenceConfig config() {
+    kvevict::SequenceConfig c;
+    c.layers = kLayers;
+    c.q_heads = kKvHeads;
+    c.kv_heads = kKvHeads;
+    c.max_chunk = kTableCapacity;
+    return c;
+  }
+
+  kvevict::Sequence sequence_;
   std::int64_t fed_ = 0;
 };
 
@@ -106,7 +110,7 @@ TEST(SirLlmPolicy, DecaysRetainedScoresBeforeEveryLaterTurnEvenWithoutEviction) 
   stream.turn({4, 5});
   EXPECT_EQ(stream.kept(), (Positions{0, 1, 2, 3, 4}));
   EXPECT_EQ(stream.scores(), (Scores{0.5, 1, 1.5, 4, 5}));
-  EXPECT_EQ(stream.pipeline().stats().evicted_slots, 0);
+  EXPECT_EQ(stream.sequence().stats().evicted_slots, 0);
   stream.expect_uniform();
 }
 
@@ -254,7 +258,7 @@ TEST(SirLlmPolicy, RegistryReadsTheReplayParameters) {
 // RandomLLM
 
 std::unique_ptr<kvevict::Policy> random_llm(int sinks, int budget, std::uint64_t seed) {
-  return std::make_unique<kvevict::RandomLlmPolicy>(kvevict::RandomLlmConfig{sinks, budget, seed});
+  return kvevict::make_random_llm(kvevict::RandomLlmConfig{sinks, budget, seed});
 }
 
 // Turn sizes used by the RandomLLM tests (all <= budget 6).
@@ -329,7 +333,7 @@ TEST(RandomLlmPolicy, RejectsBadConfigurationsAndLongTurns) {
 // IntervalLLM
 
 std::unique_ptr<kvevict::Policy> interval_llm(int sinks, int budget) {
-  return std::make_unique<kvevict::IntervalLlmPolicy>(kvevict::IntervalLlmConfig{sinks, budget});
+  return kvevict::make_interval_llm(kvevict::IntervalLlmConfig{sinks, budget});
 }
 
 TEST(IntervalLlmPolicy, SamplesTheHistoryAtStrideHistoryOverRoom) {

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdint>
 #include <kvevict/error.hpp>
-#include <kvevict/pipeline.hpp>
 #include <kvevict/policies/tova.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/slot_table.hpp>
@@ -24,9 +23,7 @@
 
 namespace {
 
-using kvevict::EvictionPipeline;
 using kvevict::PolicyParams;
-using kvevict::SlotTable;
 using kvevict::TovaConfig;
 using kvevict::TovaPolicy;
 using kvevict::test::every_head;
@@ -37,7 +34,7 @@ using kvevict::test::LayerRows;
 using kvevict::test::Positions;
 
 std::unique_ptr<kvevict::Policy> tova(int budget, int sinks = 0, bool head_wise = false) {
-  return std::make_unique<TovaPolicy>(TovaConfig{budget, sinks, head_wise});
+  return kvevict::make_tova(TovaConfig{budget, sinks, head_wise});
 }
 
 void expect_scores_near(const std::vector<float>& actual, const std::vector<float>& expected) {
@@ -65,7 +62,7 @@ TEST(TovaPolicy, SteadyDecodeDropsTheArgminOfTheCurrentStepOnly) {
   EXPECT_EQ(run.kept(), (Positions{0, 2, 5}));
   expect_scores_near(run.scores(), {0.3f, 0.4f, 0.2f});  // this step's row, overwritten
 
-  EXPECT_EQ(run.pipeline().stats().evicted_slots, 3);
+  EXPECT_EQ(run.stats().evicted_slots, 3);
   EXPECT_EQ(run.positions(), run.kept());  // original positions by default
 }
 
@@ -82,7 +79,7 @@ TEST(TovaPolicy, PrefillLongerThanTheBudgetIsCutInOneShotFromTheLastRow) {
   Harness given_all_rows(1, 1, 1, tova(/*budget=*/2));
   given_all_rows.feed(5, all_rows);
   EXPECT_EQ(given_all_rows.kept(), (Positions{1, 3}));
-  EXPECT_EQ(given_all_rows.pipeline().stats().compactions, 1);
+  EXPECT_EQ(given_all_rows.stats().decisions, 1);
 
   Harness given_last_row(1, 1, 1, tova(/*budget=*/2));
   given_last_row.feed(5, HeadRows{all_rows.back()});
@@ -98,7 +95,7 @@ TEST(TovaPolicy, BudgetCoveringEveryTokenEvictsNothing) {
   for (int l = 0; l < 2; ++l) {
     for (int g = 0; g < 2; ++g) EXPECT_EQ(run.kept(l, g), (Positions{0, 1, 2, 3, 4, 5, 6, 7}));
   }
-  EXPECT_EQ(run.pipeline().stats().compactions, 0);
+  EXPECT_EQ(run.stats().decisions, 0);
 }
 
 // 4 query heads, 2 KV heads: heads 0, 1 read KV head 0; heads 2, 3 read KV head 1. Last rows of a
@@ -183,17 +180,30 @@ TEST(TovaPolicy, NanAttentionIsAnError) {
 }
 
 TEST(TovaPolicy, InvalidConfigurationsAreErrors) {
-  expect_error([] { TovaPolicy policy(TovaConfig{0}); }, "tova: budget must be positive, got 0");
-  expect_error([] { TovaPolicy policy(TovaConfig{4, -1}); }, "tova: sinks must be >= 0, got -1");
-  expect_error([] { TovaPolicy policy(TovaConfig{4, 4}); }, "not larger than the protected set");
-  expect_error([] { TovaPolicy policy(TovaConfig{4, 5}); }, "not larger than the protected set");
+  expect_error([] { (void)kvevict::make_tova(TovaConfig{0}); },
+               "tova: budget must be positive, got 0");
+  expect_error(
+      [] {
+        (void)kvevict::make_tova(TovaConfig{4, -1});
+      },
+      "tova: sinks must be >= 0, got -1");
+  expect_error(
+      [] {
+        (void)kvevict::make_tova(TovaConfig{4, 4});
+      },
+      "not larger than the protected set");
+  expect_error(
+      [] {
+        (void)kvevict::make_tova(TovaConfig{4, 5});
+      },
+      "not larger than the protected set");
   expect_error([] { (void)kvevict::make_policy("tova", PolicyParams().set("sinks", 1)); },
-               "missing parameter 'budget'");
+               "policy 'tova' needs parameter 'budget'");
   expect_error(
       [] {
         (void)kvevict::make_policy("tova", PolicyParams().set("budget", 4).set("head_wise", 2));
       },
-      "head_wise must be 0 or 1");
+      "parameter 'head_wise' must be in [0, 1], got 2");
   expect_error(
       [] { (void)kvevict::make_policy("tova", PolicyParams().set("budget", 4).set("recent", 2)); },
       "unknown parameter 'recent'");
@@ -208,26 +218,26 @@ TEST(TovaPolicy, RegistryBuildsItWithTheReplayParameterNames) {
   EXPECT_TRUE(policy->signals().contains(kvevict::Signal::last_attention_row));
   EXPECT_FALSE(policy->signals().contains(kvevict::Signal::attention_rows));
   EXPECT_EQ(policy->default_position_mode(), kvevict::PositionMode::original);
-  const auto& defaults = dynamic_cast<const TovaPolicy&>(*policy).config();
-  EXPECT_EQ(defaults.sinks, 0);
-  EXPECT_FALSE(defaults.head_wise);
+  EXPECT_EQ(policy->default_granularity(), kvevict::Granularity::layer);  // TOVA-layer
+  EXPECT_NE(dynamic_cast<const TovaPolicy*>(policy.get()), nullptr);      // no sinks: no decorator
 
+  // Sinks are a ProtectOldest around TOVA with the rest of the budget; head_wise is TOVA-head.
   const auto head_wise = kvevict::make_policy(
       "tova", PolicyParams().set("budget", 16).set("sinks", 4).set("head_wise", 1));
-  const auto& config = dynamic_cast<const TovaPolicy&>(*head_wise).config();
-  EXPECT_EQ(config.sinks, 4);
-  EXPECT_TRUE(config.head_wise);
+  EXPECT_EQ(head_wise->retained_limit(), 16);
+  EXPECT_EQ(head_wise->default_granularity(), kvevict::Granularity::head);
+  const auto& sinks = dynamic_cast<const kvevict::ProtectOldest&>(*head_wise);
+  EXPECT_EQ(sinks.count(), 4);
+  EXPECT_EQ(sinks.inner().retained_limit(), 12);
 }
 
-TEST(TovaPolicy, LayerWiseRejectsKvHeadsHoldingDifferentSlots) {
-  // Layer-wise TOVA applies one keep-list to every KV head; a head compacted by someone else would
-  // receive indices into the wrong slots, so this is an error rather than a silent mix-up.
-  SlotTable slots(1, 2, 8, 1);
-  EvictionPipeline pipeline(slots, std::make_unique<TovaPolicy>(TovaConfig{2}));
-  pipeline.before_chunk(3, false);
-  pipeline.append_chunk(std::vector<std::int32_t>{0, 0, 0});
-  slots.truncate(0, 1, 2);
-  expect_error([&] { pipeline.end_forward(); }, "different slot counts");
+TEST(TovaPolicy, LayerWiseKvHeadsShareOneKeepSet) {
+  // Per layer, the KV heads of a layer are one decision unit: the same slots by construction, so
+  // a keep-list can never be applied to a head holding other tokens.
+  Harness run(2, 2, 2, tova(/*budget=*/2));
+  EXPECT_EQ(run.sequence().layout().units(), 2);
+  EXPECT_EQ(run.sequence().unit_of(0, 0), run.sequence().unit_of(0, 1));
+  EXPECT_NE(run.sequence().unit_of(0, 0), run.sequence().unit_of(1, 0));
 }
 
 }  // namespace

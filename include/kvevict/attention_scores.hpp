@@ -1,27 +1,24 @@
-// Reductions of attention rows to per-slot scores, with the GQA aggregation stated explicitly.
+// Attention rows reduced to per-slot scores, with the aggregation over query heads stated.
 #pragma once
 
 #include <cstddef>
 #include <span>
+#include <string>
+#include <string_view>
 
 #include "kvevict/error.hpp"
 #include "kvevict/signals.hpp"
+#include "kvevict/slot_table.hpp"
 
 namespace kvevict {
 
-/// How the query heads that read one KV head are combined into that KV head's score.
-enum class HeadReduction { sum, mean };
-
-/// out[s] += reduce over the query heads in [q_head_begin, q_head_end), and sum over every query
-/// row of `rows`, of the attention probability on slot s. Summing over rows gives H2O's accumulated
-/// column sum; with a single (last) row it is TOVA's score.
-inline void add_attention(const AttentionRows& rows, int q_head_begin, int q_head_end,
-                          HeadReduction reduction, std::span<float> out) {
+/// out[s] += weight * (sum over the query heads in [q_head_begin, q_head_end) and over every query
+/// row of `rows` of the attention probability on slot s). Summing over rows gives H2O's
+/// accumulated column sum; with a single (last) row and weight 1 / heads it is TOVA's mean.
+inline void add_attention(const AttentionRows& rows, int q_head_begin, int q_head_end, float weight,
+                          std::span<float> out) {
   KVEVICT_REQUIRE(0 <= q_head_begin && q_head_begin < q_head_end && q_head_end <= rows.q_heads(),
                   "add_attention: query head range out of bounds");
-  const float weight = reduction == HeadReduction::mean
-                           ? 1.0f / static_cast<float>(q_head_end - q_head_begin)
-                           : 1.0f;
   for (int h = q_head_begin; h < q_head_end; ++h) {
     KVEVICT_REQUIRE(static_cast<std::size_t>(rows.keys(h)) <= out.size(),
                     "add_attention: attention row longer than the score column");
@@ -32,11 +29,43 @@ inline void add_attention(const AttentionRows& rows, int q_head_begin, int q_hea
   }
 }
 
-/// The query heads that read KV head `kv_head`: [kv_head * group, (kv_head + 1) * group).
-inline void add_attention_of_group(const AttentionRows& rows, int kv_head, HeadReduction reduction,
-                                   std::span<float> out) {
-  const int group = rows.group_size();
-  add_attention(rows, kv_head * group, (kv_head + 1) * group, reduction, out);
+/// Throws unless `rows` can be scores of layer `layer` of `slots`: the layer exists, the rows have
+/// the table's KV heads, and each row covers its unit's slots exactly (AttentionRows::keys is the
+/// unit's slot limit). `policy` names the caller in messages.
+inline void check_attention_rows(const SlotTable& slots, int layer, const AttentionRows& rows,
+                                 std::string_view policy) {
+  // Per-forward path: plain ifs, so that no message is built unless a check fails.
+  const UnitLayout& layout = slots.layout();
+  if (layer < 0 || layer >= layout.layers()) {
+    throw Error(std::string(policy) + ": attention rows for layer " + std::to_string(layer) +
+                " of " + std::to_string(layout.layers()));
+  }
+  if (rows.kv_heads() != layout.kv_heads()) {
+    throw Error(std::string(policy) + ": attention rows cover " + std::to_string(rows.kv_heads()) +
+                " KV heads, the cache has " + std::to_string(layout.kv_heads()));
+  }
+  if (rows.queries() <= 0) throw Error(std::string(policy) + ": attention rows hold no query");
+  for (int g = 0; g < layout.kv_heads(); ++g) {
+    const int keys = rows.keys(g * rows.group_size());
+    const int slot_limit = slots.slot_limit(layout.unit_of(layer, g));
+    if (keys != slot_limit) {
+      throw Error(std::string(policy) + ": attention rows of layer " + std::to_string(layer) +
+                  ", KV head " + std::to_string(g) + " cover " + std::to_string(keys) +
+                  " slots, the cache has " + std::to_string(slot_limit) +
+                  " (rows are indexed by slot, over [0, slot_limit))");
+    }
+  }
+}
+
+/// Throws if any of `scores` is NaN: a NaN would sit in a running score for ever and surface only
+/// when its slot is ranked; report it at the forward that produced it instead.
+inline void require_no_nan(std::span<const float> scores, std::string_view policy, int layer) {
+  for (const float score : scores) {
+    if (score != score) {
+      throw Error(std::string(policy) + ": attention rows of layer " + std::to_string(layer) +
+                  " contain NaN");
+    }
+  }
 }
 
 }  // namespace kvevict

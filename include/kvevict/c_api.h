@@ -1,13 +1,17 @@
-/* kvevict C API: the selection side of kvevict for engines written in any language.
+/* kvevict C API: kvevict's policies for engines written in any language.
  *
- * A kvevict_pipeline holds one sequence's slot metadata and its policy, never keys or values: the
- * engine keeps K/V in its own buffers and, whenever a call reports `compacted`, applies the plan to
- * them (kvevict_pipeline_plan): for every head that changes, gather rows keep[i] -> i of keys and
- * values and, if keys are stored after RoPE, rotate kept key i by position_deltas[i] positions.
- * Same event order as the C++ EvictionPipeline (include/kvevict/pipeline.hpp).
+ * A kvevict_sequence is one sequence's slot metadata and policy (kvevict::Sequence); the engine
+ * keeps keys and values in its own buffers. kvevict gives every token of every (layer, KV head) a
+ * slot in [0, capacity) (kvevict_sequence_chunk_slots): the engine stores that token's K/V at that
+ * slot of that head. Evicting frees slots, which later tokens take: nothing moves. The engine
+ * implements a kvevict_backend (two callbacks) through which kvevict applies each decision in one
+ * call: `reserve` when more slots are needed, `apply` with the evicted slots and, for keys stored
+ * after RoPE, the stored keys to rotate. Same event order as the C++ Sequence
+ * (include/kvevict/sequence.hpp).
  *
- * Errors: every function returns a kvevict_status; on failure kvevict_last_error() describes it.
- * No C++ exception ever crosses this API. Link kvevict::c (CMake) or libkvevict_c.
+ * Errors: every function returns a kvevict_status (or a documented sentinel); on failure
+ * kvevict_last_error() describes it. No C++ exception ever crosses this API. Link kvevict::c
+ * (CMake) or libkvevict_c; it needs neither Eigen nor anything beyond the C++ standard library.
  */
 #ifndef KVEVICT_C_API_H
 #define KVEVICT_C_API_H
@@ -23,10 +27,11 @@ typedef enum kvevict_status {
   KVEVICT_OK = 0,
   KVEVICT_INVALID_ARGUMENT = 1, /* bad configuration, malformed input or misuse */
   KVEVICT_OUT_OF_MEMORY = 2,
-  KVEVICT_INTERNAL_ERROR = 3
+  KVEVICT_INTERNAL_ERROR = 3,
+  KVEVICT_BACKEND_ERROR = 4 /* a backend callback failed; the sequence is unusable */
 } kvevict_status;
 
-/* Signals a policy may want (kvevict_pipeline_signals); same bits as kvevict::Signal. */
+/* Signals a policy may want (kvevict_sequence_signals); same bits as kvevict::Signal. */
 #define KVEVICT_SIGNAL_TOKEN_IDS 0x01u
 #define KVEVICT_SIGNAL_SURPRISAL 0x02u
 #define KVEVICT_SIGNAL_ATTENTION_ROWS 0x04u     /* rows of every query of the forward */
@@ -36,60 +41,119 @@ typedef enum kvevict_status {
 
 /* Message of the last failed call on this thread, "" if none. Valid until the next call. */
 const char* kvevict_last_error(void);
+/* "0.2.0" */
+const char* kvevict_version(void);
 
-typedef struct kvevict_pipeline kvevict_pipeline;
+/* Writes the parameters `--budget budget` stands for in `policy` (with `sinks` protected first
+ * tokens where the policy has sinks), e.g. "heavy=32 recent=32", NUL-terminated, into `out` of
+ * `size` bytes. */
+kvevict_status kvevict_budget_params(const char* policy, int budget, int sinks, char* out,
+                                     size_t size);
 
-/* Creates a pipeline for `policy` (e.g. "h2o") over `layers` x `kv_heads` heads of `capacity`
- * slots. `params`: space-separated key=value pairs, lists comma-separated, e.g. "heavy=64
- * recent=64" or "anchor_ids=29889,32001"; NULL or "" for none. `position_mode`: NULL for the
- * policy's default, or "original", "cache_index", "reset_on_compact". */
-kvevict_status kvevict_pipeline_create(const char* policy, const char* params, int layers,
-                                       int kv_heads, int capacity, const char* position_mode,
-                                       kvevict_pipeline** out);
-void kvevict_pipeline_destroy(kvevict_pipeline* pipeline);
+typedef struct kvevict_config {
+  int layers;
+  int q_heads;
+  int kv_heads;   /* q_heads % kv_heads == 0 */
+  int max_chunk;  /* largest chunk (and catalyst prompt) the engine feeds */
+  const char* position_mode; /* NULL: the policy's; "original", "cache_index", "reset_on_compact" */
+  const char* granularity;   /* NULL: the policy's; "head", "layer", "token" */
+  int post_rope_keys;        /* 1: keys stored rotated (folds may rotate them); 0: before RoPE */
+  int max_pending_rotations; /* see SequenceConfig; kvevict_config_init sets 32 */
+} kvevict_config;
 
-/* The KVEVICT_SIGNAL_* bits the policy consumes. */
-uint32_t kvevict_pipeline_signals(const kvevict_pipeline* pipeline);
-/* Most slots a head holds after eviction, or -1 when the policy is unbounded. */
-int kvevict_pipeline_retained_limit(const kvevict_pipeline* pipeline);
-/* Grows every head to `capacity` slots (the engine grows its K/V buffers alike). */
-kvevict_status kvevict_pipeline_reserve(kvevict_pipeline* pipeline, int capacity);
+/* Fills `config` with the defaults (everything 0 / NULL but post_rope_keys = 1, max_chunk = 1,
+ * max_pending_rotations = 32). */
+void kvevict_config_init(kvevict_config* config);
+
+/* One evicted token: its slot, original position and position before the decision. */
+typedef struct kvevict_evicted {
+  int32_t slot;
+  int64_t original_position;
+  int64_t position;
+} kvevict_evicted;
+
+typedef struct kvevict_decision kvevict_decision;
+
+/* What the engine implements. Callbacks return 0 on success; anything else fails the call that
+ * triggered them with KVEVICT_BACKEND_ERROR and leaves the sequence unusable. */
+typedef struct kvevict_backend {
+  void* user_data;
+  /* Every head's slots are [0, capacity) from now on: make room, keeping contents. May be NULL
+   * when the engine sized its buffers for kvevict_sequence_capacity() and the policy is bounded. */
+  int (*reserve)(void* user_data, int capacity);
+  /* One applied decision: read it with kvevict_decision_* (valid during the call only). */
+  int (*apply)(void* user_data, const kvevict_decision* decision);
+} kvevict_backend;
+
+/* Tokens evicted from head (layer, kv_head) by this decision, oldest first. */
+kvevict_status kvevict_decision_evicted(const kvevict_decision* decision, int layer, int kv_head,
+                                        const kvevict_evicted** evicted, int* count);
+/* Stored post-RoPE keys of head (layer, kv_head) to rotate: `count` rotations; rotation i turns
+ * the keys of `slots` by `delta` positions. */
+int kvevict_decision_rotation_count(const kvevict_decision* decision, int layer, int kv_head);
+kvevict_status kvevict_decision_rotation(const kvevict_decision* decision, int layer, int kv_head,
+                                         int index, int64_t* delta, const int32_t** slots,
+                                         int* count);
+
+typedef struct kvevict_sequence kvevict_sequence;
+
+/* Creates a sequence for `policy` (e.g. "h2o"). `params`: space-separated key=value pairs, lists
+ * comma-separated, e.g. "heavy=64 recent=64" or "anchor_ids=29889"; NULL or "" for none.
+ * `backend` may be NULL (metadata only). The backend's reserve() is called here. */
+kvevict_status kvevict_sequence_create(const char* policy, const char* params,
+                                       const kvevict_config* config, const kvevict_backend* backend,
+                                       kvevict_sequence** out);
+void kvevict_sequence_destroy(kvevict_sequence* sequence);
+
+/* The KVEVICT_SIGNAL_* bits the policy consumes (0 for NULL). */
+uint32_t kvevict_sequence_signals(const kvevict_sequence* sequence);
+/* Most slots a head holds after eviction, or -1 when the policy is unbounded (or NULL). */
+int kvevict_sequence_retained_limit(const kvevict_sequence* sequence);
+/* Slots per head kvevict uses now ([0, capacity)), or -1 for NULL. */
+int kvevict_sequence_capacity(const kvevict_sequence* sequence);
 /* Live slots of head (layer, kv_head), or -1 for an invalid head. */
-int kvevict_pipeline_live(const kvevict_pipeline* pipeline, int layer, int kv_head);
-/* Original and RoPE positions of the live slots of head (layer, kv_head). */
-kvevict_status kvevict_pipeline_slots(const kvevict_pipeline* pipeline, int layer, int kv_head,
-                                      const int64_t** original_positions, const int64_t** positions,
-                                      int* count);
+int kvevict_sequence_live(const kvevict_sequence* sequence, int layer, int kv_head);
+/* Attention over head (layer, kv_head) covers slots [0, slot_limit); -1 for an invalid head. */
+int kvevict_sequence_slot_limit(const kvevict_sequence* sequence, int layer, int kv_head);
+/* Tokens fed so far (catalyst prompts excluded), or -1 for NULL. */
+int64_t kvevict_sequence_tokens_fed(const kvevict_sequence* sequence);
 
-/* Per forward, in this order. `compacted` (may be NULL) is set to 1 when a plan was applied. */
-kvevict_status kvevict_pipeline_before_chunk(kvevict_pipeline* pipeline, int incoming,
-                                             int turn_start, int* compacted);
-kvevict_status kvevict_pipeline_append_chunk(kvevict_pipeline* pipeline, const int32_t* token_ids,
-                                             int count);
-/* Softmax rows of one layer, layout [q_heads][queries][row_stride] over each KV head's slots
- * (query head h reads KV head h / (q_heads / kv_heads)). */
-kvevict_status kvevict_pipeline_observe_attention(kvevict_pipeline* pipeline, int layer,
-                                                  const float* rows, int q_heads, int queries,
+/* Per forward, in this order. */
+kvevict_status kvevict_sequence_begin_chunk(kvevict_sequence* sequence, const int32_t* token_ids,
+                                            int count, int turn_start);
+/* Slot of each token of the current chunk (or catalyst) in head (layer, kv_head). */
+kvevict_status kvevict_sequence_chunk_slots(const kvevict_sequence* sequence, int layer,
+                                            int kv_head, const int32_t** slots, int* count);
+/* RoPE position of live slot `slot`, and the position its post-RoPE key is stored rotated to
+ * (either pointer may be NULL). */
+kvevict_status kvevict_sequence_position(const kvevict_sequence* sequence, int layer, int kv_head,
+                                         int32_t slot, int64_t* position, int64_t* key_position);
+/* Runs of live slots of head (layer, kv_head) sharing one pending rotation: run i covers slots
+ * [begins[i], ends[i]) and attention rotates the query to (its position - rotations[i]). Writes up
+ * to `capacity` runs and sets `count` to how many there are (call again with more room if
+ * count > capacity). */
+kvevict_status kvevict_sequence_key_runs(const kvevict_sequence* sequence, int layer, int kv_head,
+                                         int32_t* begins, int32_t* ends, int64_t* rotations,
+                                         int capacity, int* count);
+/* Softmax rows of one layer, layout [q_heads][queries][row_stride], row of query head h over the
+ * slots [0, slot_limit) of KV head h / (q_heads / kv_heads); free slots 0. */
+kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
+                                                  const float* rows, int queries,
                                                   ptrdiff_t row_stride);
-kvevict_status kvevict_pipeline_observe_surprisal(kvevict_pipeline* pipeline,
+kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
                                                   const float* surprisal, int count);
-kvevict_status kvevict_pipeline_end_forward(kvevict_pipeline* pipeline, int* compacted);
+kvevict_status kvevict_sequence_end_forward(kvevict_sequence* sequence);
 
-/* InfiniPot-style pots: when pending, run a catalyst prompt and roll it back. */
-int kvevict_pipeline_catalyst_pending(const kvevict_pipeline* pipeline);
-kvevict_status kvevict_pipeline_begin_catalyst(kvevict_pipeline* pipeline, const int32_t* token_ids,
-                                               int count);
-kvevict_status kvevict_pipeline_observe_catalyst(kvevict_pipeline* pipeline, int layer,
-                                                 const float* rows, int q_heads, int queries,
+/* InfiniPot-style pots: feed at most pot_room tokens per forward (-1: no pot); when pending, run
+ * a catalyst prompt (its slots from chunk_slots) and end it. */
+int kvevict_sequence_pot_room(const kvevict_sequence* sequence);
+int kvevict_sequence_catalyst_pending(const kvevict_sequence* sequence);
+kvevict_status kvevict_sequence_begin_catalyst(kvevict_sequence* sequence,
+                                               const int32_t* token_ids, int count);
+kvevict_status kvevict_sequence_observe_catalyst(kvevict_sequence* sequence, int layer,
+                                                 const float* rows, int queries,
                                                  ptrdiff_t row_stride);
-kvevict_status kvevict_pipeline_end_catalyst(kvevict_pipeline* pipeline, int* compacted);
-
-/* The plan applied by the last call that reported `compacted`, for head (layer, kv_head):
- * `changes` = 0 if the head was untouched; else `count` kept slots, keep[i] ascending old slot
- * indices and position_deltas[i] the rotation of kept key i. Valid until the next forward call. */
-kvevict_status kvevict_pipeline_plan(const kvevict_pipeline* pipeline, int layer, int kv_head,
-                                     int* changes, const int32_t** keep,
-                                     const int64_t** position_deltas, int* count);
+kvevict_status kvevict_sequence_end_catalyst(kvevict_sequence* sequence);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,187 +1,221 @@
-// EvictingCache: a KvStore driven by an EvictionPipeline, the one object a decoder talks to.
+// EvictingCache: a Sequence over kvevict's own KvStore, the one object a decoder talks to.
+//
+// Usage per forward (the reference decoder, src/model/decoder.cpp, is the worked example):
+//   begin_chunk(ids, turn_start);                      // may evict (before_turn)
+//   for each layer, KV head:
+//     write_chunk(l, g, keys_pre_rope, values);        // at chunk_slots(l, g), keys rotated here
+//     attend over slots [0, slot_limit(l, g)): post-RoPE keys per for_each_key_run (rotate the
+//       query to its position minus the run's rotation), pre-RoPE keys rotated by rotated_keys();
+//     observe_attention(l, rows) if wants(...);
+//   observe_surprisal(values) if wants(...);
+//   end_forward();                                     // evicts: metadata only
 #pragma once
 
 #include <Eigen/Core>
-#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 
 #include "kvevict/kv_store.hpp"
-#include "kvevict/pipeline.hpp"
 #include "kvevict/policy.hpp"
 #include "kvevict/positions.hpp"
 #include "kvevict/rope.hpp"
+#include "kvevict/sequence.hpp"
 #include "kvevict/shape.hpp"
+#include "kvevict/timing.hpp"
 
 namespace kvevict {
 
 struct CacheConfig {
   CacheShape shape;
-  /// RoPE of the model; rope.head_dim must equal shape.head_dim.
+  /// RoPE of the model; rope.head_dim 0 means shape.head_dim.
   RopeConfig rope;
-  /// Defaults to the policy's own position mode.
+  /// Defaults to the policy's own.
   std::optional<PositionMode> position_mode;
+  /// Defaults to the policy's own.
+  std::optional<Granularity> granularity;
   KeyStorage key_storage = KeyStorage::pre_rope;
   /// Largest chunk the engine will feed (and catalyst prompt it will run): sizes the buffers so
   /// that a bounded policy never reallocates. Unbounded policies grow geometrically.
   int max_chunk = 1;
   /// Slots reserved up front; 0 = retained_limit() + max_chunk, or 256 for unbounded policies.
   int initial_capacity = 0;
+  /// See SequenceConfig::max_pending_rotations.
+  int max_pending_rotations = 32;
 };
 
-/// Keys, values and slot metadata of one sequence plus its policy. Usage per forward:
-///   begin_chunk(ids, turn_start);                           // may evict (before_turn)
-///   for each layer: write_chunk(l, g, keys, values);        // pre-RoPE keys of the chunk
-///                   attention_keys(l, g, scratch) / values(l, g) / positions(l, g);
-///                   observe_attention(l, rows) if wants(attention rows)
-///   observe_surprisal(...) if wants(Signal::surprisal)
-///   end_forward();                                          // may evict
-///   if (catalyst_pending()) { begin_catalyst(ids); ... write_chunk ...; observe_catalyst(...);
-///                             end_catalyst(); }
+/// Exact byte counts. "kv" counts keys and values, "metadata" the slot columns.
+struct MemoryStats {
+  std::size_t live_kv_bytes = 0;        ///< keys + values of live slots
+  std::size_t live_metadata_bytes = 0;  ///< slot columns of live slots
+  std::size_t reserved_bytes = 0;       ///< everything allocated for slots (K/V and metadata)
+  std::size_t peak_live_bytes = 0;      ///< the largest live_bytes() seen since construction
+  std::size_t peak_kv_bytes = 0;        ///< keys + values at that peak
+  [[nodiscard]] std::size_t live_bytes() const { return live_kv_bytes + live_metadata_bytes; }
+};
+
 template <class Scalar = float>
 class EvictingCache {
  public:
   using Matrix = typename KvStore<Scalar>::Matrix;
 
-  EvictingCache(const CacheConfig& config, std::unique_ptr<Policy> policy)
-      : config_(validated(config, policy.get())),
+  EvictingCache(const CacheConfig& config, std::unique_ptr<Policy> policy,
+                StageObserver* observer = nullptr)
+      : config_(validated(config)),
         rope_(config_.rope),
-        store_(config_.shape, planned_capacity(config_, *policy), policy->score_columns()),
-        pipeline_(store_.slots(), std::move(policy), config_.position_mode) {}
+        store_(config_.shape, config_.rope, config_.key_storage),
+        sequence_(sequence_config(config_), std::move(policy), &store_, observer) {}
 
   [[nodiscard]] const CacheConfig& config() const { return config_; }
   [[nodiscard]] const Rope& rope() const { return rope_; }
-  [[nodiscard]] KvStore<Scalar>& store() { return store_; }
+  [[nodiscard]] Sequence& sequence() { return sequence_; }
+  [[nodiscard]] const Sequence& sequence() const { return sequence_; }
   [[nodiscard]] const KvStore<Scalar>& store() const { return store_; }
-  [[nodiscard]] EvictionPipeline& pipeline() { return pipeline_; }
-  [[nodiscard]] const EvictionPipeline& pipeline() const { return pipeline_; }
-  [[nodiscard]] Policy& policy() { return pipeline_.policy(); }
-  [[nodiscard]] bool wants(Signal signal) const { return pipeline_.wants(signal); }
-  [[nodiscard]] int live(int layer, int kv_head) const { return store_.live(layer, kv_head); }
-  [[nodiscard]] MemoryStats memory() const { return store_.memory(); }
-  /// Stage timing of the eviction path (EvictionTiming; off by default, no clock read while off).
-  /// Reposition time includes this cache's K/V gather and post-RoPE key re-rotation.
-  void set_timing(bool enabled) { pipeline_.set_timing(enabled); }
-  [[nodiscard]] const EvictionTiming& timing() const { return pipeline_.timing(); }
+  [[nodiscard]] const SlotTable& slots() const { return sequence_.slots(); }
+  [[nodiscard]] Policy& policy() { return sequence_.policy(); }
+  [[nodiscard]] bool wants(Signal signal) const { return sequence_.wants(signal); }
+  [[nodiscard]] int live(int layer, int kv_head) const { return sequence_.live(layer, kv_head); }
+  [[nodiscard]] int slot_limit(int layer, int kv_head) const {
+    return sequence_.slot_limit(layer, kv_head);
+  }
+  [[nodiscard]] int chunk_size() const { return sequence_.chunk_size(); }
+  [[nodiscard]] std::span<const std::int32_t> chunk_slots(int layer, int kv_head) const {
+    return sequence_.chunk_slots(layer, kv_head);
+  }
+  void set_observer(StageObserver* observer) { sequence_.set_observer(observer); }
 
-  /// Starts a forward over `token_ids`: evicts first if the policy does so before a turn, then
-  /// appends the tokens' slots to every head (growing the buffers only if they are too small).
-  void begin_chunk(std::span<const std::int32_t> token_ids, bool turn_start = false) {
-    const int n = static_cast<int>(token_ids.size());
-    if (const CompactionPlan* plan = pipeline_.before_chunk(n, turn_start)) apply_kv(*plan);
-    ensure_room(n);
-    pipeline_.append_chunk(token_ids);
-    chunk_size_ = n;
+  [[nodiscard]] MemoryStats memory() const {
+    const SlotTable& slots = sequence_.slots();
+    MemoryStats stats;
+    const auto live_slots = static_cast<std::size_t>(slots.total_live());
+    const auto heads_per_unit = static_cast<std::size_t>(slots.layout().heads_per_unit());
+    stats.live_kv_bytes = live_slots * store_.kv_bytes_per_slot();
+    // Metadata is kept once per unit, shared by the unit's heads.
+    stats.live_metadata_bytes = live_slots / heads_per_unit * slots.bytes_per_slot();
+    stats.reserved_bytes = store_.reserved_bytes() + static_cast<std::size_t>(slots.capacity()) *
+                                                         static_cast<std::size_t>(slots.units()) *
+                                                         slots.bytes_per_slot();
+    const auto peak_slots = static_cast<std::size_t>(slots.peak_total_live());
+    stats.peak_kv_bytes = peak_slots * store_.kv_bytes_per_slot();
+    stats.peak_live_bytes =
+        stats.peak_kv_bytes + peak_slots / heads_per_unit * slots.bytes_per_slot();
+    return stats;
   }
 
-  /// Stores the chunk's keys (before RoPE, [n, head_dim]) and values for head (layer, kv_head).
-  /// With post-RoPE storage the keys are rotated to their positions here.
+  /// Starts a forward over `token_ids` (Sequence::begin_chunk).
+  void begin_chunk(std::span<const std::int32_t> token_ids, bool turn_start = false) {
+    sequence_.begin_chunk(token_ids, turn_start);
+  }
+
+  /// Stores the chunk's keys (before RoPE, [n, head_dim]) and values of head (layer, kv_head) at
+  /// its chunk slots. With post-RoPE storage each key is rotated to its key position here.
   void write_chunk(int layer, int kv_head, const Eigen::Ref<const Matrix>& keys,
                    const Eigen::Ref<const Matrix>& values) {
-    const int end = store_.live(layer, kv_head);
-    KVEVICT_REQUIRE(keys.rows() == chunk_size_ && values.rows() == chunk_size_,
-                    "write_chunk: expected " + std::to_string(chunk_size_) + " rows, got " +
-                        std::to_string(keys.rows()) + " keys and " + std::to_string(values.rows()) +
-                        " values");
-    Eigen::Map<Matrix> key_rows = store_.key_rows(layer, kv_head, end - chunk_size_, end);
-    key_rows = keys;
-    store_.value_rows(layer, kv_head, end - chunk_size_, end) = values;
-    if (config_.key_storage == KeyStorage::post_rope) {
-      rope_.rotate_rows(key_rows.data(), key_rows.cols(),
-                        store_.slots().positions(layer, kv_head).last(chunk_size_));
+    const std::span<const std::int32_t> slots = sequence_.chunk_slots(layer, kv_head);
+    KVEVICT_REQUIRE(
+        keys.rows() == static_cast<Eigen::Index>(slots.size()) && values.rows() == keys.rows() &&
+            keys.cols() == config_.shape.head_dim && values.cols() == keys.cols(),
+        "write_chunk: expected " + std::to_string(slots.size()) + " rows of " +
+            std::to_string(config_.shape.head_dim) + " keys and values, got [" +
+            std::to_string(keys.rows()) + ", " + std::to_string(keys.cols()) + "] and [" +
+            std::to_string(values.rows()) + ", " + std::to_string(values.cols()) + "]");
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      Scalar* key = store_.key_row(layer, kv_head, slots[i]);
+      Eigen::Map<Matrix>(key, 1, keys.cols()) = keys.row(static_cast<Eigen::Index>(i));
+      Eigen::Map<Matrix>(store_.value_row(layer, kv_head, slots[i]), 1, values.cols()) =
+          values.row(static_cast<Eigen::Index>(i));
+      if (config_.key_storage == KeyStorage::post_rope) {
+        rope_.rotate(key, sequence_.key_position(layer, kv_head, slots[i]));
+      }
     }
   }
 
-  /// Keys of head (layer, kv_head) rotated to their positions, [live, head_dim]: the stored keys
-  /// with post-RoPE storage, else a rotated copy written to `scratch`. `scratch` is grown to the
-  /// store's capacity once and then reused, so repeated calls do not allocate.
-  [[nodiscard]] Eigen::Map<const Matrix> attention_keys(int layer, int kv_head,
-                                                        Matrix& scratch) const {
-    if (config_.key_storage == KeyStorage::post_rope) return store_.keys(layer, kv_head);
-    const Eigen::Map<const Matrix> keys = store_.keys(layer, kv_head);
-    if (scratch.rows() < store_.capacity() || scratch.cols() != keys.cols()) {
-      scratch.resize(store_.capacity(), keys.cols());
-    }
-    Eigen::Map<Matrix> rotated(scratch.data(), keys.rows(), keys.cols());
-    rotated = keys;
-    rope_.rotate_rows(rotated.data(), rotated.cols(), store_.slots().positions(layer, kv_head));
-    return {rotated.data(), rotated.rows(), rotated.cols()};
+  /// Stored keys of slots [0, slot_limit) of head (layer, kv_head). Post-RoPE: rotated to their
+  /// key positions (attend per for_each_key_run); pre-RoPE: unrotated (see rotated_keys).
+  [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head) const {
+    return store_.keys(layer, kv_head, slot_limit(layer, kv_head));
   }
   [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head) const {
-    return store_.values(layer, kv_head);
+    return store_.values(layer, kv_head, slot_limit(layer, kv_head));
   }
-  /// RoPE position of every live slot of head (layer, kv_head); the chunk's queries sit at the
-  /// positions of its last chunk_size() slots.
-  [[nodiscard]] std::span<const std::int64_t> positions(int layer, int kv_head) const {
-    return store_.slots().positions(layer, kv_head);
+  /// Pre-RoPE storage: the keys of slots [0, slot_limit) rotated to their positions, written to
+  /// `scratch` (grown to the capacity once, then reused). Free slots' rows are left stale.
+  [[nodiscard]] Eigen::Map<const Matrix> rotated_keys(int layer, int kv_head,
+                                                      Matrix& scratch) const {
+    KVEVICT_REQUIRE(config_.key_storage == KeyStorage::pre_rope,
+                    "rotated_keys: keys are stored after RoPE already");
+    const int limit = slot_limit(layer, kv_head);
+    if (scratch.rows() < store_.capacity() || scratch.cols() != config_.shape.head_dim) {
+      scratch.resize(store_.capacity(), config_.shape.head_dim);
+    }
+    const Eigen::Map<const Matrix> stored = keys(layer, kv_head);
+    const std::span<const std::int64_t> originals =
+        sequence_.slots().original_positions(sequence_.unit_of(layer, kv_head));
+    sequence_.for_each_position_run(layer, kv_head, [&](int begin, int end, std::int64_t offset) {
+      for (int s = begin; s < end; ++s) {
+        scratch.row(s) = stored.row(s);
+        rope_.rotate(scratch.row(s).data(), originals[static_cast<std::size_t>(s)] + offset);
+      }
+    });
+    return {scratch.data(), limit, config_.shape.head_dim};
   }
-  [[nodiscard]] int chunk_size() const { return chunk_size_; }
+  /// RoPE position of live slot `slot` of head (layer, kv_head).
+  [[nodiscard]] std::int64_t position(int layer, int kv_head, std::int32_t slot) const {
+    return sequence_.position(layer, kv_head, slot);
+  }
+  template <class Fn>
+  void for_each_key_run(int layer, int kv_head, Fn&& fn) const {
+    sequence_.for_each_key_run(layer, kv_head, std::forward<Fn>(fn));
+  }
 
   void observe_attention(int layer, const AttentionRows& rows) {
-    pipeline_.observe_attention(layer, rows);
+    sequence_.observe_attention(layer, rows);
   }
   void observe_surprisal(std::span<const float> surprisal) {
-    pipeline_.observe_surprisal(surprisal);
+    sequence_.observe_surprisal(surprisal);
   }
+  void end_forward() { sequence_.end_forward(); }
 
-  /// Ends the forward: evicts if the policy does so now.
-  void end_forward() {
-    if (const CompactionPlan* plan = pipeline_.end_forward()) apply_kv(*plan);
-  }
-
-  [[nodiscard]] bool catalyst_pending() const { return pipeline_.catalyst_pending(); }
-  /// Tokens that fit before the policy's pot is full (split chunks there), or nullopt.
-  [[nodiscard]] std::optional<int> pot_room() const { return pipeline_.pot_room(); }
-  /// Appends a catalyst prompt; write its K/V with write_chunk, attend, observe_catalyst.
+  [[nodiscard]] bool catalyst_pending() const { return sequence_.catalyst_pending(); }
+  [[nodiscard]] std::optional<int> pot_room() const { return sequence_.pot_room(); }
   void begin_catalyst(std::span<const std::int32_t> token_ids) {
-    ensure_room(static_cast<int>(token_ids.size()));
-    pipeline_.begin_catalyst(token_ids);
-    chunk_size_ = static_cast<int>(token_ids.size());
+    sequence_.begin_catalyst(token_ids);
   }
   void observe_catalyst(int layer, const AttentionRows& rows) {
-    pipeline_.observe_catalyst(layer, rows);
+    sequence_.observe_catalyst(layer, rows);
   }
-  /// Rolls the catalyst back and distills the pot.
-  void end_catalyst() {
-    if (const CompactionPlan* plan = pipeline_.end_catalyst()) apply_kv(*plan);
-    chunk_size_ = 0;
-  }
+  void end_catalyst() { sequence_.end_catalyst(); }
 
  private:
-  static CacheConfig validated(CacheConfig config, const Policy* policy) {
-    KVEVICT_REQUIRE(policy != nullptr, "EvictingCache: policy is null");
+  static CacheConfig validated(CacheConfig config) {
     config.shape.validate();
     if (config.rope.head_dim == 0) config.rope.head_dim = config.shape.head_dim;
     KVEVICT_REQUIRE(config.rope.head_dim == config.shape.head_dim,
                     "EvictingCache: rope.head_dim (" + std::to_string(config.rope.head_dim) +
                         ") differs from shape.head_dim (" + std::to_string(config.shape.head_dim) +
                         ")");
-    KVEVICT_REQUIRE(config.max_chunk > 0, "EvictingCache: max_chunk must be positive");
-    KVEVICT_REQUIRE(config.initial_capacity >= 0, "EvictingCache: negative initial_capacity");
     return config;
   }
-  static int planned_capacity(const CacheConfig& config, const Policy& policy) {
-    if (config.initial_capacity > 0) return config.initial_capacity;
-    const std::optional<int> limit = policy.retained_limit();
-    return limit ? *limit + config.max_chunk : std::max(256, config.max_chunk);
-  }
-  void ensure_room(int incoming) {
-    const int needed = pipeline_.required_capacity(incoming);
-    if (needed > store_.capacity()) store_.reserve(std::max(needed, 2 * store_.capacity()));
-  }
-  void apply_kv(const CompactionPlan& plan) {
-    const EvictionTiming::Clock::time_point start = pipeline_.timing_now();
-    store_.apply_kv(plan, config_.key_storage == KeyStorage::post_rope ? &rope_ : nullptr);
-    pipeline_.add_reposition_time(pipeline_.timing_now() - start);
+  static SequenceConfig sequence_config(const CacheConfig& config) {
+    SequenceConfig sequence;
+    sequence.layers = config.shape.layers;
+    sequence.q_heads = config.shape.q_heads;
+    sequence.kv_heads = config.shape.kv_heads;
+    sequence.position_mode = config.position_mode;
+    sequence.granularity = config.granularity;
+    sequence.key_storage = config.key_storage;
+    sequence.max_chunk = config.max_chunk;
+    sequence.initial_capacity = config.initial_capacity;
+    sequence.max_pending_rotations = config.max_pending_rotations;
+    return sequence;
   }
 
   CacheConfig config_;
   Rope rope_;
   KvStore<Scalar> store_;
-  EvictionPipeline pipeline_;
-  int chunk_size_ = 0;
+  Sequence sequence_;
 };
 
 }  // namespace kvevict

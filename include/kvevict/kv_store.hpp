@@ -1,4 +1,6 @@
-// KvStore: one sequence's keys, values and slot metadata, per layer and KV head.
+// KvStore: kvevict's own key/value buffers, one [capacity, head_dim] block per (layer, KV head),
+// indexed by slot. It is a KvBackend like an engine's: evictions free slots and move nothing; the
+// only work a decision can ask of it is rotating folded post-RoPE keys.
 #pragma once
 
 #include <Eigen/Core>
@@ -9,223 +11,128 @@
 #include <string>
 #include <vector>
 
-#include "kvevict/compaction_plan.hpp"
-#include "kvevict/detail/gather.hpp"
+#include "kvevict/checked.hpp"
+#include "kvevict/decision.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/kv_backend.hpp"
+#include "kvevict/positions.hpp"
 #include "kvevict/rope.hpp"
 #include "kvevict/shape.hpp"
-#include "kvevict/slot_table.hpp"
 
 namespace kvevict {
 
-/// Exact byte counts of a store. "kv" counts keys and values, "metadata" the slot columns.
-struct MemoryStats {
-  std::size_t live_kv_bytes = 0;        ///< keys + values of live slots
-  std::size_t live_metadata_bytes = 0;  ///< slot columns of live slots
-  std::size_t reserved_bytes = 0;       ///< everything allocated for slots (capacity x all columns)
-  std::size_t peak_live_bytes = 0;      ///< the largest live_bytes() seen since construction
-  std::size_t peak_kv_bytes = 0;        ///< keys + values at that peak
-  [[nodiscard]] std::size_t live_bytes() const { return live_kv_bytes + live_metadata_bytes; }
-};
-
-/// Keys and values `[capacity, head_dim]`, contiguous and row-major per (layer, KV head), plus a
-/// SlotTable. Each head has its own live count: per-head policies keep different tokens per head.
-///
-/// `Scalar` is the storage type (float here; Eigen::half / Eigen::bfloat16 are the intended
-/// extensions). Compaction is in place and stable and allocates nothing; only reserve() allocates.
+/// Keys and values `[capacity, head_dim]`, contiguous and row-major per (layer, KV head), row s
+/// holding the token in slot s of that head. `Scalar` is the storage type (float here;
+/// Eigen::half / Eigen::bfloat16 are the intended extensions).
 template <class Scalar = float>
-class KvStore {
+class KvStore final : public KvBackend {
  public:
   using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  /// Largest K + V allocation: 64 GiB, far beyond any machine kvevict's reference decoder runs on.
+  static constexpr std::int64_t kMaxBytes = std::int64_t{1} << 36;
 
-  KvStore(const CacheShape& shape, int capacity, int score_columns = 0) : shape_(shape) {
+  /// Buffers for `shape`; rotations (post-RoPE folds) use `rope`. Empty until reserve().
+  KvStore(const CacheShape& shape, const RopeConfig& rope, KeyStorage key_storage)
+      : shape_(shape), key_storage_(key_storage) {
     shape.validate();
-    KVEVICT_REQUIRE(capacity > 0,
-                    "KvStore: capacity must be positive, got " + std::to_string(capacity));
-    slots_ = SlotTable(shape.layers, shape.kv_heads, capacity, score_columns);
-    allocate(capacity);
+    if (key_storage == KeyStorage::post_rope) {
+      rope_ = Rope(rope);
+      angles_.resize(2 * static_cast<std::size_t>(rope_.pairs()));
+    }
   }
 
   [[nodiscard]] const CacheShape& shape() const { return shape_; }
-  [[nodiscard]] int capacity() const { return slots_.capacity(); }
-  [[nodiscard]] int live(int layer, int kv_head) const { return slots_.live(layer, kv_head); }
-  [[nodiscard]] SlotTable& slots() { return slots_; }
-  [[nodiscard]] const SlotTable& slots() const { return slots_; }
+  [[nodiscard]] int capacity() const { return capacity_; }
+  [[nodiscard]] KeyStorage key_storage() const { return key_storage_; }
 
-  /// Live keys of head (layer, kv_head): [live, head_dim].
-  [[nodiscard]] Eigen::Map<Matrix> keys(int layer, int kv_head) {
-    return rows(keys_, layer, kv_head, 0, live(layer, kv_head));
-  }
-  [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head) const {
-    return rows(keys_, layer, kv_head, 0, live(layer, kv_head));
-  }
-  /// Live values of head (layer, kv_head): [live, head_dim].
-  [[nodiscard]] Eigen::Map<Matrix> values(int layer, int kv_head) {
-    return rows(values_, layer, kv_head, 0, live(layer, kv_head));
-  }
-  [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head) const {
-    return rows(values_, layer, kv_head, 0, live(layer, kv_head));
-  }
-  /// Key rows [begin, end) of head (layer, kv_head), which must lie within the live slots.
-  [[nodiscard]] Eigen::Map<Matrix> key_rows(int layer, int kv_head, int begin, int end) {
-    check_rows(layer, kv_head, begin, end);
-    return rows(keys_, layer, kv_head, begin, end);
-  }
-  [[nodiscard]] Eigen::Map<Matrix> value_rows(int layer, int kv_head, int begin, int end) {
-    check_rows(layer, kv_head, begin, end);
-    return rows(values_, layer, kv_head, begin, end);
-  }
-
-  /// Grows every head to `capacity` slots, keeping contents. Never shrinks.
-  void reserve(int capacity) {
-    if (capacity <= this->capacity()) return;
-    const int old_capacity = this->capacity();
-    std::vector<Scalar> old_keys;
-    std::vector<Scalar> old_values;
-    old_keys.swap(keys_);
-    old_values.swap(values_);
-    allocate(capacity);
+  void reserve(int capacity) override {
+    if (capacity <= capacity_) return;
     const std::size_t row = static_cast<std::size_t>(shape_.head_dim);
-    for (int l = 0; l < shape_.layers; ++l) {
-      for (int g = 0; g < shape_.kv_heads; ++g) {
-        const std::size_t h = static_cast<std::size_t>(l) * shape_.kv_heads + g;
-        const std::size_t n = static_cast<std::size_t>(live(l, g)) * row;
-        std::copy_n(old_keys.begin() + h * old_capacity * row, n,
-                    keys_.begin() + h * capacity * row);
-        std::copy_n(old_values.begin() + h * old_capacity * row, n,
-                    values_.begin() + h * capacity * row);
-      }
+    (void)checked_allocation({2, shape_.head_caches(), capacity, shape_.head_dim,
+                              static_cast<std::int64_t>(sizeof(Scalar))},
+                             "KvStore: key and value bytes", kMaxBytes);
+    std::vector<Scalar> keys(static_cast<std::size_t>(shape_.head_caches()) * capacity * row,
+                             Scalar(0));
+    std::vector<Scalar> values(keys.size(), Scalar(0));
+    for (int h = 0; h < shape_.head_caches(); ++h) {
+      const std::size_t n = static_cast<std::size_t>(capacity_) * row;
+      std::copy_n(keys_.begin() + static_cast<std::ptrdiff_t>(h * n), n,
+                  keys.begin() + static_cast<std::ptrdiff_t>(h) * capacity * row);
+      std::copy_n(values_.begin() + static_cast<std::ptrdiff_t>(h * n), n,
+                  values.begin() + static_cast<std::ptrdiff_t>(h) * capacity * row);
     }
-    slots_.reserve(capacity);
+    bytes_copied_ += 2 * keys_.size() * sizeof(Scalar);
+    keys_.swap(keys);
+    values_.swap(values);
+    capacity_ = capacity;
   }
 
-  /// Appends rows of keys and values ([n, head_dim] each) with their metadata to head (layer,
-  /// kv_head). Keys are stored as given: the caller decides whether they are already rotated.
-  void append(int layer, int kv_head, const Eigen::Ref<const Matrix>& new_keys,
-              const Eigen::Ref<const Matrix>& new_values,
-              std::span<const std::int64_t> original_positions,
-              std::span<const std::int64_t> positions, std::span<const std::int32_t> token_ids,
-              std::span<const std::uint8_t> flags) {
-    KVEVICT_REQUIRE(new_keys.cols() == shape_.head_dim && new_values.cols() == shape_.head_dim,
-                    "KvStore::append: rows must have head_dim = " +
-                        std::to_string(shape_.head_dim) + " columns");
-    KVEVICT_REQUIRE(new_keys.rows() == static_cast<Eigen::Index>(token_ids.size()) &&
-                        new_values.rows() == new_keys.rows(),
-                    "KvStore::append: key, value and metadata row counts differ");
-    const int begin = live(layer, kv_head);
-    slots_.append(layer, kv_head, original_positions, positions, token_ids, flags);
-    const int end = live(layer, kv_head);
-    rows(keys_, layer, kv_head, begin, end) = new_keys;
-    rows(values_, layer, kv_head, begin, end) = new_values;
-  }
-
-  /// Drops the newest slots of head (layer, kv_head) so that `new_live` remain.
-  void truncate(int layer, int kv_head, int new_live) { slots_.truncate(layer, kv_head, new_live); }
-
-  /// Gathers keys and values of every changed head of `plan`, rows keep()[i] -> i, and, when keys
-  /// are stored after RoPE (`post_rope_keys` given), rotates kept key i by position_deltas()[i].
-  /// Touches only K/V: use this when the slot table was compacted already (EvictionPipeline does
-  /// that), apply() otherwise. The plan's positions must be assigned (see reposition.hpp).
-  void apply_kv(const CompactionPlan& plan, const Rope* post_rope_keys = nullptr) {
-    check_plan(plan);
-    const std::ptrdiff_t row = shape_.head_dim;
-    for (int l = 0; l < shape_.layers; ++l) {
-      for (int g = 0; g < shape_.kv_heads; ++g) {
-        if (!plan.changes(l, g)) continue;
-        const std::span<const std::int32_t> keep = plan.keep(l, g);
-        Scalar* key_data = head_data(keys_, l, g);
-        detail::gather_rows_in_place(key_data, row, keep);
-        detail::gather_rows_in_place(head_data(values_, l, g), row, keep);
-        if (post_rope_keys != nullptr) {
-          post_rope_keys->rotate_rows(key_data, row, plan.position_deltas(l, g));
+  /// Rotates the keys of every KeyRotation (post-RoPE storage); evicted slots need nothing.
+  void apply(const AppliedDecision& decision) override {
+    for (const KeyRotation& rotation : decision.rotations()) {
+      KVEVICT_REQUIRE(key_storage_ == KeyStorage::post_rope,
+                      "KvStore: a key rotation for pre-RoPE keys");
+      const double* cos_sin = rope_.angles(rotation.delta, angles_.data());
+      for (int l = 0; l < shape_.layers; ++l) {
+        for (int g = 0; g < shape_.kv_heads; ++g) {
+          if (decision.layout.unit_of(l, g) != rotation.unit) continue;
+          for (const std::int32_t slot : rotation.slots)
+            rope_.rotate_with(key_row(l, g, slot), cos_sin);
+          bytes_rotated_ += rotation.slots.size() * row_bytes();
         }
       }
     }
   }
 
-  /// Applies `plan` to keys, values and the slot table together. Stable, in place, no allocation.
-  void apply(const CompactionPlan& plan, const Rope* post_rope_keys = nullptr) {
-    check_plan(plan);
-    for (int l = 0; l < shape_.layers; ++l) {
-      for (int g = 0; g < shape_.kv_heads; ++g) {
-        if (plan.changes(l, g)) detail::validate_keep_list(plan.keep(l, g), live(l, g));
-      }
-    }
-    apply_kv(plan, post_rope_keys);
-    slots_.apply(plan);
+  /// Key row of slot `slot` of head (layer, kv_head): head_dim values.
+  [[nodiscard]] Scalar* key_row(int layer, int kv_head, std::int32_t slot) {
+    return head_data(keys_, layer, kv_head) + static_cast<std::ptrdiff_t>(slot) * shape_.head_dim;
+  }
+  [[nodiscard]] Scalar* value_row(int layer, int kv_head, std::int32_t slot) {
+    return head_data(values_, layer, kv_head) + static_cast<std::ptrdiff_t>(slot) * shape_.head_dim;
+  }
+  /// Key rows of slots [0, limit) of head (layer, kv_head): [limit, head_dim].
+  [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head, int limit) const {
+    return {head_data(keys_, layer, kv_head), limit, shape_.head_dim};
+  }
+  [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head, int limit) const {
+    return {head_data(values_, layer, kv_head), limit, shape_.head_dim};
   }
 
-  /// Bytes one slot occupies: its key and value rows plus its metadata.
-  [[nodiscard]] std::size_t kv_bytes_per_slot() const {
-    return 2 * static_cast<std::size_t>(shape_.head_dim) * sizeof(Scalar);
+  /// Bytes of one slot's key and value rows.
+  [[nodiscard]] std::size_t kv_bytes_per_slot() const { return 2 * row_bytes(); }
+  /// Bytes allocated for keys and values.
+  [[nodiscard]] std::size_t reserved_bytes() const {
+    return (keys_.size() + values_.size()) * sizeof(Scalar);
   }
-  [[nodiscard]] std::size_t bytes_per_slot() const {
-    return kv_bytes_per_slot() + slots_.bytes_per_slot();
-  }
-
-  /// Byte counts over all heads.
-  [[nodiscard]] MemoryStats memory() const {
-    MemoryStats stats;
-    const auto live_slots = static_cast<std::size_t>(slots_.total_live());
-    stats.live_kv_bytes = live_slots * kv_bytes_per_slot();
-    stats.live_metadata_bytes = live_slots * slots_.bytes_per_slot();
-    stats.reserved_bytes =
-        static_cast<std::size_t>(capacity()) * shape_.head_caches() * bytes_per_slot();
-    const auto peak_slots = static_cast<std::size_t>(slots_.peak_total_live());
-    stats.peak_live_bytes = peak_slots * bytes_per_slot();
-    stats.peak_kv_bytes = peak_slots * kv_bytes_per_slot();
-    return stats;
-  }
-  /// Byte counts of head (layer, kv_head); peak is not tracked per head.
-  [[nodiscard]] MemoryStats memory(int layer, int kv_head) const {
-    MemoryStats stats;
-    const std::size_t n = static_cast<std::size_t>(live(layer, kv_head));
-    stats.live_kv_bytes = n * kv_bytes_per_slot();
-    stats.live_metadata_bytes = n * slots_.bytes_per_slot();
-    stats.reserved_bytes = static_cast<std::size_t>(capacity()) * bytes_per_slot();
-    return stats;
-  }
+  /// Key bytes rewritten by fold rotations since construction.
+  [[nodiscard]] std::size_t bytes_rotated() const { return bytes_rotated_; }
+  /// Key and value bytes copied by growing the buffers since construction.
+  [[nodiscard]] std::size_t bytes_copied() const { return bytes_copied_; }
 
  private:
-  void allocate(int capacity) {
-    const std::size_t n =
-        static_cast<std::size_t>(shape_.head_caches()) * capacity * shape_.head_dim;
-    keys_.assign(n, Scalar(0));
-    values_.assign(n, Scalar(0));
-  }
-  void check_plan(const CompactionPlan& plan) const {
-    KVEVICT_REQUIRE(plan.layers() == shape_.layers && plan.kv_heads() == shape_.kv_heads,
-                    "KvStore: plan shape does not match the store");
-  }
-  void check_rows(int layer, int kv_head, int begin, int end) const {
-    KVEVICT_REQUIRE(0 <= begin && begin <= end && end <= live(layer, kv_head),
-                    "KvStore: row range [" + std::to_string(begin) + ", " + std::to_string(end) +
-                        ") outside the live slots");
+  [[nodiscard]] std::size_t row_bytes() const {
+    return static_cast<std::size_t>(shape_.head_dim) * sizeof(Scalar);
   }
   [[nodiscard]] Scalar* head_data(std::vector<Scalar>& data, int layer, int kv_head) {
     return data.data() + (static_cast<std::size_t>(layer) * shape_.kv_heads + kv_head) *
-                             capacity() * shape_.head_dim;
+                             static_cast<std::size_t>(capacity_) * shape_.head_dim;
   }
   [[nodiscard]] const Scalar* head_data(const std::vector<Scalar>& data, int layer,
                                         int kv_head) const {
     return data.data() + (static_cast<std::size_t>(layer) * shape_.kv_heads + kv_head) *
-                             capacity() * shape_.head_dim;
-  }
-  [[nodiscard]] Eigen::Map<Matrix> rows(std::vector<Scalar>& data, int layer, int kv_head,
-                                        int begin, int end) {
-    return {head_data(data, layer, kv_head) + static_cast<std::ptrdiff_t>(begin) * shape_.head_dim,
-            end - begin, shape_.head_dim};
-  }
-  [[nodiscard]] Eigen::Map<const Matrix> rows(const std::vector<Scalar>& data, int layer,
-                                              int kv_head, int begin, int end) const {
-    return {head_data(data, layer, kv_head) + static_cast<std::ptrdiff_t>(begin) * shape_.head_dim,
-            end - begin, shape_.head_dim};
+                             static_cast<std::size_t>(capacity_) * shape_.head_dim;
   }
 
   CacheShape shape_;
-  SlotTable slots_;
+  KeyStorage key_storage_;
+  Rope rope_;
+  int capacity_ = 0;
   std::vector<Scalar> keys_;    // [layers * kv_heads][capacity][head_dim]
   std::vector<Scalar> values_;  // [layers * kv_heads][capacity][head_dim]
+  std::vector<double> angles_;  // rotation scratch: [cos x pairs, sin x pairs]
+  std::size_t bytes_rotated_ = 0;
+  std::size_t bytes_copied_ = 0;
 };
 
 }  // namespace kvevict

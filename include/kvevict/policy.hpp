@@ -1,9 +1,11 @@
-// Policy: the interface every eviction policy implements (kvpress "press" shape, in C++).
+// Policy: the interface every eviction policy implements (a kvpress "press", in C++).
 //
-// A policy is a per-sequence object. It declares the signals it consumes and the triggers it
-// evicts on, keeps its per-slot state in score columns of the SlotTable (so compaction keeps that
-// state aligned with the keys for free), and decides by filling a CompactionPlan. It never touches
-// keys or values: the same policy object drives kvevict's KvStore or an engine's own buffers.
+// A policy is a per-sequence object: a score (what it reads from the signals it declares and keeps
+// in score columns of the SlotTable), a keep rule (select(): which live slots go) and a trigger
+// (when select() runs). Protection (sinks, a recent window, anchors) and a slot cap are decorators
+// around a policy (policies/protection.hpp), not settings of each policy. A policy never touches
+// keys or values: the same object drives kvevict's KvStore or an engine's own buffers, through
+// kvevict::Sequence.
 #pragma once
 
 #include <cstdint>
@@ -12,8 +14,10 @@
 #include <string>
 #include <string_view>
 
-#include "kvevict/compaction_plan.hpp"
+#include "kvevict/decision.hpp"
+#include "kvevict/granularity.hpp"
 #include "kvevict/positions.hpp"
+#include "kvevict/selection.hpp"
 #include "kvevict/signals.hpp"
 #include "kvevict/slot_table.hpp"
 
@@ -28,12 +32,14 @@ struct ChunkInfo {
 };
 
 /// What a policy sees when a trigger fires. Policies may update their score columns in `slots`
-/// (SirLLM decays them) but must not compact it: the pipeline applies the plan.
+/// (SirLLM decays them) but change nothing else: Sequence applies the decision.
 struct EvictionContext {
   Trigger trigger = Trigger::after_forward;
   SlotTable& slots;
   /// before_turn: tokens about to be fed; otherwise 0.
   int incoming = 0;
+  /// Slots the decorators around the policy protect: keep them in addition to the rule's own.
+  Protection protection{};
 };
 
 class Policy {
@@ -42,7 +48,7 @@ class Policy {
 
   /// Stable identifier, e.g. "streaming_llm".
   [[nodiscard]] virtual std::string_view name() const = 0;
-  /// Signals the engine must compute and pass in.
+  /// Signals the engine must compute and pass in; a decision reached without them is an error.
   [[nodiscard]] virtual SignalSet signals() const { return {}; }
   /// When select() is called.
   [[nodiscard]] virtual TriggerSet triggers() const { return {Trigger::after_forward}; }
@@ -52,20 +58,20 @@ class Policy {
   [[nodiscard]] virtual PositionMode default_position_mode() const {
     return PositionMode::original;
   }
-  /// Most slots any head holds once the policy has evicted (at its steady point), or nullopt when
+  /// The granularity of the paper / authors' code: how many keep-sets (granularity.hpp).
+  [[nodiscard]] virtual Granularity default_granularity() const { return Granularity::head; }
+  /// Most slots any unit holds once the policy has evicted (at its steady point), or nullopt when
   /// the policy has no bound (full cache, AnLLM without a cap). Engines size buffers from it.
   [[nodiscard]] virtual std::optional<int> retained_limit() const { return std::nullopt; }
   /// slot_flag bits for a newly appended token (e.g. anchor).
   [[nodiscard]] virtual std::uint8_t flags_for(std::int32_t /*token_id*/) const { return 0; }
-  /// InfiniPot: true when the pot is full and catalyst attention should be computed now.
-  [[nodiscard]] virtual bool pot_full(const SlotTable& /*slots*/) const { return false; }
-  /// Tokens that can still be appended before the pot is full (engines split chunks there so that
-  /// a chunk never crosses a pot boundary), or nullopt when the policy has no pot.
+  /// Tokens that can still be appended before the policy's pot is full (engines split chunks
+  /// there; 0 = full: run the catalyst now), or nullopt when the policy has no pot (InfiniPot).
   [[nodiscard]] virtual std::optional<int> pot_room(const SlotTable& /*slots*/) const {
     return std::nullopt;
   }
 
-  /// The chunk's slots were just appended to every head (the newest chunk.size() slots).
+  /// The chunk's tokens were just appended to every unit (Sequence::chunk_slots).
   virtual void on_append(SlotTable& /*slots*/, const ChunkInfo& /*chunk*/) {}
   /// Attention rows of one layer for the current forward (attention_rows / last_attention_row).
   virtual void observe_attention(SlotTable& /*slots*/, int /*layer*/,
@@ -74,13 +80,13 @@ class Policy {
   virtual void observe_surprisal(SlotTable& /*slots*/, const ChunkInfo& /*chunk*/,
                                  std::span<const float> /*surprisal*/) {}
   /// Attention rows of the catalyst prompt's queries for one layer (catalyst_attention). Rows cover
-  /// the pot's slots followed by the catalyst's own slots.
+  /// the pot's slots and the catalyst's own slots.
   virtual void observe_catalyst(SlotTable& /*slots*/, int /*layer*/,
                                 const AttentionRows& /*rows*/) {}
 
-  /// Decides for `context.trigger`. Writes keep-lists of the heads that change into `plan` (which
-  /// arrives cleared) and returns true if any head changes.
-  virtual bool select(const EvictionContext& context, CompactionPlan& plan) = 0;
+  /// Decides for `context.trigger`: marks the live slots to evict in `decision` (which arrives
+  /// cleared), keeping every slot context.protection covers.
+  virtual void select(const EvictionContext& context, Decision& decision) = 0;
 };
 
 }  // namespace kvevict

@@ -1,94 +1,273 @@
-// PolicyParams: named numeric parameters of a policy, as read from a CLI, a replay file or a
-// config.
+// PolicyParams and PolicySpec: a policy's parameters, declared once in its header with their types,
+// defaults and ranges, and read through one parser by every front end (CLI, C API, replay files,
+// eval configs, benchmarks, examples).
 #pragma once
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
-#include <set>
+#include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "kvevict/error.hpp"
 
 namespace kvevict {
 
-/// Numbers and integer lists by name. Readers record which keys they used, so that a misspelt
-/// parameter is reported (check_all_used) instead of silently ignored.
+class Policy;
+
+/// Numbers and integer lists by name. As given by a user they are untyped (a list of one entry and
+/// a number look alike); PolicySpec::resolve types and checks them.
 class PolicyParams {
  public:
+  using Value = std::variant<double, std::vector<std::int64_t>>;
+
   PolicyParams& set(const std::string& key, double value) {
-    numbers_[key] = value;
+    values_[key] = value;
     return *this;
   }
   PolicyParams& set_list(const std::string& key, std::vector<std::int64_t> values) {
-    lists_[key] = std::move(values);
+    values_[key] = std::move(values);
     return *this;
   }
-  [[nodiscard]] bool has(const std::string& key) const {
-    return numbers_.count(key) != 0 || lists_.count(key) != 0;
+  [[nodiscard]] bool has(const std::string& key) const { return values_.count(key) != 0; }
+  [[nodiscard]] const std::map<std::string, Value>& values() const { return values_; }
+  /// Sets every value of `other` (overriding).
+  PolicyParams& merge(const PolicyParams& other) {
+    for (const auto& [key, value] : other.values_) values_[key] = value;
+    return *this;
   }
 
-  /// An integer parameter; `fallback` when absent (error if absent and no fallback).
-  [[nodiscard]] int get_int(const std::string& key,
-                            std::optional<int> fallback = std::nullopt) const {
-    used_.insert(key);
-    const auto it = numbers_.find(key);
-    if (it == numbers_.end()) {
-      KVEVICT_REQUIRE(fallback.has_value(), "missing parameter '" + key + "'");
-      return *fallback;
+  /// An integer parameter (after resolve: present and in range, or absent and optional).
+  [[nodiscard]] int get_int(const std::string& key) const {
+    return static_cast<int>(std::get<double>(at(key)));
+  }
+  [[nodiscard]] std::optional<int> get_optional_int(const std::string& key) const {
+    if (!has(key)) return std::nullopt;
+    return get_int(key);
+  }
+  [[nodiscard]] double get_real(const std::string& key) const { return std::get<double>(at(key)); }
+  [[nodiscard]] const std::vector<std::int64_t>& get_list(const std::string& key) const {
+    return std::get<std::vector<std::int64_t>>(at(key));
+  }
+
+  /// "recent=28 sinks=4" (lists as "anchor_ids=258,259"); "" when empty (numbers as number_text).
+  [[nodiscard]] std::string to_string() const {
+    std::string out;
+    for (const auto& [key, value] : values_) {
+      if (!out.empty()) out += ' ';
+      out += key + "=";
+      if (const auto* number = std::get_if<double>(&value)) {
+        out += number_text(*number);
+      } else {
+        const auto& list = std::get<std::vector<std::int64_t>>(value);
+        for (std::size_t i = 0; i < list.size(); ++i) {
+          if (i > 0) out += ',';
+          out += std::to_string(list[i]);
+        }
+      }
     }
-    const double value = it->second;
-    KVEVICT_REQUIRE(std::isfinite(value) && value == std::floor(value) &&
-                        std::fabs(value) <= std::numeric_limits<int>::max(),
-                    "parameter '" + key + "' must be an integer, got " + std::to_string(value));
-    return static_cast<int>(value);
+    return out;
   }
 
-  /// A real parameter; `fallback` when absent. NaN and infinities are rejected.
-  [[nodiscard]] double get_double(const std::string& key,
-                                  std::optional<double> fallback = std::nullopt) const {
-    used_.insert(key);
-    const auto it = numbers_.find(key);
-    if (it == numbers_.end()) {
-      KVEVICT_REQUIRE(fallback.has_value(), "missing parameter '" + key + "'");
-      return *fallback;
+  /// Parses "key=value key=value ..." (whitespace-separated pairs; a value is a number, or
+  /// integers separated by commas). Types are checked later, by PolicySpec::resolve.
+  [[nodiscard]] static PolicyParams parse(std::string_view text) {
+    PolicyParams params;
+    std::size_t at = 0;
+    while (at < text.size()) {
+      while (at < text.size() && is_space(text[at])) ++at;
+      std::size_t end = at;
+      while (end < text.size() && !is_space(text[end])) ++end;
+      if (end > at) params.parse_pair(text.substr(at, end - at));
+      at = end;
     }
-    KVEVICT_REQUIRE(std::isfinite(it->second), "parameter '" + key + "' must be finite");
-    return it->second;
+    return params;
+  }
+  /// `number` in the shortest form that reads back exactly ("28", "0.8").
+  [[nodiscard]] static std::string number_text(double number) {
+    char buffer[32];
+    const std::to_chars_result result = std::to_chars(buffer, buffer + sizeof buffer, number);
+    return std::string(buffer, result.ptr);
   }
 
-  /// An integer list parameter; `fallback` when absent.
-  [[nodiscard]] std::vector<std::int64_t> get_list(
-      const std::string& key,
-      std::optional<std::vector<std::int64_t>> fallback = std::nullopt) const {
-    used_.insert(key);
-    const auto it = lists_.find(key);
-    if (it == lists_.end()) {
-      KVEVICT_REQUIRE(fallback.has_value(), "missing parameter '" + key + "'");
-      return *fallback;
+  /// Parses one "key=value" pair into this set (the CLI's --param).
+  void parse_pair(std::string_view pair) {
+    const std::size_t eq = pair.find('=');
+    const std::string shown(pair.substr(0, 64));
+    KVEVICT_REQUIRE(eq != std::string_view::npos && eq > 0 && eq + 1 < pair.size(),
+                    "policy parameter '" + shown + "' is not key=value");
+    const std::string key(pair.substr(0, eq));
+    const std::string_view value = pair.substr(eq + 1);
+    const auto malformed = [&] {
+      return Error("policy parameter '" + key + "' has a malformed value '" +
+                   std::string(value.substr(0, 64)) + "'");
+    };
+    if (value.find(',') == std::string_view::npos) {
+      const std::optional<double> number = parse_number(value);
+      if (!number) throw malformed();
+      set(key, *number);
+      return;
     }
-    return it->second;
-  }
-
-  /// Throws if a parameter was given that no reader asked for.
-  void check_all_used(std::string_view policy) const {
-    for (const auto& [key, value] : numbers_) check_used(policy, key);
-    for (const auto& [key, value] : lists_) check_used(policy, key);
+    std::vector<std::int64_t> list;
+    std::size_t begin = 0;
+    for (;;) {
+      const std::size_t comma = value.find(',', begin);
+      const std::string_view item = value.substr(begin, comma - begin);
+      const std::optional<double> number = parse_number(item);
+      if (!number || *number != std::floor(*number) || std::fabs(*number) > 9.0e15) {
+        throw malformed();
+      }
+      list.push_back(static_cast<std::int64_t>(*number));
+      if (comma == std::string_view::npos) break;
+      begin = comma + 1;
+    }
+    set_list(key, std::move(list));
   }
 
  private:
-  void check_used(std::string_view policy, const std::string& key) const {
-    KVEVICT_REQUIRE(used_.count(key) != 0,
-                    "unknown parameter '" + key + "' for policy '" + std::string(policy) + "'");
+  [[nodiscard]] const Value& at(const std::string& key) const {
+    const auto it = values_.find(key);
+    KVEVICT_REQUIRE(it != values_.end(), "missing parameter '" + key + "'");
+    return it->second;
+  }
+  static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+  // A finite decimal number, the whole of `text`.
+  static std::optional<double> parse_number(std::string_view text) {
+    if (text.empty() || text.size() > 64) return std::nullopt;
+    const std::string copy(text);
+    char* end = nullptr;
+    const double number = std::strtod(copy.c_str(), &end);
+    if (end != copy.c_str() + copy.size() || !std::isfinite(number)) return std::nullopt;
+    return number;
+  }
+  std::map<std::string, Value> values_;
+};
+
+/// Largest slot count a parameter may name (SlotTable::kMaxCapacity).
+inline constexpr double kMaxSlotsParam = double(std::int64_t{1} << 28);
+
+/// The part of a `--budget` left once `sinks` protected first tokens are counted against it; an
+/// error when nothing is left.
+[[nodiscard]] inline int budget_after_sinks(int budget, int sinks) {
+  KVEVICT_REQUIRE(sinks >= 0, "sinks must be >= 0, got " + std::to_string(sinks));
+  KVEVICT_REQUIRE(budget > sinks, "budget " + std::to_string(budget) +
+                                      " is smaller than the protected set (sinks " +
+                                      std::to_string(sinks) + ")");
+  return budget - sinks;
+}
+
+/// What a parameter holds.
+enum class ParamType : std::uint8_t {
+  integer,       ///< a whole number in [min, max]
+  real,          ///< a finite number in [min, max]
+  integer_list,  ///< integers, each in [min, max]; one number is a list of one
+};
+
+/// One parameter of a policy: its name, type, range and default.
+struct ParamSpec {
+  std::string_view name;
+  ParamType type = ParamType::integer;
+  std::string_view help;
+  /// Used when the parameter is absent. Absent and without default: required, unless `optional`.
+  std::optional<double> default_value = std::nullopt;
+  double min = 0;
+  double max = std::numeric_limits<std::int32_t>::max();
+  /// May be absent with no default (the policy derives it, e.g. InfiniPot's novel = keep / 2).
+  bool optional = false;
+};
+
+/// A policy as the registry knows it: name, paper, parameters, what `--budget N` means, and how to
+/// build it from resolved parameters.
+struct PolicySpec {
+  std::string_view name;
+  std::string_view summary;  ///< one line: paper and rule
+  std::span<const ParamSpec> params;
+  /// The parameters `--budget N` stands for, with `sinks` protected first tokens where the policy
+  /// has sinks; nullptr when the policy has no budget (full). Throws for budgets it cannot honour.
+  PolicyParams (*budget)(int budget, int sinks) = nullptr;
+  /// Builds the policy from parameters resolve() accepted.
+  std::unique_ptr<Policy> (*make)(const PolicyParams& params) = nullptr;
+
+  [[nodiscard]] const ParamSpec* find(std::string_view key) const {
+    for (const ParamSpec& param : params) {
+      if (param.name == key) return &param;
+    }
+    return nullptr;
   }
 
-  std::map<std::string, double> numbers_;
-  std::map<std::string, std::vector<std::int64_t>> lists_;
-  mutable std::set<std::string> used_;
+  /// Types and checks `given` against the spec: unknown keys, missing required parameters, types
+  /// and ranges are errors naming the parameter; defaults fill absent parameters.
+  [[nodiscard]] PolicyParams resolve(const PolicyParams& given) const {
+    PolicyParams resolved;
+    for (const auto& [key, value] : given.values()) {
+      const ParamSpec* param = find(key);
+      if (param == nullptr) {
+        std::string known;
+        for (const ParamSpec& p : params) known.append(" ").append(p.name);
+        throw Error("unknown parameter '" + key + "' for policy '" + std::string(name) + "'" +
+                    (known.empty() ? std::string(" (it takes none)") : " (known:" + known + ")"));
+      }
+      check(*param, value, resolved);
+    }
+    for (const ParamSpec& param : params) {
+      const std::string key(param.name);
+      if (resolved.has(key)) continue;
+      if (param.default_value) {
+        if (param.type == ParamType::integer_list) {
+          resolved.set_list(key, {static_cast<std::int64_t>(*param.default_value)});
+        } else {
+          resolved.set(key, *param.default_value);
+        }
+      } else if (!param.optional) {
+        throw Error("policy '" + std::string(name) + "' needs parameter '" + key + "' (" +
+                    std::string(param.help) + ")");
+      }
+    }
+    return resolved;
+  }
+
+ private:
+  void check(const ParamSpec& param, const PolicyParams::Value& value,
+             PolicyParams& resolved) const {
+    const std::string key(param.name);
+    const std::string where = "policy '" + std::string(name) + "': parameter '" + key + "'";
+    const auto in_range = [&](double number) {
+      if (!(number >= param.min && number <= param.max)) {
+        throw Error(where + " must be in [" + PolicyParams::number_text(param.min) + ", " +
+                    PolicyParams::number_text(param.max) + "], got " +
+                    PolicyParams::number_text(number));
+      }
+    };
+    if (param.type == ParamType::integer_list) {
+      std::vector<std::int64_t> list;
+      if (const auto* number = std::get_if<double>(&value)) {
+        KVEVICT_REQUIRE(*number == std::floor(*number), where + " takes integers");
+        list.push_back(static_cast<std::int64_t>(*number));
+      } else {
+        list = std::get<std::vector<std::int64_t>>(value);
+      }
+      KVEVICT_REQUIRE(!list.empty(), where + " needs at least one value");
+      for (const std::int64_t item : list) in_range(static_cast<double>(item));
+      resolved.set_list(key, std::move(list));
+      return;
+    }
+    const auto* number = std::get_if<double>(&value);
+    KVEVICT_REQUIRE(number != nullptr, where + " takes one number, not a list");
+    KVEVICT_REQUIRE(std::isfinite(*number), where + " must be finite");
+    if (param.type == ParamType::integer) {
+      KVEVICT_REQUIRE(*number == std::floor(*number),
+                      where + " must be an integer, got " + PolicyParams::number_text(*number));
+    }
+    in_range(*number);
+    resolved.set(key, *number);
+  }
 };
 
 }  // namespace kvevict

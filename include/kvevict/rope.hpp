@@ -81,7 +81,17 @@ class Rope {
   void rotate(Scalar* row, std::int64_t steps) const {
     thread_local std::vector<double> scratch;
     scratch.resize(static_cast<std::size_t>(pairs()) * 2);
-    const double* cos_sin = cos_sin_for(steps, scratch.data());
+    rotate_with(row, angles(steps, scratch.data()));
+  }
+
+  /// The rotation by `steps` as [cos x pairs, sin x pairs]: from the table when it covers |steps|,
+  /// else computed into `scratch` (2 * pairs() doubles). Reuse it for many rows (rotate_with).
+  [[nodiscard]] const double* angles(std::int64_t steps, double* scratch) const {
+    return cos_sin_for(steps, scratch);
+  }
+  /// Rotates one row by the rotation `cos_sin` (from angles()).
+  template <class Scalar>
+  void rotate_with(Scalar* row, const double* cos_sin) const {
     apply(row, cos_sin, cos_sin + pairs());
   }
 

@@ -1,11 +1,15 @@
-// Shared selection core: keep-set construction with composable protection and a defined top-k.
+// Shared selection: protection, keep-set construction and a defined top-k, over one unit's slots.
 //
-// Every policy's keep rule is a short sequence of steps over one head's slots, each adding slots to
-// the keep set: protect a range (sinks, recent window), protect flagged slots (anchors), take the
-// top-k of a score among the slots not kept yet, fill with the most recent. Protection therefore
-// composes with any scorer: StreamingLLM is keep_range(0, S) + keep_range(L - R, L); H2O is
-// keep_range(L - R, L) + keep_top_k(acc, heavy); InfiniPot is keep_top_k(nuc, T) +
-// keep_top_k(cap, C - T).
+// Every policy's keep rule is a short sequence of steps over a unit's live slots: keep the slots
+// its decorators protect (sinks, a recent window, anchors: Protection), then the rule's own (the
+// top-k of a score among the slots not kept yet, the newest, ...); every live slot not kept is
+// evicted. Ties in scores always go to the lower original position, so every decision is a
+// function of the scores alone, whatever the slot layout.
+//
+// KeepSet is the general form (O(slot limit) per decision). evict_worst() is the form of the
+// budget rules (Window, StreamingLLM, H2O, TOVA) on their per-token path: it evicts the few worst
+// candidates in one pass over the unprotected range, or, ranking by recency, takes the oldest
+// candidates in O(evicted).
 #pragma once
 
 #include <algorithm>
@@ -15,131 +19,200 @@
 #include <string>
 #include <vector>
 
-#include "kvevict/compaction_plan.hpp"
+#include "kvevict/decision.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/slot_table.hpp"
 
 namespace kvevict {
 
-/// Builds the keep set of one head. Reusable: begin() resets it without allocating once the
-/// buffers have grown to the largest head seen.
-class KeepSetBuilder {
+/// Slots that decorators (policies/protection.hpp) protect from the policy they wrap: kept in
+/// addition to whatever the policy keeps. Nested decorators combine by union.
+struct Protection {
+  int oldest = 0;          ///< the `oldest` oldest live slots of every unit (attention sinks)
+  int newest = 0;          ///< the `newest` newest live slots (a recent window)
+  std::uint8_t flags = 0;  ///< every slot carrying one of these slot_flag bits (anchors)
+  [[nodiscard]] bool empty() const { return oldest == 0 && newest == 0 && flags == 0; }
+};
+
+/// Throws kvevict::Error if `score` is NaN: a NaN would make the ranking undefined.
+inline void require_number(float score, std::int64_t original) {
+  if (std::isnan(score)) {
+    throw Error("eviction score is NaN at original position " + std::to_string(original) +
+                ": the policy's signals (attention rows or surprisal) contain NaN");
+  }
+}
+
+/// The keep set of one unit. Reusable: begin() allocates nothing once the buffers have grown.
+class KeepSet {
  public:
-  /// Starts a keep set over slots [0, slots), none kept.
-  void begin(int slots) {
-    slots_ = slots;
+  /// Starts a keep set over the live slots of `unit`, with the slots `protection` covers kept.
+  void begin(const SlotTable& slots, int unit, const Protection& protection = {}) {
+    slots_ = &slots;
+    unit_ = unit;
+    order_ = slots.stream_order(unit);
     kept_count_ = 0;
-    kept_.assign(static_cast<std::size_t>(slots), 0);
+    kept_.assign(static_cast<std::size_t>(slots.slot_limit(unit)), 0);
+    keep_oldest(protection.oldest);
+    keep_newest(protection.newest);
+    if (protection.flags != 0) keep_flagged(protection.flags);
   }
 
-  [[nodiscard]] int slots() const { return slots_; }
+  [[nodiscard]] int live() const { return static_cast<int>(order_.size()); }
   [[nodiscard]] int kept() const { return kept_count_; }
-  [[nodiscard]] bool is_kept(int slot) const { return kept_[static_cast<std::size_t>(slot)] != 0; }
-
-  /// Keeps slots [begin, end), clipped to [0, slots).
-  void keep_range(int begin, int end) {
-    for (int s = std::max(begin, 0); s < std::min(end, slots_); ++s) mark(s);
+  [[nodiscard]] bool is_kept(std::int32_t slot) const {
+    return kept_[static_cast<std::size_t>(slot)] != 0;
   }
+  /// The unit's live slots, oldest first.
+  [[nodiscard]] std::span<const std::int32_t> order() const { return order_; }
 
-  /// Keeps every slot whose flags share a bit with `mask`.
-  void keep_flagged(std::span<const std::uint8_t> flags, std::uint8_t mask) {
-    for (int s = 0; s < slots_; ++s) {
-      if ((flags[static_cast<std::size_t>(s)] & mask) != 0) mark(s);
-    }
-  }
-
-  /// Keeps the `k` highest-scoring slots among those not kept yet (all of them if fewer). Ties go
-  /// to the lower slot, i.e. the lower original position. A NaN score is an error, never a silent
-  /// choice: it would make the order undefined.
-  void keep_top_k(std::span<const float> scores, int k) {
-    KVEVICT_REQUIRE(static_cast<int>(scores.size()) >= slots_,
-                    "keep_top_k: fewer scores than slots");
-    candidates_.clear();
-    for (int s = 0; s < slots_; ++s) {
-      if (is_kept(s)) continue;
-      if (std::isnan(scores[static_cast<std::size_t>(s)])) {
-        throw Error("eviction score is NaN at slot " + std::to_string(s) +
-                    ": the policy's signals (attention rows or surprisal) contain NaN");
-      }
-      candidates_.push_back(s);
-    }
-    if (k <= 0) return;
-    if (k < static_cast<int>(candidates_.size())) {
-      const auto better = [&scores](int a, int b) {
-        const float sa = scores[static_cast<std::size_t>(a)];
-        const float sb = scores[static_cast<std::size_t>(b)];
-        return sa > sb || (sa == sb && a < b);
-      };
-      std::nth_element(candidates_.begin(), candidates_.begin() + k, candidates_.end(), better);
-      candidates_.resize(static_cast<std::size_t>(k));
-    }
-    for (int s : candidates_) mark(s);
-  }
-
-  /// Keeps the newest slots not kept yet until `total` slots are kept (or none are left).
-  void keep_most_recent(int total) {
-    for (int s = slots_ - 1; s >= 0 && kept_count_ < total; --s) mark(s);
-  }
-
-  /// Writes the kept slots, ascending, to `out`; returns how many.
-  int write(std::span<std::int32_t> out) const {
-    KVEVICT_REQUIRE(static_cast<int>(out.size()) >= kept_count_,
-                    "KeepSetBuilder: output too small");
-    int n = 0;
-    for (int s = 0; s < slots_; ++s) {
-      if (is_kept(s)) out[static_cast<std::size_t>(n++)] = s;
-    }
-    return n;
-  }
-
-  /// Writes the keep set into head (layer, kv_head) of `plan`. Returns false, and leaves the head
-  /// unchanged, when every slot is kept.
-  bool write(CompactionPlan& plan, int layer, int kv_head) const {
-    if (kept_count_ == slots_) return false;
-    plan.set_keep_count(layer, kv_head, write(plan.keep_buffer(layer, kv_head)));
-    return true;
-  }
-
- private:
-  void mark(int slot) {
+  void keep(std::int32_t slot) {
     std::uint8_t& flag = kept_[static_cast<std::size_t>(slot)];
     kept_count_ += flag == 0 ? 1 : 0;
     flag = 1;
   }
-
-  int slots_ = 0;
-  int kept_count_ = 0;
-  std::vector<std::uint8_t> kept_;
-  std::vector<int> candidates_;
-};
-
-/// The per-head keep rule of most policies: for every (layer, KV head), begins `builder` over the
-/// head's live slots, lets `rule(builder, layer, kv_head)` add the slots to keep, and writes the
-/// result into `plan`. Returns true if any head changes.
-template <class Rule>
-bool select_each_head(const SlotTable& slots, KeepSetBuilder& builder, CompactionPlan& plan,
-                      Rule&& rule) {
-  bool changed = false;
-  for (int l = 0; l < slots.layers(); ++l) {
-    for (int g = 0; g < slots.kv_heads(); ++g) {
-      builder.begin(slots.live(l, g));
-      rule(builder, l, g);
-      changed = builder.write(plan, l, g) || changed;
+  /// Keeps the `count` oldest live slots.
+  void keep_oldest(int count) {
+    for (int i = 0; i < std::min(count, live()); ++i) keep(order_[static_cast<std::size_t>(i)]);
+  }
+  /// Keeps the `count` newest live slots.
+  void keep_newest(int count) {
+    for (int i = std::max(live() - count, 0); i < live(); ++i) {
+      keep(order_[static_cast<std::size_t>(i)]);
     }
   }
-  return changed;
-}
-
-/// Copies the keep-list of head (layer, from_kv_head) to every other KV head of `layer`, for
-/// policies whose decision is per layer (TOVA) or per sequence (StreamingLLM, SirLLM, AnLLM).
-inline void copy_keep_to_layer(CompactionPlan& plan, int layer, int from_kv_head) {
-  if (!plan.changes(layer, from_kv_head)) return;
-  const std::span<const std::int32_t> keep = plan.keep(layer, from_kv_head);
-  for (int g = 0; g < plan.kv_heads(); ++g) {
-    if (g == from_kv_head) continue;
-    std::copy(keep.begin(), keep.end(), plan.keep_buffer(layer, g).begin());
-    plan.set_keep_count(layer, g, static_cast<int>(keep.size()));
+  /// Keeps every live slot whose flags share a bit with `mask`.
+  void keep_flagged(std::uint8_t mask) {
+    const std::span<const std::uint8_t> flags = slots_->flags(unit_);
+    for (const std::int32_t slot : order_) {
+      if ((flags[static_cast<std::size_t>(slot)] & mask) != 0) keep(slot);
+    }
   }
-}
+  /// Keeps every live slot at an original position above `original`.
+  void keep_newer_than(std::int64_t original) {
+    const std::span<const std::int64_t> originals = slots_->original_positions(unit_);
+    for (auto it = order_.rbegin();
+         it != order_.rend() && originals[static_cast<std::size_t>(*it)] > original; ++it) {
+      keep(*it);
+    }
+  }
+  /// Keeps the `k` highest-scoring live slots among those not kept yet (all of them if fewer).
+  /// `scores` is indexed by slot. Ties go to the lower original position; NaN is an error.
+  void keep_top_k(std::span<const float> scores, int k) {
+    const std::span<const std::int64_t> originals = slots_->original_positions(unit_);
+    candidates_.clear();
+    for (const std::int32_t slot : order_) {
+      if (is_kept(slot)) continue;
+      require_number(scores[static_cast<std::size_t>(slot)],
+                     originals[static_cast<std::size_t>(slot)]);
+      candidates_.push_back(slot);
+    }
+    if (k <= 0) return;
+    if (k < static_cast<int>(candidates_.size())) {
+      const auto better = [&](std::int32_t a, std::int32_t b) {
+        const float sa = scores[static_cast<std::size_t>(a)];
+        const float sb = scores[static_cast<std::size_t>(b)];
+        return sa > sb || (sa == sb && originals[static_cast<std::size_t>(a)] <
+                                           originals[static_cast<std::size_t>(b)]);
+      };
+      std::nth_element(candidates_.begin(), candidates_.begin() + k, candidates_.end(), better);
+      candidates_.resize(static_cast<std::size_t>(k));
+    }
+    for (const std::int32_t slot : candidates_) keep(slot);
+  }
+  /// Keeps the newest slots not kept yet until `total` slots are kept (or none are left).
+  void fill_newest(int total) {
+    for (auto it = order_.rbegin(); it != order_.rend() && kept_count_ < total; ++it) keep(*it);
+  }
+
+  /// Evicts every live slot not kept; returns how many.
+  int evict_rest(Decision& decision) const {
+    int evicted = 0;
+    for (const std::int32_t slot : order_) {
+      if (is_kept(slot)) continue;
+      decision.evict(unit_, slot);
+      ++evicted;
+    }
+    return evicted;
+  }
+
+ private:
+  const SlotTable* slots_ = nullptr;
+  int unit_ = 0;
+  std::span<const std::int32_t> order_;
+  int kept_count_ = 0;
+  std::vector<std::uint8_t> kept_;  // [slot limit]
+  std::vector<std::int32_t> candidates_;
+};
+
+/// The budget rule of Window, StreamingLLM, H2O and TOVA for one unit: among the live slots that
+/// `protection` leaves (the candidates), keeps the `keep` best and evicts the rest. Best is the
+/// highest score in `scores` (indexed by slot; ties to the lower original position), or, when
+/// `scores` is empty, the newest. Returns the number evicted. Cost: one pass over the candidates
+/// with scores; O(evicted) by recency.
+class WorstCandidates {
+ public:
+  int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
+            std::span<const float> scores, Decision& decision) {
+    const std::span<const std::int32_t> order = slots.stream_order(unit);
+    const int live = static_cast<int>(order.size());
+    const int first = std::min(protection.oldest, live);
+    const int last = live - std::min(protection.newest, live - first);  // candidates: [first, last)
+    const std::span<const std::uint8_t> flags = slots.flags(unit);
+    const auto protected_by_flag = [&](std::int32_t slot) {
+      return (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0;
+    };
+    int candidates = last - first;
+    if (protection.flags != 0) {
+      for (int i = first; i < last; ++i) candidates -= protected_by_flag(order[i]) ? 1 : 0;
+    }
+    const int count = candidates - std::max(keep, 0);
+    if (count <= 0) return 0;
+    if (scores.empty()) {  // by recency: the oldest candidates go
+      int evicted = 0;
+      for (int i = first; evicted < count; ++i) {
+        if (protection.flags != 0 && protected_by_flag(order[i])) continue;
+        decision.evict(unit, order[i]);
+        ++evicted;
+      }
+      return count;
+    }
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    // worse(a, b): a ranks below b. A strict total order (originals are unique), so the evicted
+    // set is the complement of "the `keep` best" whatever the method.
+    const auto worse = [&](std::int32_t a, std::int32_t b) {
+      const float sa = scores[static_cast<std::size_t>(a)];
+      const float sb = scores[static_cast<std::size_t>(b)];
+      return sa < sb || (sa == sb && originals[static_cast<std::size_t>(a)] >
+                                         originals[static_cast<std::size_t>(b)]);
+    };
+    worst_.clear();
+    for (int i = first; i < last; ++i) {
+      const std::int32_t slot = order[i];
+      if (protection.flags != 0 && protected_by_flag(slot)) continue;
+      require_number(scores[static_cast<std::size_t>(slot)],
+                     originals[static_cast<std::size_t>(slot)]);
+      if (count > kSmall) {
+        worst_.push_back(slot);
+        continue;
+      }
+      // Keep the `count` worst seen so far, sorted worst first: the steady state evicts one.
+      if (static_cast<int>(worst_.size()) == count) {
+        if (!worse(slot, worst_.back())) continue;
+        worst_.pop_back();
+      }
+      worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), slot, worse), slot);
+    }
+    if (count > kSmall) {
+      std::nth_element(worst_.begin(), worst_.begin() + (count - 1), worst_.end(), worse);
+      worst_.resize(static_cast<std::size_t>(count));
+    }
+    for (const std::int32_t slot : worst_) decision.evict(unit, slot);
+    return count;
+  }
+
+ private:
+  static constexpr int kSmall = 16;  // up to this many evictions: one pass with a sorted buffer
+  std::vector<std::int32_t> worst_;
+};
 
 }  // namespace kvevict

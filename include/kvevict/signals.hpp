@@ -70,9 +70,11 @@ inline constexpr std::uint8_t catalyst = 1u << 2;  ///< part of a catalyst promp
 /// Attention probabilities of one layer's newest queries, as an engine hands them to a policy.
 ///
 /// Layout: `[q_heads][queries][row_stride]`, float. The row of query head `h` covers the slots
-/// `[0, keys(h))` of the cache of KV head `h / group_size` in this layer, in slot order, as they
-/// stood during the forward (new tokens appended, nothing evicted yet). Entries past `keys(h)` and
-/// causally masked entries (a query's later chunk-mates) are zero.
+/// `[0, keys(h))` of the cache of KV head `h / group_size` in this layer, in slot order (slot s is
+/// the slot kvevict gave the token: Sequence::chunk_slots, SlotTable::stream_order), as they stood
+/// during the forward (the chunk's tokens appended, nothing evicted yet): keys(h) is the slot limit
+/// of that head's unit. Free slots, entries past `keys(h)` and causally masked entries (a query's
+/// later chunk-mates) are zero.
 class AttentionRows {
  public:
   AttentionRows(const float* data, int q_heads, int group_size, int queries,
@@ -102,6 +104,17 @@ class AttentionRows {
   /// Slots covered by the rows of query head `q_head`.
   [[nodiscard]] int keys(int q_head) const {
     return keys_per_kv_head_[static_cast<std::size_t>(q_head / group_size_)];
+  }
+  /// The same rows restricted to the last query (TOVA's score).
+  [[nodiscard]] AttentionRows last_query() const {
+    KVEVICT_REQUIRE(queries_ > 0, "AttentionRows: no query");
+    return {data_ + static_cast<std::ptrdiff_t>(queries_ - 1) * row_stride_,
+            q_heads_,
+            group_size_,
+            1,
+            row_stride_ * queries_,
+            keys_per_kv_head_,
+            first_query_position_ + queries_ - 1};
   }
   /// The softmax row of query `query` of query head `q_head`, one probability per slot.
   [[nodiscard]] std::span<const float> row(int q_head, int query) const {

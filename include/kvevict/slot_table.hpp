@@ -1,8 +1,30 @@
-// SlotTable: per-slot metadata of every (layer, KV head) cache, without the keys and values.
+// SlotTable: the metadata of every cached token, per decision unit, without keys or values.
 //
-// Policies read and write only this table, so an engine that keeps K/V in its own buffers can still
-// run every kvevict policy: it keeps a SlotTable beside its buffers and applies the same plans to
-// both.
+// Eviction is metadata. A unit's tokens live in slots [0, capacity); an evicted token's slot goes
+// on a free list and the next token takes it, so no key or value row ever moves. Slot order is
+// therefore not stream order: the table keeps stream order beside the slots (stream_order()).
+//
+// Positions without rewriting keys. Every token has an original position (its index in the input
+// stream) and a RoPE position that depends on the position mode: `original` keeps the original
+// position; `cache_index` and `reset_on_compact` give each token its rank in the unit's stream
+// order, so every eviction lowers the position of every newer token by one. The table stores that
+// as a few position groups instead of a position per slot: a group is a stretch of tokens,
+// contiguous in stream order, that share one offset, position = original + position_offset. An
+// eviction lowers the offsets of the groups after it (and splits the group it falls into, moving
+// the shorter side), so the sliding-window policies, whose evictions always take the oldest
+// non-sink, cost O(1) per step: their cache is two groups, the sinks and the window.
+//
+// Keys stored after RoPE carry a second offset per group: the stored key of a token is rotated to
+// original + key_offset. The difference, the group's pending rotation, is applied to the query
+// instead of the keys (attention over a run of slots with the same pending rotation rotates the
+// query once); fold() applies it to the stored keys when too many different pending rotations have
+// built up. See docs/design.md for the bound on how many times a key can be re-rotated.
+//
+// Columns (per unit, indexed by slot, valid for live slots):
+//   original_position  index in the input stream (0, 1, 2, ... over the whole sequence)
+//   token_id           the token's id
+//   flags              slot_flag bits (sink, anchor, catalyst)
+//   score(c)           float columns owned by the policy (c < score_columns())
 #pragma once
 
 #include <algorithm>
@@ -10,215 +32,461 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "kvevict/compaction_plan.hpp"
-#include "kvevict/detail/gather.hpp"
+#include "kvevict/checked.hpp"
+#include "kvevict/detail/stream_order.hpp"
 #include "kvevict/error.hpp"
+#include "kvevict/granularity.hpp"
+#include "kvevict/positions.hpp"
 
 namespace kvevict {
 
-/// Columns, per (layer, KV head), with one entry per live slot; slots are in the order tokens were
-/// appended, so slot order is ascending original position in every head:
-///   original_position  position in the input stream (0, 1, 2, ... over the whole sequence)
-///   position           current RoPE position (depends on the position mode)
-///   token_id           the token's id
-///   flags              slot_flag bits (sink, anchor, catalyst)
-///   score(c)           float columns owned by the policy (c < score_columns())
 class SlotTable {
  public:
+  /// A stretch of a unit's tokens, contiguous in stream order, with one RoPE position offset and
+  /// one stored-key offset (see the header comment).
+  struct PositionGroup {
+    std::int64_t position_offset = 0;  ///< RoPE position = original + position_offset
+    std::int64_t key_offset = 0;       ///< stored post-RoPE key is rotated to original + key_offset
+    int live = 0;                      ///< live tokens in the group
+    /// Rotation still owed to the stored keys: position - stored key position.
+    [[nodiscard]] std::int64_t pending_rotation() const { return position_offset - key_offset; }
+  };
+  static constexpr std::int32_t kFree = -1;  ///< group id of a free slot
+  /// Largest capacity (slots per unit): 2^28 slots of even 2 x 64 f16 values are 64 GiB.
+  static constexpr std::int64_t kMaxCapacity = std::int64_t{1} << 28;
+
   SlotTable() = default;
-  SlotTable(int layers, int kv_heads, int capacity, int score_columns)
-      : layers_(layers), kv_heads_(kv_heads), score_columns_(score_columns) {
-    KVEVICT_REQUIRE(layers > 0 && kv_heads > 0, "SlotTable: layers and kv_heads must be positive");
+  SlotTable(const UnitLayout& layout, PositionMode mode, int capacity, int score_columns)
+      : layout_(layout), mode_(mode), score_columns_(score_columns) {
     KVEVICT_REQUIRE(capacity > 0,
                     "SlotTable: capacity must be positive, got " + std::to_string(capacity));
-    KVEVICT_REQUIRE(score_columns >= 0, "SlotTable: negative score column count");
-    live_.assign(static_cast<std::size_t>(head_caches()), 0);
+    KVEVICT_REQUIRE(
+        score_columns >= 0 && score_columns <= 16,
+        "SlotTable: score columns must be in [0, 16], got " + std::to_string(score_columns));
+    units_.resize(static_cast<std::size_t>(layout.units()));
     reserve(capacity);
   }
 
-  [[nodiscard]] int layers() const { return layers_; }
-  [[nodiscard]] int kv_heads() const { return kv_heads_; }
-  [[nodiscard]] int head_caches() const { return layers_ * kv_heads_; }
+  [[nodiscard]] const UnitLayout& layout() const { return layout_; }
+  [[nodiscard]] int units() const { return static_cast<int>(units_.size()); }
+  [[nodiscard]] PositionMode position_mode() const { return mode_; }
   [[nodiscard]] int capacity() const { return capacity_; }
   [[nodiscard]] int score_columns() const { return score_columns_; }
-  [[nodiscard]] int live(int layer, int kv_head) const { return live_[head(layer, kv_head)]; }
-  /// Largest live count over all heads.
-  [[nodiscard]] int max_live() const { return *std::max_element(live_.begin(), live_.end()); }
-  /// Sum of live counts over all heads.
+
+  /// Live tokens of unit `unit`.
+  [[nodiscard]] int live(int unit) const { return state(unit).live; }
+  /// Slots [0, slot_limit) have held tokens; every live slot is below it. Attention over a unit
+  /// covers these slots and skips the free ones.
+  [[nodiscard]] int slot_limit(int unit) const { return state(unit).slot_limit; }
+  [[nodiscard]] bool is_live(int unit, std::int32_t slot) const {
+    return slot >= 0 && slot < slot_limit(unit) && group_[index(unit, slot)] != kFree;
+  }
+  /// Largest live count over all units.
+  [[nodiscard]] int max_live() const {
+    int most = 0;
+    for (const UnitState& s : units_) most = std::max(most, s.live);
+    return most;
+  }
+  /// Live (layer, KV head) slots summed over all heads: what the keys and values occupy.
   [[nodiscard]] std::int64_t total_live() const { return total_live_; }
   /// The largest total_live() since construction.
   [[nodiscard]] std::int64_t peak_total_live() const { return peak_total_live_; }
 
-  // Column views over the live slots of head (layer, kv_head).
-  [[nodiscard]] std::span<std::int64_t> original_positions(int layer, int kv_head) {
-    return column(original_position_, layer, kv_head);
+  // Columns of unit `unit`, indexed by slot over [0, slot_limit(unit)). Free slots hold stale
+  // values: read them only for live slots.
+  [[nodiscard]] std::span<const std::int64_t> original_positions(int unit) const {
+    return column(original_, unit);
   }
-  [[nodiscard]] std::span<const std::int64_t> original_positions(int layer, int kv_head) const {
-    return column(original_position_, layer, kv_head);
+  [[nodiscard]] std::span<const std::int32_t> token_ids(int unit) const {
+    return column(token_, unit);
   }
-  [[nodiscard]] std::span<std::int64_t> positions(int layer, int kv_head) {
-    return column(position_, layer, kv_head);
+  [[nodiscard]] std::span<const std::uint8_t> flags(int unit) const { return column(flags_, unit); }
+  /// Group id of every slot (kFree for free slots).
+  [[nodiscard]] std::span<const std::int32_t> group_ids(int unit) const {
+    return column(group_, unit);
   }
-  [[nodiscard]] std::span<const std::int64_t> positions(int layer, int kv_head) const {
-    return column(position_, layer, kv_head);
+  [[nodiscard]] std::span<float> scores(int unit, int column_index) {
+    return {score_data(unit, column_index), static_cast<std::size_t>(slot_limit(unit))};
   }
-  [[nodiscard]] std::span<std::int32_t> token_ids(int layer, int kv_head) {
-    return column(token_id_, layer, kv_head);
-  }
-  [[nodiscard]] std::span<const std::int32_t> token_ids(int layer, int kv_head) const {
-    return column(token_id_, layer, kv_head);
-  }
-  [[nodiscard]] std::span<std::uint8_t> flags(int layer, int kv_head) {
-    return column(flags_, layer, kv_head);
-  }
-  [[nodiscard]] std::span<const std::uint8_t> flags(int layer, int kv_head) const {
-    return column(flags_, layer, kv_head);
-  }
-  [[nodiscard]] std::span<float> scores(int layer, int kv_head, int column_index) {
-    return {score_data(layer, kv_head, column_index), live_size(layer, kv_head)};
-  }
-  [[nodiscard]] std::span<const float> scores(int layer, int kv_head, int column_index) const {
-    return {score_data(layer, kv_head, column_index), live_size(layer, kv_head)};
+  [[nodiscard]] std::span<const float> scores(int unit, int column_index) const {
+    return {score_data(unit, column_index), static_cast<std::size_t>(slot_limit(unit))};
   }
 
-  /// Grows every head to hold `capacity` slots, keeping contents. Never shrinks.
-  void reserve(int capacity) {
-    if (capacity <= capacity_) return;
-    regrow(original_position_, capacity, 1);
-    regrow(position_, capacity, 1);
-    regrow(token_id_, capacity, 1);
-    regrow(flags_, capacity, 1);
-    regrow(score_, capacity, score_columns_);
-    capacity_ = capacity;
+  /// The live slots of `unit`, oldest (lowest original position) first. Valid until the next
+  /// change to the unit.
+  [[nodiscard]] std::span<const std::int32_t> stream_order(int unit) const {
+    return state(unit).order.view();
   }
 
-  /// Appends `token_ids.size()` slots to head (layer, kv_head). Scores start at 0.
-  void append(int layer, int kv_head, std::span<const std::int64_t> original_positions,
-              std::span<const std::int64_t> positions, std::span<const std::int32_t> token_ids,
-              std::span<const std::uint8_t> flags) {
-    const std::size_t n = token_ids.size();
-    KVEVICT_REQUIRE(original_positions.size() == n && positions.size() == n && flags.size() == n,
-                    "SlotTable::append: column lengths differ");
-    const int live_before = live(layer, kv_head);
-    KVEVICT_REQUIRE(live_before + static_cast<std::int64_t>(n) <= capacity_,
-                    "SlotTable::append: head (" + std::to_string(layer) + ", " +
-                        std::to_string(kv_head) + ") would exceed its capacity of " +
-                        std::to_string(capacity_) + " slots");
-    const std::size_t begin = slot_offset(layer, kv_head) + live_before;
-    std::copy(original_positions.begin(), original_positions.end(),
-              original_position_.begin() + begin);
-    std::copy(positions.begin(), positions.end(), position_.begin() + begin);
-    std::copy(token_ids.begin(), token_ids.end(), token_id_.begin() + begin);
-    std::copy(flags.begin(), flags.end(), flags_.begin() + begin);
-    for (int c = 0; c < score_columns_; ++c) {
-      std::fill_n(score_data(layer, kv_head, c) + live_before, n, 0.0f);
-    }
-    live_[head(layer, kv_head)] = live_before + static_cast<int>(n);
-    set_total_live(total_live_ + static_cast<std::int64_t>(n));
+  /// Position group `group` of `unit` (ids from group_ids()).
+  [[nodiscard]] const PositionGroup& group(int unit, std::int32_t group_id) const {
+    return state(unit).groups[static_cast<std::size_t>(group_id)];
+  }
+  /// Number of position groups of `unit`: 1 under `original`, 2 for a sliding window with sinks.
+  [[nodiscard]] int group_count(int unit) const {
+    return static_cast<int>(state(unit).group_order.size());
+  }
+  /// RoPE position of live slot `slot`.
+  [[nodiscard]] std::int64_t position(int unit, std::int32_t slot) const {
+    const std::size_t i = index(unit, slot);
+    return original_[i] + group(unit, group_[i]).position_offset;
+  }
+  /// Position the stored (post-RoPE) key of live slot `slot` is rotated to.
+  [[nodiscard]] std::int64_t key_position(int unit, std::int32_t slot) const {
+    const std::size_t i = index(unit, slot);
+    return original_[i] + group(unit, group_[i]).key_offset;
+  }
+  /// An upper bound on the number of different pending rotations in `unit`. Pending rotations
+  /// never increase along stream order, and each eviction lowers those of a suffix of the groups,
+  /// so every eviction since the last fold adds at most one new value.
+  [[nodiscard]] int pending_rotation_bound(int unit) const {
+    const UnitState& s = state(unit);
+    return static_cast<int>(std::min<std::int64_t>(static_cast<std::int64_t>(s.group_order.size()),
+                                                   std::int64_t{1} + s.evicted_since_fold));
   }
 
-  /// Drops the newest slots of head (layer, kv_head) so that `new_live` remain (roll back).
-  void truncate(int layer, int kv_head, int new_live) {
-    KVEVICT_REQUIRE(new_live >= 0 && new_live <= live(layer, kv_head),
-                    "SlotTable::truncate: new live count " + std::to_string(new_live) +
-                        " outside [0, " + std::to_string(live(layer, kv_head)) + "]");
-    set_total_live(total_live_ - (live(layer, kv_head) - new_live));
-    live_[head(layer, kv_head)] = new_live;
+  /// Calls fn(begin, end, rotation) for every maximal range [begin, end) of live slots of `unit`
+  /// whose groups have the same pending rotation, in slot order: attention over post-RoPE keys
+  /// rotates each query once per range, to (query position - rotation). Free slots are skipped.
+  template <class Fn>
+  void for_each_key_run(int unit, Fn&& fn) const {
+    for_each_run(
+        unit, [](const PositionGroup& g) { return g.pending_rotation(); }, std::forward<Fn>(fn));
   }
-
-  /// Keeps the slots `keep` (strictly ascending) of head (layer, kv_head), in order, in every
-  /// column, and sets their RoPE positions to `new_positions`. Stable, in place, no allocation.
-  void compact(int layer, int kv_head, std::span<const std::int32_t> keep,
-               std::span<const std::int64_t> new_positions) {
-    detail::validate_keep_list(keep, live(layer, kv_head));
-    KVEVICT_REQUIRE(new_positions.size() == keep.size(),
-                    "SlotTable::compact: one new position per kept slot expected");
-    const std::size_t offset = slot_offset(layer, kv_head);
-    detail::gather_in_place(original_position_.data() + offset, keep);
-    detail::gather_in_place(token_id_.data() + offset, keep);
-    detail::gather_in_place(flags_.data() + offset, keep);
-    for (int c = 0; c < score_columns_; ++c) {
-      detail::gather_in_place(score_data(layer, kv_head, c), keep);
-    }
-    std::copy(new_positions.begin(), new_positions.end(), position_.begin() + offset);
-    set_total_live(total_live_ - (live(layer, kv_head) - static_cast<int>(keep.size())));
-    live_[head(layer, kv_head)] = static_cast<int>(keep.size());
-  }
-
-  /// Applies every changed head of `plan`.
-  void apply(const CompactionPlan& plan) {
-    KVEVICT_REQUIRE(plan.layers() == layers_ && plan.kv_heads() == kv_heads_,
-                    "SlotTable::apply: plan shape does not match the table");
-    for (int l = 0; l < layers_; ++l) {
-      for (int g = 0; g < kv_heads_; ++g) {
-        if (plan.changes(l, g)) compact(l, g, plan.keep(l, g), plan.new_positions(l, g));
-      }
-    }
+  /// Calls fn(begin, end, offset) for every maximal range [begin, end) of live slots of `unit`
+  /// with the same position offset (slot s is at RoPE position original(s) + offset): attention
+  /// over pre-RoPE keys rotates each key to its position.
+  template <class Fn>
+  void for_each_position_run(int unit, Fn&& fn) const {
+    for_each_run(
+        unit, [](const PositionGroup& g) { return g.position_offset; }, std::forward<Fn>(fn));
   }
 
   /// Bytes of metadata per slot (all columns).
   [[nodiscard]] std::size_t bytes_per_slot() const {
-    return sizeof(std::int64_t) * 2 + sizeof(std::int32_t) + sizeof(std::uint8_t) +
+    return sizeof(std::int64_t) + sizeof(std::int32_t) * 2 + sizeof(std::uint8_t) +
            sizeof(float) * static_cast<std::size_t>(score_columns_);
   }
 
+  // ---------------------------------------------------------------------------------------------
+  // Changes. kvevict::Sequence makes them; engines read the results.
+  // ---------------------------------------------------------------------------------------------
+
+  /// Grows every unit to `capacity` slots, keeping contents and slot numbers. Never shrinks.
+  void reserve(int capacity) {
+    if (capacity <= capacity_) return;
+    KVEVICT_REQUIRE(capacity <= kMaxCapacity, "SlotTable: capacity " + std::to_string(capacity) +
+                                                  " exceeds the limit of " +
+                                                  std::to_string(kMaxCapacity) + " slots");
+    const std::size_t units = units_.size();
+    (void)checked_product(
+        {static_cast<std::int64_t>(units), capacity, std::int64_t{1} + score_columns_},
+        "SlotTable: units * capacity * columns", kMaxCapacity * 64);
+    regrow(original_, capacity, 1);
+    regrow(token_, capacity, 1);
+    regrow(flags_, capacity, 1);
+    regrow(group_, capacity, 1, kFree);
+    regrow(score_, capacity, score_columns_);
+    capacity_ = capacity;
+    for (UnitState& s : units_) s.order.reserve(capacity);
+  }
+
+  /// Appends tokens at `originals` (ascending, after every live token) to `unit` and writes the
+  /// slot each one takes to `slots_out`. Scores start at 0. Free slots are reused newest-freed
+  /// first, so a sliding window keeps reusing the slot it just freed.
+  void append(int unit, std::span<const std::int64_t> originals,
+              std::span<const std::int32_t> token_ids, std::span<const std::uint8_t> flags,
+              std::span<std::int32_t> slots_out) {
+    const std::size_t n = originals.size();
+    KVEVICT_REQUIRE(token_ids.size() == n && flags.size() == n && slots_out.size() >= n,
+                    "SlotTable::append: column lengths differ");
+    UnitState& s = state(unit);
+    KVEVICT_REQUIRE(static_cast<std::int64_t>(s.live) + static_cast<std::int64_t>(n) <= capacity_,
+                    "SlotTable::append: unit " + std::to_string(unit) +
+                        " would exceed its capacity of " + std::to_string(capacity_) + " slots");
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::int64_t original = originals[k];
+      KVEVICT_REQUIRE(s.order.size() == 0 || original > original_[index(unit, s.order[s.live - 1])],
+                      "SlotTable::append: original positions must increase");
+      std::int32_t slot;
+      if (!s.free_slots.empty()) {
+        slot = s.free_slots.back();
+        s.free_slots.pop_back();
+      } else {
+        slot = s.slot_limit++;
+      }
+      const std::size_t i = index(unit, slot);
+      original_[i] = original;
+      token_[i] = token_ids[k];
+      flags_[i] = flags[k];
+      group_[i] = group_for_append(s, original);
+      for (int c = 0; c < score_columns_; ++c) score_data(unit, c)[slot] = 0.0f;
+      s.order.push_back(slot);
+      ++s.live;
+      slots_out[k] = slot;
+    }
+    add_total_live(static_cast<std::int64_t>(n));
+  }
+
+  /// Evicts the live slots `slots` (any order, no duplicates) of `unit`: frees them and, under
+  /// cache_index / reset_on_compact, lowers the positions of every newer token.
+  void evict(int unit, std::span<const std::int32_t> slots) {
+    UnitState& s = state(unit);
+    // Oldest first, so that each eviction's shift applies to positions as the mode defines them.
+    scratch_.assign(slots.begin(), slots.end());
+    const std::int64_t* originals = original_.data() + index(unit, 0);
+    std::sort(scratch_.begin(), scratch_.end(),
+              [originals](std::int32_t a, std::int32_t b) { return originals[a] < originals[b]; });
+    for (const std::int32_t slot : scratch_) {
+      KVEVICT_REQUIRE(is_live(unit, slot), "SlotTable::evict: slot " + std::to_string(slot) +
+                                               " of unit " + std::to_string(unit) +
+                                               " is not live (evicted twice?)");
+      evict_one(s, unit, slot);
+    }
+    add_total_live(-static_cast<std::int64_t>(scratch_.size()));
+  }
+
+  /// Removes the newest `count` tokens of `unit` without moving anyone's position (a rolled-back
+  /// catalyst prompt).
+  void truncate(int unit, int count) {
+    UnitState& s = state(unit);
+    KVEVICT_REQUIRE(count >= 0 && count <= s.live, "SlotTable::truncate: count " +
+                                                       std::to_string(count) + " outside [0, " +
+                                                       std::to_string(s.live) + "]");
+    for (int k = 0; k < count; ++k) {
+      const std::int32_t slot = s.order[s.live - 1];
+      s.order.pop_back(1);
+      release(s, unit, slot);
+    }
+    add_total_live(-static_cast<std::int64_t>(count));
+  }
+
+  /// Applies every pending rotation of `unit` to the stored keys: calls
+  /// `rotate(delta, slots)` once per group whose pending rotation is not zero, then records the
+  /// keys as rotated to their positions.
+  template <class RotateFn>
+  void fold(int unit, RotateFn&& rotate) {
+    UnitState& s = state(unit);
+    for (const std::int32_t g : s.group_order) {
+      PositionGroup& group = s.groups[static_cast<std::size_t>(g)];
+      const std::int64_t delta = group.pending_rotation();
+      if (delta == 0) continue;
+      scratch_.clear();
+      for (const std::int32_t slot : s.order.view()) {
+        if (group_[index(unit, slot)] == g) scratch_.push_back(slot);
+      }
+      rotate(delta, std::span<const std::int32_t>(scratch_));
+      group.key_offset = group.position_offset;
+    }
+    s.evicted_since_fold = 0;
+  }
+
  private:
-  void set_total_live(std::int64_t total) {
-    total_live_ = total;
-    peak_total_live_ = std::max(peak_total_live_, total);
+  struct UnitState {
+    int live = 0;
+    int slot_limit = 0;
+    std::vector<std::int32_t> free_slots;  // stack: the newest freed slot is reused first
+    detail::StreamOrder order;
+    std::vector<PositionGroup> groups;         // by id
+    std::vector<std::int32_t> free_group_ids;  // ids to reuse
+    std::vector<std::int32_t> group_order;     // ids, oldest stretch first
+    std::int64_t evicted_since_fold = 0;
+  };
+
+  [[nodiscard]] bool rank_positions() const { return mode_ != PositionMode::original; }
+
+  template <class KeyOf, class Fn>
+  void for_each_run(int unit, KeyOf key_of, Fn&& fn) const {
+    const UnitState& s = state(unit);
+    const std::int32_t* groups = group_.data() + index(unit, 0);
+    int begin = 0;
+    while (begin < s.slot_limit) {
+      if (groups[begin] == kFree) {
+        ++begin;
+        continue;
+      }
+      const std::int32_t first_group = groups[begin];
+      const std::int64_t key = key_of(s.groups[static_cast<std::size_t>(first_group)]);
+      int end = begin + 1;
+      // Slots of one group share the key; look the group up only where the id changes.
+      std::int32_t current = first_group;
+      while (end < s.slot_limit && groups[end] != kFree &&
+             (groups[end] == current ||
+              key_of(s.groups[static_cast<std::size_t>(groups[end])]) == key)) {
+        current = groups[end];
+        ++end;
+      }
+      fn(begin, end, key);
+      begin = end;
+    }
   }
-  [[nodiscard]] std::size_t head(int layer, int kv_head) const {
-    return static_cast<std::size_t>(layer) * kv_heads_ + kv_head;
+  [[nodiscard]] UnitState& state(int unit) { return units_[static_cast<std::size_t>(unit)]; }
+  [[nodiscard]] const UnitState& state(int unit) const {
+    return units_[static_cast<std::size_t>(unit)];
   }
-  [[nodiscard]] std::size_t slot_offset(int layer, int kv_head) const {
-    return head(layer, kv_head) * capacity_;
-  }
-  [[nodiscard]] std::size_t live_size(int layer, int kv_head) const {
-    return static_cast<std::size_t>(live(layer, kv_head));
+  [[nodiscard]] std::size_t index(int unit, std::int32_t slot) const {
+    return static_cast<std::size_t>(unit) * static_cast<std::size_t>(capacity_) +
+           static_cast<std::size_t>(slot);
   }
   template <class T>
-  [[nodiscard]] std::span<T> column(std::vector<T>& data, int layer, int kv_head) {
-    return {data.data() + slot_offset(layer, kv_head), live_size(layer, kv_head)};
+  [[nodiscard]] std::span<const T> column(const std::vector<T>& data, int unit) const {
+    return {data.data() + index(unit, 0), static_cast<std::size_t>(slot_limit(unit))};
   }
+  [[nodiscard]] float* score_data(int unit, int c) {
+    return score_.data() +
+           (static_cast<std::size_t>(unit) * static_cast<std::size_t>(score_columns_) +
+            static_cast<std::size_t>(c)) *
+               static_cast<std::size_t>(capacity_);
+  }
+  [[nodiscard]] const float* score_data(int unit, int c) const {
+    return score_.data() +
+           (static_cast<std::size_t>(unit) * static_cast<std::size_t>(score_columns_) +
+            static_cast<std::size_t>(c)) *
+               static_cast<std::size_t>(capacity_);
+  }
+  void add_total_live(std::int64_t slots_per_unit) {
+    total_live_ += slots_per_unit * layout_.heads_per_unit();
+    peak_total_live_ = std::max(peak_total_live_, total_live_);
+  }
+
+  // The group a token appended at `original` joins: the newest group when its offset already gives
+  // the token the position the mode asks for (always, unless the unit was empty), else a new one.
+  std::int32_t group_for_append(UnitState& s, std::int64_t original) {
+    // original: position = original; rank modes: position = the token's rank = live count.
+    const std::int64_t offset = rank_positions() ? s.live - original : 0;
+    if (!s.group_order.empty()) {
+      const std::int32_t newest = s.group_order.back();
+      PositionGroup& group = s.groups[static_cast<std::size_t>(newest)];
+      if (group.position_offset == offset) {
+        ++group.live;
+        return newest;
+      }
+    }
+    // A new group's keys are written rotated to their original positions (key_offset 0).
+    const std::int32_t id = new_group(s, PositionGroup{offset, 0, 1});
+    s.group_order.push_back(id);
+    return id;
+  }
+
+  std::int32_t new_group(UnitState& s, const PositionGroup& group) {
+    if (!s.free_group_ids.empty()) {
+      const std::int32_t id = s.free_group_ids.back();
+      s.free_group_ids.pop_back();
+      s.groups[static_cast<std::size_t>(id)] = group;
+      return id;
+    }
+    s.groups.push_back(group);
+    return static_cast<std::int32_t>(s.groups.size() - 1);
+  }
+
+  // Frees `slot` (already out of the stream order) and drops its group if it empties.
+  void release(UnitState& s, int unit, std::int32_t slot) {
+    const std::size_t i = index(unit, slot);
+    const std::int32_t g = group_[i];
+    group_[i] = kFree;
+    s.free_slots.push_back(slot);
+    --s.live;
+    if (--s.groups[static_cast<std::size_t>(g)].live == 0) {
+      s.group_order.erase(std::find(s.group_order.begin(), s.group_order.end(), g));
+      s.free_group_ids.push_back(g);
+    }
+  }
+
+  void evict_one(UnitState& s, int unit, std::int32_t slot) {
+    const std::int64_t* originals = original_.data() + index(unit, 0);
+    const std::int32_t* groups = group_.data() + index(unit, 0);
+    const int at = s.order.find(originals[slot], originals);
+    KVEVICT_REQUIRE(at >= 0, "SlotTable: live slot missing from the stream order");
+    const std::int32_t g = groups[slot];
+    if (rank_positions()) {
+      const bool older_in_group = at > 0 && groups[s.order[at - 1]] == g;
+      const bool newer_in_group = at + 1 < s.live && groups[s.order[at + 1]] == g;
+      // The first group (in stream order) whose tokens all lie after the evicted one.
+      std::size_t first_shifted;
+      const auto position_of = [&s](std::int32_t id) {
+        return static_cast<std::size_t>(std::find(s.group_order.begin(), s.group_order.end(), id) -
+                                        s.group_order.begin());
+      };
+      if (older_in_group && newer_in_group) {
+        first_shifted = position_of(split(s, unit, g, at));
+      } else if (newer_in_group) {
+        first_shifted = position_of(g);
+      } else {
+        first_shifted = position_of(g) + 1;
+      }
+      for (std::size_t k = first_shifted; k < s.group_order.size(); ++k) {
+        s.groups[static_cast<std::size_t>(s.group_order[k])].position_offset -= 1;
+      }
+      ++s.evicted_since_fold;
+    }
+    s.order.erase(at);
+    release(s, unit, slot);
+  }
+
+  // Splits group `g` around the token at stream index `at`: the shorter side moves to a new group
+  // with the same offsets. Returns the id of the group that holds the newer side.
+  std::int32_t split(UnitState& s, int unit, std::int32_t g, int at) {
+    std::int32_t* groups = group_.data() + index(unit, 0);
+    // Walk both sides at once and stop at the shorter: O(min(older, newer)).
+    int older = at - 1;  // older side so far: (older, at)
+    int newer = at + 1;  // newer side so far: (at, newer)
+    bool older_is_shorter = false;
+    for (;;) {
+      const bool older_goes_on = older >= 0 && groups[s.order[older]] == g;
+      const bool newer_goes_on = newer < s.live && groups[s.order[newer]] == g;
+      if (!older_goes_on || !newer_goes_on) {
+        older_is_shorter = !older_goes_on;
+        break;
+      }
+      --older;
+      ++newer;
+    }
+    const int begin = older_is_shorter ? older + 1 : at + 1;
+    const int end = older_is_shorter ? at : newer;
+    PositionGroup piece = s.groups[static_cast<std::size_t>(g)];
+    piece.live = end - begin;
+    const std::int32_t id = new_group(s, piece);
+    s.groups[static_cast<std::size_t>(g)].live -= piece.live;
+    for (int k = begin; k < end; ++k) groups[s.order[k]] = id;
+    auto position = std::find(s.group_order.begin(), s.group_order.end(), g);
+    s.group_order.insert(older_is_shorter ? position : position + 1, id);
+    return older_is_shorter ? g : id;
+  }
+
+  // Re-lays out [units * columns][capacity_] as [...][new_capacity], keeping [0, slot_limit).
   template <class T>
-  [[nodiscard]] std::span<const T> column(const std::vector<T>& data, int layer,
-                                          int kv_head) const {
-    return {data.data() + slot_offset(layer, kv_head), live_size(layer, kv_head)};
-  }
-  [[nodiscard]] float* score_data(int layer, int kv_head, int c) {
-    return score_.data() + (head(layer, kv_head) * score_columns_ + c) * capacity_;
-  }
-  [[nodiscard]] const float* score_data(int layer, int kv_head, int c) const {
-    return score_.data() + (head(layer, kv_head) * score_columns_ + c) * capacity_;
-  }
-  // Re-lays out [head_caches * columns][capacity_] as [...][new_capacity], keeping live prefixes.
-  template <class T>
-  void regrow(std::vector<T>& data, int new_capacity, int columns) {
-    std::vector<T> grown(static_cast<std::size_t>(head_caches()) * columns * new_capacity);
-    for (int h = 0; h < head_caches(); ++h) {
+  void regrow(std::vector<T>& data, int new_capacity, int columns, T fill = T{}) {
+    std::vector<T> grown(
+        units_.size() * static_cast<std::size_t>(columns) * static_cast<std::size_t>(new_capacity),
+        fill);
+    for (std::size_t u = 0; u < units_.size(); ++u) {
       for (int c = 0; c < columns; ++c) {
-        const std::size_t block = static_cast<std::size_t>(h) * columns + c;
-        std::copy_n(data.begin() + block * capacity_, live_[h],
-                    grown.begin() + block * new_capacity);
+        const std::size_t block =
+            u * static_cast<std::size_t>(columns) + static_cast<std::size_t>(c);
+        std::copy_n(data.begin() + static_cast<std::ptrdiff_t>(block * capacity_),
+                    units_[u].slot_limit,
+                    grown.begin() + static_cast<std::ptrdiff_t>(block * new_capacity));
       }
     }
     data.swap(grown);
   }
 
-  int layers_ = 0;
-  int kv_heads_ = 0;
+  UnitLayout layout_;
+  PositionMode mode_ = PositionMode::original;
   int capacity_ = 0;
   int score_columns_ = 0;
-  std::vector<int> live_;  // [head_caches]
+  std::vector<UnitState> units_;
   std::int64_t total_live_ = 0;
   std::int64_t peak_total_live_ = 0;
-  std::vector<std::int64_t> original_position_;  // [head_caches][capacity]
-  std::vector<std::int64_t> position_;           // [head_caches][capacity]
-  std::vector<std::int32_t> token_id_;           // [head_caches][capacity]
-  std::vector<std::uint8_t> flags_;              // [head_caches][capacity]
-  std::vector<float> score_;                     // [head_caches][score_columns][capacity]
+  std::vector<std::int64_t> original_;  // [units][capacity]
+  std::vector<std::int32_t> token_;     // [units][capacity]
+  std::vector<std::uint8_t> flags_;     // [units][capacity]
+  std::vector<std::int32_t> group_;     // [units][capacity]; kFree for free slots
+  std::vector<float> score_;            // [units][score_columns][capacity]
+  std::vector<std::int32_t> scratch_;   // evict / fold working list
 };
 
 }  // namespace kvevict

@@ -1,35 +1,38 @@
-// kvevict C API (include/kvevict/c_api.h): a thin layer over EvictionPipeline. Every entry point
+// kvevict C API (include/kvevict/c_api.h): a thin layer over kvevict::Sequence. Every entry point
 // runs inside guarded(), which turns any exception into a status and a thread-local message, so
 // nothing ever unwinds into C.
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
-#include <kvevict/pipeline.hpp>
 #include <kvevict/policy_registry.hpp>
+#include <kvevict/sequence.hpp>
+#include <kvevict/version.hpp>
 #include <memory>
 #include <new>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "kvevict/c_api.h"
 
-struct kvevict_pipeline {
-  kvevict_pipeline(int layers, int kv_heads, int capacity, std::unique_ptr<kvevict::Policy> policy,
-                   std::optional<kvevict::PositionMode> mode)
-      : slots(layers, kv_heads, capacity, policy->score_columns()),
-        pipeline(slots, std::move(policy), mode),
-        keys_per_kv_head(static_cast<std::size_t>(kv_heads)) {}
-
-  kvevict::SlotTable slots;  // declared before `pipeline`, which refers to it
-  kvevict::EvictionPipeline pipeline;
-  std::vector<int> keys_per_kv_head;  // outlives each AttentionRows built over it
-  const kvevict::CompactionPlan* last_plan = nullptr;
-};
+// The C view of an evicted slot is kvevict::EvictedSlot itself.
+static_assert(sizeof(kvevict_evicted) == sizeof(kvevict::EvictedSlot) &&
+              offsetof(kvevict_evicted, slot) == offsetof(kvevict::EvictedSlot, slot) &&
+              offsetof(kvevict_evicted, original_position) ==
+                  offsetof(kvevict::EvictedSlot, original_position) &&
+              offsetof(kvevict_evicted, position) == offsetof(kvevict::EvictedSlot, position));
 
 namespace {
 
 thread_local std::string last_error;
+
+/// A backend callback failed.
+class BackendError : public kvevict::Error {
+ public:
+  using Error::Error;
+};
 
 template <class Body>
 kvevict_status guarded(Body&& body) noexcept {
@@ -37,6 +40,9 @@ kvevict_status guarded(Body&& body) noexcept {
     last_error.clear();
     body();
     return KVEVICT_OK;
+  } catch (const BackendError& error) {
+    last_error = error.what();
+    return KVEVICT_BACKEND_ERROR;
   } catch (const kvevict::Error& error) {
     last_error = error.what();
     return KVEVICT_INVALID_ARGUMENT;
@@ -52,84 +58,115 @@ kvevict_status guarded(Body&& body) noexcept {
   }
 }
 
-kvevict_pipeline& checked(kvevict_pipeline* pipeline) {
-  KVEVICT_REQUIRE(pipeline != nullptr, "pipeline is NULL");
-  return *pipeline;
-}
-
-void check_head(const kvevict_pipeline& handle, int layer, int kv_head) {
-  KVEVICT_REQUIRE(layer >= 0 && layer < handle.slots.layers() && kv_head >= 0 &&
-                      kv_head < handle.slots.kv_heads(),
-                  "head (" + std::to_string(layer) + ", " + std::to_string(kv_head) +
-                      ") is outside the pipeline's " + std::to_string(handle.slots.layers()) +
-                      " layers x " + std::to_string(handle.slots.kv_heads()) + " KV heads");
-}
-
-// "key=value key=value", lists comma-separated.
-kvevict::PolicyParams parse_params(const char* text) {
-  kvevict::PolicyParams params;
-  if (text == nullptr) return params;
-  std::istringstream stream(text);
-  std::string pair;
-  while (stream >> pair) {
-    const std::size_t eq = pair.find('=');
-    KVEVICT_REQUIRE(eq != std::string::npos && eq > 0 && eq + 1 < pair.size(),
-                    "policy parameter '" + pair + "' is not key=value");
-    const std::string key = pair.substr(0, eq);
-    const std::string value = pair.substr(eq + 1);
-    try {
-      if (value.find(',') != std::string::npos) {
-        std::vector<std::int64_t> list;
-        std::istringstream items(value);
-        for (std::string item; std::getline(items, item, ',');) {
-          std::size_t used = 0;
-          list.push_back(std::stoll(item, &used));
-          KVEVICT_REQUIRE(used == item.size(), "trailing characters");
-        }
-        params.set_list(key, std::move(list));
-      } else {
-        std::size_t used = 0;
-        const double number = std::stod(value, &used);
-        KVEVICT_REQUIRE(used == value.size(), "trailing characters");
-        params.set(key, number);
-      }
-    } catch (const std::logic_error&) {  // stoll / stod: invalid_argument, out_of_range
-      throw kvevict::Error("policy parameter '" + key + "' has a malformed value '" + value + "'");
-    } catch (const kvevict::Error&) {
-      throw kvevict::Error("policy parameter '" + key + "' has a malformed value '" + value + "'");
+// The engine's callbacks as a kvevict::KvBackend.
+class CallbackBackend final : public kvevict::KvBackend {
+ public:
+  explicit CallbackBackend(const kvevict_backend& callbacks) : callbacks_(callbacks) {}
+  void reserve(int capacity) override {
+    if (callbacks_.reserve == nullptr) {
+      KVEVICT_REQUIRE(reserved_ == 0 || capacity <= reserved_,
+                      "the policy needs " + std::to_string(capacity) +
+                          " slots per head, more than the " + std::to_string(reserved_) +
+                          " the sequence started with: give the backend a reserve callback, or a "
+                          "larger max_chunk");
+      reserved_ = std::max(reserved_, capacity);
+      return;
+    }
+    const int status = callbacks_.reserve(callbacks_.user_data, capacity);
+    if (status != 0) {
+      throw BackendError("the backend's reserve(" + std::to_string(capacity) + ") returned " +
+                         std::to_string(status));
+    }
+    reserved_ = capacity;
+  }
+  void apply(const kvevict::AppliedDecision& decision) override {
+    if (callbacks_.apply == nullptr) return;
+    const int status = callbacks_.apply(callbacks_.user_data,
+                                        reinterpret_cast<const kvevict_decision*>(&decision));
+    if (status != 0) {
+      throw BackendError("the backend's apply() returned " + std::to_string(status));
     }
   }
-  return params;
+
+ private:
+  kvevict_backend callbacks_;
+  int reserved_ = 0;
+};
+
+const kvevict::AppliedDecision& decision_of(const kvevict_decision* decision) {
+  KVEVICT_REQUIRE(decision != nullptr, "decision is NULL");
+  return *reinterpret_cast<const kvevict::AppliedDecision*>(decision);
 }
 
-kvevict::AttentionRows attention_view(kvevict_pipeline& handle, int layer, const float* rows,
-                                      int q_heads, int queries, std::ptrdiff_t row_stride) {
-  check_head(handle, layer, 0);
+void check_decision_head(const kvevict::AppliedDecision& decision, int layer, int kv_head) {
+  KVEVICT_REQUIRE(layer >= 0 && layer < decision.layout.layers() && kv_head >= 0 &&
+                      kv_head < decision.layout.kv_heads(),
+                  "head (" + std::to_string(layer) + ", " + std::to_string(kv_head) +
+                      ") is outside the decision's " + std::to_string(decision.layout.layers()) +
+                      " layers x " + std::to_string(decision.layout.kv_heads()) + " KV heads");
+}
+
+}  // namespace
+
+struct kvevict_sequence {
+  kvevict_sequence(const kvevict::SequenceConfig& config, std::unique_ptr<kvevict::Policy> policy,
+                   const kvevict_backend* callbacks)
+      : backend(callbacks != nullptr ? std::make_unique<CallbackBackend>(*callbacks) : nullptr),
+        sequence(config, std::move(policy), backend.get()),
+        keys_per_kv_head(static_cast<std::size_t>(config.kv_heads)) {}
+
+  std::unique_ptr<CallbackBackend> backend;  // declared before `sequence`, which uses it
+  kvevict::Sequence sequence;
+  std::vector<int> keys_per_kv_head;  // outlives each AttentionRows built over it
+};
+
+namespace {
+
+kvevict_sequence& checked(kvevict_sequence* sequence) {
+  KVEVICT_REQUIRE(sequence != nullptr, "sequence is NULL");
+  return *sequence;
+}
+const kvevict_sequence& checked(const kvevict_sequence* sequence) {
+  KVEVICT_REQUIRE(sequence != nullptr, "sequence is NULL");
+  return *sequence;
+}
+
+bool valid_head(const kvevict_sequence* sequence, int layer, int kv_head) {
+  return sequence != nullptr && layer >= 0 && layer < sequence->sequence.config().layers &&
+         kv_head >= 0 && kv_head < sequence->sequence.config().kv_heads;
+}
+
+// A span of `count` elements at `data`, which may be NULL only when count is 0.
+template <class T>
+std::span<const T> array_argument(const T* data, int count, const char* what) {
+  KVEVICT_REQUIRE(count >= 0,
+                  std::string(what) + ": count must be >= 0, got " + std::to_string(count));
+  KVEVICT_REQUIRE(count == 0 || data != nullptr, std::string(what) + " is NULL");
+  return {data, static_cast<std::size_t>(count)};
+}
+
+kvevict::AttentionRows attention_view(kvevict_sequence& handle, int layer, const float* rows,
+                                      int queries, std::ptrdiff_t row_stride) {
+  const kvevict::SequenceConfig& config = handle.sequence.config();
+  KVEVICT_REQUIRE(
+      layer >= 0 && layer < config.layers,
+      "layer " + std::to_string(layer) + " outside [0, " + std::to_string(config.layers) + ")");
   KVEVICT_REQUIRE(rows != nullptr, "attention rows are NULL");
-  const int kv_heads = handle.slots.kv_heads();
-  KVEVICT_REQUIRE(q_heads > 0 && q_heads % kv_heads == 0,
-                  "q_heads (" + std::to_string(q_heads) + ") is not a positive multiple of " +
-                      "kv_heads (" + std::to_string(kv_heads) + ")");
   KVEVICT_REQUIRE(queries > 0, "attention rows need at least one query");
-  for (int g = 0; g < kv_heads; ++g) {
-    const int live = handle.slots.live(layer, g);
-    KVEVICT_REQUIRE(row_stride >= live, "row_stride (" + std::to_string(row_stride) +
-                                            ") is shorter than the " + std::to_string(live) +
-                                            " slots of KV head " + std::to_string(g));
-    handle.keys_per_kv_head[static_cast<std::size_t>(g)] = live;
+  for (int g = 0; g < config.kv_heads; ++g) {
+    const int limit = handle.sequence.slot_limit(layer, g);
+    KVEVICT_REQUIRE(row_stride >= limit, "row_stride (" + std::to_string(row_stride) +
+                                             ") is shorter than the " + std::to_string(limit) +
+                                             " slots of KV head " + std::to_string(g));
+    handle.keys_per_kv_head[static_cast<std::size_t>(g)] = limit;
   }
   return {rows,
-          q_heads,
-          q_heads / kv_heads,
+          config.q_heads,
+          config.q_heads / config.kv_heads,
           queries,
           row_stride,
           handle.keys_per_kv_head,
-          handle.pipeline.stats().tokens_fed - queries};
-}
-
-void report(kvevict_pipeline& handle, const kvevict::CompactionPlan* plan, int* compacted) {
-  handle.last_plan = plan;
-  if (compacted != nullptr) *compacted = plan != nullptr ? 1 : 0;
+          handle.sequence.stats().tokens_fed - queries};
 }
 
 }  // namespace
@@ -138,149 +175,224 @@ extern "C" {
 
 const char* kvevict_last_error(void) { return last_error.c_str(); }
 
-kvevict_status kvevict_pipeline_create(const char* policy, const char* params, int layers,
-                                       int kv_heads, int capacity, const char* position_mode,
-                                       kvevict_pipeline** out) {
+const char* kvevict_version(void) { return kvevict::kVersionString; }
+
+kvevict_status kvevict_budget_params(const char* policy, int budget, int sinks, char* out,
+                                     size_t size) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(policy != nullptr, "policy name is NULL");
+    KVEVICT_REQUIRE(out != nullptr && size > 0, "output buffer is NULL or empty");
+    out[0] = '\0';
+    const std::string text = kvevict::budget_params(policy, budget, sinks).to_string();
+    KVEVICT_REQUIRE(text.size() < size, "output buffer of " + std::to_string(size) +
+                                            " bytes is too small for \"" + text + "\"");
+    std::memcpy(out, text.c_str(), text.size() + 1);
+  });
+}
+
+void kvevict_config_init(kvevict_config* config) {
+  if (config == nullptr) return;
+  *config = kvevict_config{};
+  config->max_chunk = 1;
+  config->post_rope_keys = 1;
+  config->max_pending_rotations = kvevict::SequenceConfig{}.max_pending_rotations;
+}
+
+kvevict_status kvevict_decision_evicted(const kvevict_decision* decision, int layer, int kv_head,
+                                        const kvevict_evicted** evicted, int* count) {
+  return guarded([&] {
+    const kvevict::AppliedDecision& applied = decision_of(decision);
+    check_decision_head(applied, layer, kv_head);
+    const std::span<const kvevict::EvictedSlot> slots = applied.evicted(layer, kv_head);
+    if (evicted != nullptr) *evicted = reinterpret_cast<const kvevict_evicted*>(slots.data());
+    if (count != nullptr) *count = static_cast<int>(slots.size());
+  });
+}
+
+int kvevict_decision_rotation_count(const kvevict_decision* decision, int layer, int kv_head) {
+  if (decision == nullptr) return -1;
+  const kvevict::AppliedDecision& applied = decision_of(decision);
+  if (layer < 0 || layer >= applied.layout.layers() || kv_head < 0 ||
+      kv_head >= applied.layout.kv_heads()) {
+    return -1;
+  }
+  return static_cast<int>(applied.rotations(layer, kv_head).size());
+}
+
+kvevict_status kvevict_decision_rotation(const kvevict_decision* decision, int layer, int kv_head,
+                                         int index, int64_t* delta, const int32_t** slots,
+                                         int* count) {
+  return guarded([&] {
+    const kvevict::AppliedDecision& applied = decision_of(decision);
+    check_decision_head(applied, layer, kv_head);
+    const std::span<const kvevict::KeyRotation> rotations = applied.rotations(layer, kv_head);
+    KVEVICT_REQUIRE(index >= 0 && static_cast<std::size_t>(index) < rotations.size(),
+                    "rotation index " + std::to_string(index) + " outside [0, " +
+                        std::to_string(rotations.size()) + ")");
+    const kvevict::KeyRotation& rotation = rotations[static_cast<std::size_t>(index)];
+    if (delta != nullptr) *delta = rotation.delta;
+    if (slots != nullptr) *slots = rotation.slots.data();
+    if (count != nullptr) *count = static_cast<int>(rotation.slots.size());
+  });
+}
+
+kvevict_status kvevict_sequence_create(const char* policy, const char* params,
+                                       const kvevict_config* config, const kvevict_backend* backend,
+                                       kvevict_sequence** out) {
   return guarded([&] {
     KVEVICT_REQUIRE(out != nullptr, "out is NULL");
     *out = nullptr;
     KVEVICT_REQUIRE(policy != nullptr, "policy name is NULL");
-    std::optional<kvevict::PositionMode> mode;
-    if (position_mode != nullptr) mode = kvevict::parse_position_mode(position_mode);
-    KVEVICT_REQUIRE(layers > 0 && kv_heads > 0, "layers and kv_heads must be positive");
-    KVEVICT_REQUIRE(capacity > 0, "capacity must be positive");
-    *out = new kvevict_pipeline(layers, kv_heads, capacity,
-                                kvevict::make_policy(policy, parse_params(params)), mode);
-  });
-}
-
-void kvevict_pipeline_destroy(kvevict_pipeline* pipeline) { delete pipeline; }
-
-uint32_t kvevict_pipeline_signals(const kvevict_pipeline* pipeline) {
-  return pipeline != nullptr ? pipeline->pipeline.policy().signals().bits() : 0u;
-}
-
-int kvevict_pipeline_retained_limit(const kvevict_pipeline* pipeline) {
-  if (pipeline == nullptr) return -1;
-  return pipeline->pipeline.policy().retained_limit().value_or(-1);
-}
-
-kvevict_status kvevict_pipeline_reserve(kvevict_pipeline* pipeline, int capacity) {
-  return guarded([&] { checked(pipeline).slots.reserve(capacity); });
-}
-
-int kvevict_pipeline_live(const kvevict_pipeline* pipeline, int layer, int kv_head) {
-  if (pipeline == nullptr || layer < 0 || layer >= pipeline->slots.layers() || kv_head < 0 ||
-      kv_head >= pipeline->slots.kv_heads()) {
-    return -1;
-  }
-  return pipeline->slots.live(layer, kv_head);
-}
-
-kvevict_status kvevict_pipeline_slots(const kvevict_pipeline* pipeline, int layer, int kv_head,
-                                      const int64_t** original_positions, const int64_t** positions,
-                                      int* count) {
-  return guarded([&] {
-    KVEVICT_REQUIRE(pipeline != nullptr, "pipeline is NULL");
-    check_head(*pipeline, layer, kv_head);
-    if (original_positions != nullptr) {
-      *original_positions = pipeline->slots.original_positions(layer, kv_head).data();
+    KVEVICT_REQUIRE(config != nullptr, "config is NULL (fill one with kvevict_config_init)");
+    kvevict::SequenceConfig sequence_config;
+    sequence_config.layers = config->layers;
+    sequence_config.q_heads = config->q_heads;
+    sequence_config.kv_heads = config->kv_heads;
+    sequence_config.max_chunk = config->max_chunk;
+    if (config->position_mode != nullptr) {
+      sequence_config.position_mode = kvevict::parse_position_mode(config->position_mode);
     }
-    if (positions != nullptr) *positions = pipeline->slots.positions(layer, kv_head).data();
-    if (count != nullptr) *count = pipeline->slots.live(layer, kv_head);
+    if (config->granularity != nullptr) {
+      sequence_config.granularity = kvevict::parse_granularity(config->granularity);
+    }
+    sequence_config.key_storage = config->post_rope_keys != 0 ? kvevict::KeyStorage::post_rope
+                                                              : kvevict::KeyStorage::pre_rope;
+    sequence_config.max_pending_rotations = config->max_pending_rotations;
+    const kvevict::PolicyParams parsed =
+        kvevict::PolicyParams::parse(params != nullptr ? params : "");
+    *out = new kvevict_sequence(sequence_config, kvevict::make_policy(policy, parsed), backend);
   });
 }
 
-kvevict_status kvevict_pipeline_before_chunk(kvevict_pipeline* pipeline, int incoming,
-                                             int turn_start, int* compacted) {
+void kvevict_sequence_destroy(kvevict_sequence* sequence) { delete sequence; }
+
+uint32_t kvevict_sequence_signals(const kvevict_sequence* sequence) {
+  return sequence != nullptr ? sequence->sequence.policy().signals().bits() : 0u;
+}
+
+int kvevict_sequence_retained_limit(const kvevict_sequence* sequence) {
+  if (sequence == nullptr) return -1;
+  return sequence->sequence.policy().retained_limit().value_or(-1);
+}
+
+int kvevict_sequence_capacity(const kvevict_sequence* sequence) {
+  return sequence != nullptr ? sequence->sequence.capacity() : -1;
+}
+
+int kvevict_sequence_live(const kvevict_sequence* sequence, int layer, int kv_head) {
+  return valid_head(sequence, layer, kv_head) ? sequence->sequence.live(layer, kv_head) : -1;
+}
+
+int kvevict_sequence_slot_limit(const kvevict_sequence* sequence, int layer, int kv_head) {
+  return valid_head(sequence, layer, kv_head) ? sequence->sequence.slot_limit(layer, kv_head) : -1;
+}
+
+int64_t kvevict_sequence_tokens_fed(const kvevict_sequence* sequence) {
+  return sequence != nullptr ? sequence->sequence.stats().tokens_fed : -1;
+}
+
+kvevict_status kvevict_sequence_begin_chunk(kvevict_sequence* sequence, const int32_t* token_ids,
+                                            int count, int turn_start) {
   return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    report(handle, handle.pipeline.before_chunk(incoming, turn_start != 0), compacted);
+    kvevict_sequence& handle = checked(sequence);
+    KVEVICT_REQUIRE(count > 0, "begin_chunk needs at least one token id");
+    handle.sequence.begin_chunk(array_argument(token_ids, count, "token ids"), turn_start != 0);
   });
 }
 
-kvevict_status kvevict_pipeline_append_chunk(kvevict_pipeline* pipeline, const int32_t* token_ids,
-                                             int count) {
+kvevict_status kvevict_sequence_chunk_slots(const kvevict_sequence* sequence, int layer,
+                                            int kv_head, const int32_t** slots, int* count) {
   return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    KVEVICT_REQUIRE(token_ids != nullptr && count > 0, "append_chunk needs at least one token id");
-    handle.pipeline.append_chunk({token_ids, static_cast<std::size_t>(count)});
+    const std::span<const std::int32_t> chunk =
+        checked(sequence).sequence.chunk_slots(layer, kv_head);
+    if (slots != nullptr) *slots = chunk.data();
+    if (count != nullptr) *count = static_cast<int>(chunk.size());
   });
 }
 
-kvevict_status kvevict_pipeline_observe_attention(kvevict_pipeline* pipeline, int layer,
-                                                  const float* rows, int q_heads, int queries,
+kvevict_status kvevict_sequence_position(const kvevict_sequence* sequence, int layer, int kv_head,
+                                         int32_t slot, int64_t* position, int64_t* key_position) {
+  return guarded([&] {
+    const kvevict::Sequence& s = checked(sequence).sequence;
+    KVEVICT_REQUIRE(s.slots().is_live(s.unit_of(layer, kv_head), slot),
+                    "slot " + std::to_string(slot) + " of head (" + std::to_string(layer) + ", " +
+                        std::to_string(kv_head) + ") is not live");
+    if (position != nullptr) *position = s.position(layer, kv_head, slot);
+    if (key_position != nullptr) *key_position = s.key_position(layer, kv_head, slot);
+  });
+}
+
+kvevict_status kvevict_sequence_key_runs(const kvevict_sequence* sequence, int layer, int kv_head,
+                                         int32_t* begins, int32_t* ends, int64_t* rotations,
+                                         int capacity, int* count) {
+  return guarded([&] {
+    const kvevict::Sequence& s = checked(sequence).sequence;
+    KVEVICT_REQUIRE(capacity >= 0, "capacity must be >= 0");
+    KVEVICT_REQUIRE(capacity == 0 || (begins != nullptr && ends != nullptr && rotations != nullptr),
+                    "run arrays are NULL");
+    int runs = 0;
+    s.for_each_key_run(layer, kv_head, [&](int begin, int end, std::int64_t rotation) {
+      if (runs < capacity) {
+        begins[runs] = begin;
+        ends[runs] = end;
+        rotations[runs] = rotation;
+      }
+      ++runs;
+    });
+    if (count != nullptr) *count = runs;
+  });
+}
+
+kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
+                                                  const float* rows, int queries,
                                                   ptrdiff_t row_stride) {
   return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    handle.pipeline.observe_attention(
-        layer, attention_view(handle, layer, rows, q_heads, queries, row_stride));
+    kvevict_sequence& handle = checked(sequence);
+    handle.sequence.observe_attention(layer,
+                                      attention_view(handle, layer, rows, queries, row_stride));
   });
 }
 
-kvevict_status kvevict_pipeline_observe_surprisal(kvevict_pipeline* pipeline,
+kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
                                                   const float* surprisal, int count) {
   return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    KVEVICT_REQUIRE(surprisal != nullptr && count >= 0, "surprisal is NULL");
-    handle.pipeline.observe_surprisal({surprisal, static_cast<std::size_t>(count)});
+    checked(sequence).sequence.observe_surprisal(array_argument(surprisal, count, "surprisal"));
   });
 }
 
-kvevict_status kvevict_pipeline_end_forward(kvevict_pipeline* pipeline, int* compacted) {
-  return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    report(handle, handle.pipeline.end_forward(), compacted);
-  });
+kvevict_status kvevict_sequence_end_forward(kvevict_sequence* sequence) {
+  return guarded([&] { checked(sequence).sequence.end_forward(); });
 }
 
-int kvevict_pipeline_catalyst_pending(const kvevict_pipeline* pipeline) {
-  return pipeline != nullptr && pipeline->pipeline.catalyst_pending() ? 1 : 0;
+int kvevict_sequence_pot_room(const kvevict_sequence* sequence) {
+  if (sequence == nullptr) return -1;
+  return sequence->sequence.pot_room().value_or(-1);
 }
 
-kvevict_status kvevict_pipeline_begin_catalyst(kvevict_pipeline* pipeline, const int32_t* token_ids,
+int kvevict_sequence_catalyst_pending(const kvevict_sequence* sequence) {
+  return sequence != nullptr && sequence->sequence.catalyst_pending() ? 1 : 0;
+}
+
+kvevict_status kvevict_sequence_begin_catalyst(kvevict_sequence* sequence, const int32_t* token_ids,
                                                int count) {
   return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    KVEVICT_REQUIRE(count >= 0 && (count == 0 || token_ids != nullptr),
-                    "catalyst token ids are NULL");
-    handle.pipeline.begin_catalyst({token_ids, static_cast<std::size_t>(count)});
+    checked(sequence).sequence.begin_catalyst(
+        array_argument(token_ids, count, "catalyst token ids"));
   });
 }
 
-kvevict_status kvevict_pipeline_observe_catalyst(kvevict_pipeline* pipeline, int layer,
-                                                 const float* rows, int q_heads, int queries,
+kvevict_status kvevict_sequence_observe_catalyst(kvevict_sequence* sequence, int layer,
+                                                 const float* rows, int queries,
                                                  ptrdiff_t row_stride) {
   return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    handle.pipeline.observe_catalyst(
-        layer, attention_view(handle, layer, rows, q_heads, queries, row_stride));
+    kvevict_sequence& handle = checked(sequence);
+    handle.sequence.observe_catalyst(layer,
+                                     attention_view(handle, layer, rows, queries, row_stride));
   });
 }
 
-kvevict_status kvevict_pipeline_end_catalyst(kvevict_pipeline* pipeline, int* compacted) {
-  return guarded([&] {
-    kvevict_pipeline& handle = checked(pipeline);
-    report(handle, handle.pipeline.end_catalyst(), compacted);
-  });
-}
-
-kvevict_status kvevict_pipeline_plan(const kvevict_pipeline* pipeline, int layer, int kv_head,
-                                     int* changes, const int32_t** keep,
-                                     const int64_t** position_deltas, int* count) {
-  return guarded([&] {
-    KVEVICT_REQUIRE(pipeline != nullptr, "pipeline is NULL");
-    check_head(*pipeline, layer, kv_head);
-    const kvevict::CompactionPlan* plan = pipeline->last_plan;
-    const bool changed = plan != nullptr && plan->changes(layer, kv_head);
-    if (changes != nullptr) *changes = changed ? 1 : 0;
-    if (keep != nullptr) *keep = changed ? plan->keep(layer, kv_head).data() : nullptr;
-    if (position_deltas != nullptr) {
-      *position_deltas = changed ? plan->position_deltas(layer, kv_head).data() : nullptr;
-    }
-    if (count != nullptr)
-      *count = changed ? static_cast<int>(plan->keep(layer, kv_head).size()) : 0;
-  });
+kvevict_status kvevict_sequence_end_catalyst(kvevict_sequence* sequence) {
+  return guarded([&] { checked(sequence).sequence.end_catalyst(); });
 }
 
 }  // extern "C"

@@ -58,6 +58,8 @@ int run_generate(const GenerateOptions& options) {
   std::optional<AnchorInserter> anchors;
   if (options.insert_anchors) anchors = AnchorInserter::for_tokenizer(model.tokenizer);
   PolicySetup setup = make_policy_setup(options.policy, model);
+  StageClock clock;  // where the eviction time goes (the report's eviction seconds)
+  setup.decoder_options.observer = &clock;
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
   const model::Tokenizer& tokenizer = model.tokenizer;
 
@@ -105,7 +107,8 @@ int run_generate(const GenerateOptions& options) {
   }
   const Clock::time_point done = Clock::now();
 
-  const CacheReport report = make_cache_report(*decoder, setup.name, seconds_between(start, done));
+  const CacheReport report =
+      make_cache_report(*decoder, setup.name, seconds_between(start, done), &clock);
   const double decode_seconds = seconds_between(prefilled, done);
   const double decode_rate =
       decode_seconds > 0 ? static_cast<double>(generated.size()) / decode_seconds : 0.0;

@@ -60,22 +60,29 @@ std::map<std::string, std::uint64_t> weight_bytes_by_dtype(const model::Model& m
   return bytes;
 }
 
-// Score columns of each policy, from an instance built with a nominal budget (the column count
-// does not depend on the budget).
-std::map<std::string, int> score_columns_by_policy() {
-  std::map<std::string, int> columns;
-  for (std::string_view name : policy_names()) {
-    ParamValues values;
-    if (name != "full") values = budget_params(name, 64, kDefaultSinks);
-    if (name == "anllm") values.set_list("anchor_ids", {0});
-    columns[std::string(name)] = make_policy(name, values.to_policy_params())->score_columns();
+// Slot metadata bytes per token of each policy at its own granularity (one metadata row per
+// decision unit: per KV head, per layer, or one for the whole model), from an instance built with
+// a nominal budget (neither the column count nor the granularity depends on the budget).
+std::map<std::string, std::uint64_t> metadata_bytes_by_policy(const model::ModelConfig& c) {
+  std::map<std::string, std::uint64_t> bytes;
+  for (const PolicySpec* spec : policy_specs()) {
+    PolicyParams params;
+    if (spec->budget != nullptr) params = spec->budget(64, kDefaultSinks);
+    if (spec->find("anchor_ids") != nullptr) params.set_list("anchor_ids", {0});
+    const std::unique_ptr<Policy> policy = spec->make(spec->resolve(params));
+    const UnitLayout units(c.layers, c.kv_heads, policy->default_granularity());
+    const SlotTable one_slot(UnitLayout(1, 1, Granularity::head), PositionMode::original, 1,
+                             policy->score_columns());
+    bytes[std::string(spec->name)] =
+        static_cast<std::uint64_t>(units.units()) * one_slot.bytes_per_slot();
   }
-  return columns;
+  return bytes;
 }
 
 // Metadata bytes of one slot with `score_columns` policy columns (SlotTable's own accounting).
 std::uint64_t metadata_bytes_per_slot(int score_columns) {
-  return SlotTable(1, 1, 1, score_columns).bytes_per_slot();
+  return SlotTable(UnitLayout(1, 1, Granularity::head), PositionMode::original, 1, score_columns)
+      .bytes_per_slot();
 }
 
 nlohmann::ordered_json info_json(const std::string& path, const model::Model& model) {
@@ -121,9 +128,7 @@ nlohmann::ordered_json info_json(const std::string& path, const model::Model& mo
   kv["metadata_bytes_per_token"] = head_caches * metadata_bytes_per_slot(0);
   kv["metadata_bytes_per_score_column"] = head_caches * sizeof(float);
   nlohmann::ordered_json& by_policy = kv["metadata_bytes_per_token_by_policy"];
-  for (const auto& [name, columns] : score_columns_by_policy()) {
-    by_policy[name] = head_caches * metadata_bytes_per_slot(columns);
-  }
+  for (const auto& [name, bytes] : metadata_bytes_by_policy(c)) by_policy[name] = bytes;
   return json;
 }
 
@@ -166,8 +171,9 @@ void print_text(const nlohmann::ordered_json& json) {
       "KV per token   {} bytes of keys + values (layers x kv_heads x head_dim x 2 x 4)\n",
       kv["kv_bytes_per_token"].get<std::uint64_t>());
   out += fmt::format(
-      "               + {} bytes of kvevict slot metadata, + {} per policy score "
-      "column:\n",
+      "               + {} bytes of kvevict slot metadata at one keep-set per KV head, + {} per "
+      "score "
+      "column; by policy, at its granularity:\n",
       kv["metadata_bytes_per_token"].get<std::uint64_t>(),
       kv["metadata_bytes_per_score_column"].get<std::uint64_t>());
   std::string policies;

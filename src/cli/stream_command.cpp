@@ -140,21 +140,12 @@ class Progress {
   bool drawn_ = false;
 };
 
-// Feeds tokens through the decoder in chunks of exactly `chunk` tokens (a turn start flushes the
-// partial chunk before it), scores every token but `unscored` (the inserted anchor; -1 = none)
-// and keeps the previous forward's last logits.
-class StreamScorer {
+// Feeds tokens through the scorer in chunks of exactly `chunk` tokens (a turn start flushes the
+// partial chunk before it), reporting progress after each.
+class ChunkedStream {
  public:
-  StreamScorer(model::Decoder& decoder, int window, std::vector<std::uint32_t> token_bytes,
-               std::int32_t unscored, Progress& progress)
-      : decoder_(decoder),
-        progress_(progress),
-        chunk_(decoder.options().max_chunk),
-        vocab_(static_cast<std::size_t>(decoder.model().config.vocab_size)),
-        token_bytes_(std::move(token_bytes)),
-        unscored_(unscored),
-        loss_(window) {
-    previous_logits_.resize(vocab_);
+  ChunkedStream(StreamScorer& scorer, int chunk, Progress& progress)
+      : scorer_(scorer), chunk_(chunk), progress_(progress) {
     pending_.reserve(static_cast<std::size_t>(chunk_));
   }
 
@@ -171,46 +162,18 @@ class StreamScorer {
 
   void flush() {
     if (pending_.empty()) return;
-    const model::ForwardResult result = decoder_.feed(
-        pending_, model::ForwardRequest{.turn_start = pending_turn_start_, .all_logits = true});
-    for (std::size_t k = 0; k < pending_.size(); ++k) {
-      const std::int64_t position = next_position_ + static_cast<std::int64_t>(k);
-      if (position == 0) continue;  // the stream's first token has no prediction
-      const std::int32_t token = pending_[k];
-      if (token == unscored_) continue;  // an inserted anchor: fed, not scored
-      const std::span<const float> logits = k == 0
-                                                ? std::span<const float>(previous_logits_)
-                                                : result.logits.subspan((k - 1) * vocab_, vocab_);
-      loss_.add(position, surprisal_bits(logits, token),
-                token_bytes_[static_cast<std::size_t>(token)]);
-    }
-    const std::span<const float> last =
-        result.logits.subspan((pending_.size() - 1) * vocab_, vocab_);
-    std::copy(last.begin(), last.end(), previous_logits_.begin());
-    for (const std::int32_t token : pending_) {
-      bytes_fed_ += token_bytes_[static_cast<std::size_t>(token)];
-    }
-    next_position_ += static_cast<std::int64_t>(pending_.size());
+    scorer_.feed(pending_, pending_turn_start_);
     pending_.clear();
     pending_turn_start_ = false;
-    progress_.update(bytes_fed_, loss_, next_position_);
+    progress_.update(scorer_.bytes_fed(), scorer_.loss(), scorer_.tokens_fed());
   }
 
-  [[nodiscard]] const WindowedLoss& loss() const { return loss_; }
-
  private:
-  model::Decoder& decoder_;
-  Progress& progress_;
+  StreamScorer& scorer_;
   int chunk_;
-  std::size_t vocab_;
-  std::vector<std::uint32_t> token_bytes_;  // bytes of each token's text
-  std::int32_t unscored_;
-  WindowedLoss loss_;
-  std::vector<float> previous_logits_;
+  Progress& progress_;
   std::vector<std::int32_t> pending_;
   bool pending_turn_start_ = false;
-  std::int64_t next_position_ = 0;
-  std::uint64_t bytes_fed_ = 0;  // text bytes of the tokens fed (the progress measure)
 };
 
 void print_text_report(const StreamOptions& options, const std::string& policy,
@@ -262,17 +225,16 @@ int run_stream(const StreamOptions& options) {
   std::optional<AnchorInserter> anchors;
   if (options.insert_anchors) anchors = AnchorInserter::for_tokenizer(tokenizer);
   PolicySetup setup = make_policy_setup(options.policy, model);
+  StageClock clock;  // where the eviction time goes (the report's eviction seconds)
+  setup.decoder_options.observer = &clock;
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
 
-  std::vector<std::uint32_t> token_bytes(static_cast<std::size_t>(model.config.vocab_size));
-  for (std::size_t id = 0; id < token_bytes.size(); ++id) {
-    token_bytes[id] =
-        static_cast<std::uint32_t>(tokenizer.decode(static_cast<std::int32_t>(id)).size());
-  }
   const Clock::time_point start = Clock::now();
   Progress progress(pieces.expected_bytes(), start);
-  StreamScorer scorer(*decoder, options.window, std::move(token_bytes),
-                      anchors ? anchors->anchor_id() : -1, progress);
+  StreamScorer scorer(*decoder, options.window,
+                      token_byte_counts(tokenizer, model.config.vocab_size),
+                      anchors ? anchors->anchor_id() : -1);
+  ChunkedStream stream(scorer, decoder->options().max_chunk, progress);
 
   TextPiece piece;
   std::vector<std::int32_t> anchored;
@@ -288,17 +250,17 @@ int run_stream(const StreamOptions& options) {
     if (anchors) {
       anchored.clear();
       anchors->push(tokens, anchored);
-      scorer.add(anchored, piece.turn_start);
+      stream.add(anchored, piece.turn_start);
     } else {
-      scorer.add(tokens, piece.turn_start);
+      stream.add(tokens, piece.turn_start);
     }
   }
   if (anchors) {  // the end of the text is a sentence end
     anchored.clear();
     anchors->finish(anchored);
-    scorer.add(anchored, /*turn_start=*/false);
+    stream.add(anchored, /*turn_start=*/false);
   }
-  scorer.flush();
+  stream.flush();
   progress.finish();
   const Clock::time_point done = Clock::now();
 
@@ -306,7 +268,8 @@ int run_stream(const StreamOptions& options) {
   if (scorer.loss().overall().tokens == 0) {
     throw Error(fmt::format("input '{}' holds a single token: nothing to score", options.input));
   }
-  const CacheReport report = make_cache_report(*decoder, setup.name, seconds_between(start, done));
+  const CacheReport report =
+      make_cache_report(*decoder, setup.name, seconds_between(start, done), &clock);
   const WindowedLoss& loss = scorer.loss();
   const std::int64_t anchor_count = anchors ? anchors->inserted() : 0;
   if (!options.json) {

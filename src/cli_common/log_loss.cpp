@@ -6,6 +6,7 @@
 #include <limits>
 #include <numbers>
 #include <string>
+#include <utility>
 
 namespace kvevict::cli {
 
@@ -46,6 +47,44 @@ void WindowedLoss::add(std::int64_t position, double bits, std::size_t bytes) {
     totals->bits += bits;
     totals->bytes += bytes;
   }
+}
+
+StreamScorer::StreamScorer(model::Decoder& decoder, std::int64_t window,
+                           std::vector<std::uint32_t> token_bytes, std::int32_t unscored)
+    : decoder_(decoder),
+      vocab_(static_cast<std::size_t>(decoder.model().config.vocab_size)),
+      token_bytes_(std::move(token_bytes)),
+      unscored_(unscored),
+      loss_(window),
+      previous_logits_(vocab_) {
+  KVEVICT_REQUIRE(token_bytes_.size() == vocab_, "StreamScorer: one byte count per token needed");
+}
+
+void StreamScorer::feed(std::span<const std::int32_t> tokens, bool turn_start) {
+  if (tokens.empty()) return;
+  const model::ForwardResult result =
+      decoder_.feed(tokens, model::ForwardRequest{.turn_start = turn_start, .all_logits = true});
+  for (std::size_t k = 0; k < tokens.size(); ++k) {
+    const std::int64_t position = next_position_ + static_cast<std::int64_t>(k);
+    const std::int32_t token = tokens[k];
+    bytes_fed_ += token_bytes_[static_cast<std::size_t>(token)];
+    if (position == 0 || token == unscored_) continue;
+    const std::span<const float> logits = k == 0 ? std::span<const float>(previous_logits_)
+                                                 : result.logits.subspan((k - 1) * vocab_, vocab_);
+    loss_.add(position, surprisal_bits(logits, token),
+              token_bytes_[static_cast<std::size_t>(token)]);
+  }
+  const std::span<const float> last = result.logits.subspan((tokens.size() - 1) * vocab_, vocab_);
+  std::copy(last.begin(), last.end(), previous_logits_.begin());
+  next_position_ += static_cast<std::int64_t>(tokens.size());
+}
+
+std::vector<std::uint32_t> token_byte_counts(const model::Tokenizer& tokenizer, int vocab_size) {
+  std::vector<std::uint32_t> bytes(static_cast<std::size_t>(vocab_size));
+  for (std::size_t id = 0; id < bytes.size(); ++id) {
+    bytes[id] = static_cast<std::uint32_t>(tokenizer.decode(static_cast<std::int32_t>(id)).size());
+  }
+  return bytes;
 }
 
 }  // namespace kvevict::cli

@@ -1,9 +1,11 @@
-// Log-loss bookkeeping for `kvevict stream`: bits per token summed overall and per window of
-// positions, turned into bits per byte and perplexity.
+// Stream scoring, shared by `kvevict stream` and the eval harness's stream_bpb task: tokens fed
+// through a decoder and scored by the model's prediction of each, bits per token summed overall and
+// per window of positions, turned into bits per byte and perplexity.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/model/decoder.hpp>
 #include <span>
 #include <vector>
 
@@ -46,5 +48,40 @@ class WindowedLoss {
   LossTotals overall_;
   std::vector<LossWindow> windows_;
 };
+
+/// Feeds a stream through `decoder` and scores it. Token t is predicted by the logits of position
+/// t - 1: within a forward those are row k - 1 of its logits; the first token of a forward uses
+/// the last row of the previous forward (the context as it stood then, before that forward's
+/// eviction). The stream's first token (BOS where there is one) has no prediction and is not
+/// scored, nor is any `unscored` token (an inserted anchor: fed and given a position, not scored).
+class StreamScorer {
+ public:
+  /// `token_bytes[id]`: the bytes of token id's text. `unscored` = -1 for none.
+  StreamScorer(model::Decoder& decoder, std::int64_t window, std::vector<std::uint32_t> token_bytes,
+               std::int32_t unscored);
+
+  /// Feeds `tokens` (any number: Decoder::feed splits them) and scores them.
+  void feed(std::span<const std::int32_t> tokens, bool turn_start);
+
+  [[nodiscard]] const WindowedLoss& loss() const { return loss_; }
+  /// Tokens fed, scored or not.
+  [[nodiscard]] std::int64_t tokens_fed() const { return next_position_; }
+  /// Text bytes of the tokens fed.
+  [[nodiscard]] std::uint64_t bytes_fed() const { return bytes_fed_; }
+
+ private:
+  model::Decoder& decoder_;
+  std::size_t vocab_;
+  std::vector<std::uint32_t> token_bytes_;
+  std::int32_t unscored_;
+  WindowedLoss loss_;
+  std::vector<float> previous_logits_;
+  std::int64_t next_position_ = 0;
+  std::uint64_t bytes_fed_ = 0;
+};
+
+/// The bytes of every token's text under `tokenizer` (for StreamScorer).
+[[nodiscard]] std::vector<std::uint32_t> token_byte_counts(const model::Tokenizer& tokenizer,
+                                                           int vocab_size);
 
 }  // namespace kvevict::cli

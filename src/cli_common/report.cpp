@@ -11,21 +11,21 @@
 namespace kvevict::cli {
 
 CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
-                              double wall_seconds) {
+                              double wall_seconds, const StageClock* clock) {
   const model::DecoderStats& stats = decoder.stats();
-  const PipelineStats& pipeline = decoder.cache().pipeline().stats();
+  const SequenceStats& sequence = decoder.cache().sequence().stats();
   CacheReport report;
   report.policy = std::move(policy);
   report.tokens = stats.tokens_fed;
   report.live_kv_bytes = decoder.cache().memory().live_kv_bytes;
   report.peak_kv_bytes = stats.peak_kv_bytes;
-  report.evicted_slots = pipeline.evicted_slots;
-  report.compactions = pipeline.compactions;
+  report.evicted_slots = sequence.evicted_slots;
+  report.decisions = sequence.decisions;
   report.catalyst_runs = stats.catalyst_runs;
   report.seconds = wall_seconds;
   report.tokens_per_second =
       wall_seconds > 0 ? static_cast<double>(stats.tokens_fed) / wall_seconds : 0.0;
-  report.eviction_seconds = stats.eviction_seconds;
+  if (clock != nullptr) report.eviction_seconds = eviction_seconds(*clock);
   return report;
 }
 
@@ -36,7 +36,7 @@ nlohmann::ordered_json to_json(const CacheReport& report) {
   json["live_kv_bytes"] = report.live_kv_bytes;
   json["peak_kv_bytes"] = report.peak_kv_bytes;
   json["evicted_slots"] = report.evicted_slots;
-  json["compactions"] = report.compactions;
+  json["decisions"] = report.decisions;
   json["catalyst_runs"] = report.catalyst_runs;
   json["seconds"] = report.seconds;
   json["tokens_per_second"] = report.tokens_per_second;
@@ -46,13 +46,18 @@ nlohmann::ordered_json to_json(const CacheReport& report) {
 
 std::string format_cache_report(const CacheReport& report) {
   std::string line =
-      fmt::format("{}: {} tokens, live KV {}, peak KV {}, {} slots evicted in {} compactions",
+      fmt::format("{}: {} tokens, live KV {}, peak KV {}, {} slots evicted in {} decisions",
                   report.policy, report.tokens, format_bytes(report.live_kv_bytes),
-                  format_bytes(report.peak_kv_bytes), report.evicted_slots, report.compactions);
+                  format_bytes(report.peak_kv_bytes), report.evicted_slots, report.decisions);
   if (report.catalyst_runs > 0) line += fmt::format(" ({} catalyst runs)", report.catalyst_runs);
   line += fmt::format(", {:.1f} tokens/s, {:.3f} s in eviction", report.tokens_per_second,
                       report.eviction_seconds);
   return line;
+}
+
+double eviction_seconds(const StageClock& clock) {
+  return clock.seconds(Stage::policy) + clock.seconds(Stage::reposition) +
+         clock.seconds(Stage::catalyst);
 }
 
 std::string format_bytes(std::uint64_t bytes) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
+#include <kvevict/timing.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -20,15 +21,19 @@ struct CacheReport {
   std::size_t live_kv_bytes = 0;
   std::size_t peak_kv_bytes = 0;
   std::int64_t evicted_slots = 0;  ///< summed over every (layer, KV head)
-  std::int64_t compactions = 0;
+  std::int64_t decisions = 0;      ///< decisions that evicted something
   std::int64_t catalyst_runs = 0;
   double seconds = 0;            ///< wall time of the run
   double tokens_per_second = 0;  ///< tokens / seconds
-  double eviction_seconds = 0;   ///< time spent in the policy and compaction
+  double eviction_seconds = 0;   ///< policy + reposition + catalyst stages (0 when untimed)
 };
 
+/// The report of `decoder`'s run; `clock`, when the decoder was timed with it, gives the eviction
+/// seconds.
 [[nodiscard]] CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
-                                            double wall_seconds);
+                                            double wall_seconds, const StageClock* clock = nullptr);
+/// Seconds the eviction stages took: policy + reposition + catalyst.
+[[nodiscard]] double eviction_seconds(const StageClock& clock);
 [[nodiscard]] nlohmann::ordered_json to_json(const CacheReport& report);
 /// One line: "streaming_llm: 300 tokens, live KV 56.0 KiB, peak KV 60.0 KiB, ...".
 [[nodiscard]] std::string format_cache_report(const CacheReport& report);

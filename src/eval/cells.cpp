@@ -88,32 +88,35 @@ OrderedJson policy_hash_json(const PolicyEntry& entry) {
   return json;
 }
 
-// DecoderStats' itemised times: forward_seconds = head + attention + mlp (+ glue), eviction_seconds
-// = policy + reposition + catalyst (+ bookkeeping).
-std::vector<std::pair<std::string, double>> split_seconds(const model::DecoderStats& stats) {
-  return {{"head_seconds", stats.head_seconds},
-          {"attention_seconds", stats.attention_seconds},
-          {"mlp_seconds", stats.mlp_seconds},
-          {"policy_seconds", stats.policy_seconds},
-          {"reposition_seconds", stats.reposition_seconds},
-          {"catalyst_seconds", stats.catalyst_seconds}};
+// A decoder's time by stage (its CellDecoder's clock): forward = head + attention + mlp, eviction
+// = policy + reposition + catalyst.
+std::vector<std::pair<std::string, double>> split_seconds(const StageClock& clock) {
+  return {{"head_seconds", clock.seconds(Stage::head)},
+          {"attention_seconds", clock.seconds(Stage::attention)},
+          {"mlp_seconds", clock.seconds(Stage::mlp)},
+          {"policy_seconds", clock.seconds(Stage::policy)},
+          {"reposition_seconds", clock.seconds(Stage::reposition)},
+          {"catalyst_seconds", clock.seconds(Stage::catalyst)}};
+}
+double forward_seconds(const StageClock& clock) {
+  return clock.seconds(Stage::head) + clock.seconds(Stage::attention) + clock.seconds(Stage::mlp);
 }
 
 // Sum / max of the decoder figures over the decoders of one cell (one per document).
 class CacheTotals {
  public:
-  void add(const model::Decoder& decoder, std::size_t live_kv_bytes) {
+  void add(const model::Decoder& decoder, const StageClock& clock, std::size_t live_kv_bytes) {
     const model::DecoderStats& stats = decoder.stats();
-    const PipelineStats& pipeline = decoder.cache().pipeline().stats();
+    const SequenceStats& sequence = decoder.cache().sequence().stats();
     tokens_fed_ += stats.tokens_fed;
     forwards_ += stats.forwards;
     catalyst_runs_ += stats.catalyst_runs;
-    forward_seconds_ += stats.forward_seconds;
-    eviction_seconds_ += stats.eviction_seconds;
-    for (const auto& [name, seconds] : split_seconds(stats)) split_[name] += seconds;
+    forward_seconds_ += forward_seconds(clock);
+    eviction_seconds_ += cli::eviction_seconds(clock);
+    for (const auto& [name, seconds] : split_seconds(clock)) split_[name] += seconds;
     peak_kv_bytes_ = std::max(peak_kv_bytes_, stats.peak_kv_bytes);
-    evicted_slots_ += pipeline.evicted_slots;
-    compactions_ += pipeline.compactions;
+    evicted_slots_ += sequence.evicted_slots;
+    compactions_ += sequence.decisions;
     live_kv_bytes_sum_ += static_cast<double>(live_kv_bytes);
     ++decoders_;
   }
@@ -128,7 +131,7 @@ class CacheTotals {
     metrics["live_kv_bytes"] = decoders_ > 0 ? live_kv_bytes_sum_ / decoders_ : 0.0;
     metrics["peak_kv_bytes"] = peak_kv_bytes_;
     metrics["evicted_slots"] = evicted_slots_;
-    metrics["compactions"] = compactions_;
+    metrics["compactions"] = compactions_;  // eviction decisions (runner.cpp's column name)
     metrics["catalyst_runs"] = catalyst_runs_;
     metrics["forwards"] = forwards_;
     metrics["forward_seconds"] = forward_seconds_;
@@ -170,11 +173,14 @@ class CellDecoder {
     } else if (setup_.catalyst) {
       catalyst_ = *entry.catalyst;
     }
+    clock_ = std::make_unique<StageClock>();
+    setup_.decoder_options.observer = clock_.get();
     decoder_ = cli::make_decoder(grid.model, setup_);
   }
 
   [[nodiscard]] model::Decoder& operator*() { return *decoder_; }
   [[nodiscard]] model::Decoder* operator->() { return decoder_.get(); }
+  [[nodiscard]] const StageClock& clock() const { return *clock_; }
 
   [[nodiscard]] OrderedJson policy_json() const {
     OrderedJson json = cli::policy_json(setup_, *decoder_);
@@ -184,6 +190,7 @@ class CellDecoder {
 
  private:
   cli::PolicySetup setup_;
+  std::unique_ptr<StageClock> clock_;  // before decoder_, which holds a pointer to it
   std::unique_ptr<model::Decoder> decoder_;
   std::optional<std::string> catalyst_;
 };
@@ -298,38 +305,20 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   const Clock::time_point start = Clock::now();
   CellDecoder decoder(grid, cell);
   result["policy_setup"] = decoder.policy_json();
-  const model::Tokenizer& tokenizer = grid.model.tokenizer;
-  const auto vocab = static_cast<std::size_t>(grid.model.config.vocab_size);
-  std::vector<std::size_t> token_bytes(vocab);
-  for (std::size_t id = 0; id < vocab; ++id) {
-    token_bytes[id] = tokenizer.decode(static_cast<std::int32_t>(id)).size();
-  }
   CycledText source(grid, task.turn_separator);
-  cli::WindowedLoss loss(task.window);
-  std::vector<float> previous_logits(vocab);
+  cli::StreamScorer scorer(
+      *decoder, task.window,
+      cli::token_byte_counts(grid.model.tokenizer, grid.model.config.vocab_size),
+      source.anchor_id());
   std::vector<std::int32_t> chunk;
-  std::int64_t fed = 0;
   std::int64_t handed_out = 0;
   while (handed_out < task.tokens) {
     const bool turn_start = source.fill(chunk, grid.config.chunk, handed_out, task.tokens);
-    const model::ForwardResult forward =
-        decoder->feed(chunk, model::ForwardRequest{.turn_start = turn_start, .all_logits = true});
-    // Token t is scored with the logits of position t - 1 (the previous forward's last row for
-    // a chunk's first token); the stream's first token and inserted anchors are not scored.
-    for (std::size_t k = 0; k < chunk.size(); ++k) {
-      const std::int64_t position = fed + static_cast<std::int64_t>(k);
-      if (position == 0 || chunk[k] == source.anchor_id()) continue;
-      const std::span<const float> logits = k == 0 ? std::span<const float>(previous_logits)
-                                                   : forward.logits.subspan((k - 1) * vocab, vocab);
-      loss.add(position, cli::surprisal_bits(logits, chunk[k]),
-               token_bytes[static_cast<std::size_t>(chunk[k])]);
-    }
-    const std::span<const float> last = forward.logits.subspan((chunk.size() - 1) * vocab, vocab);
-    std::copy(last.begin(), last.end(), previous_logits.begin());
-    fed += static_cast<std::int64_t>(chunk.size());
+    scorer.feed(chunk, turn_start);
   }
+  const cli::WindowedLoss& loss = scorer.loss();
   CacheTotals totals;
-  totals.add(*decoder, decoder->cache().memory().live_kv_bytes);
+  totals.add(*decoder, decoder.clock(), decoder->cache().memory().live_kv_bytes);
   OrderedJson& metrics = result["metrics"];
   totals.write(metrics, seconds_since(start));
   const cli::LossTotals& overall = loss.overall();
@@ -418,7 +407,7 @@ void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& res
     const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
     const std::string answer = greedy_answer(*decoder, feeder, forward, kPasskeyDigits,
                                              AnswerEnd::after_max_tokens, config.chunk);
-    totals.add(*decoder, live_at_question);
+    totals.add(*decoder, decoder.clock(), live_at_question);
     const double accuracy = per_digit_accuracy(answer, doc.key);
     digits_sum += accuracy;
     exact += answer == doc.key ? 1 : 0;
@@ -464,7 +453,7 @@ void run_grocery(const GridContext& grid, const CellSpec& cell, OrderedJson& res
     const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
     const std::string answer = greedy_answer(*decoder, feeder, forward, kGroceryMaxAnswerTokens,
                                              AnswerEnd::at_eos_or_period, config.chunk);
-    totals.add(*decoder, live_at_question);
+    totals.add(*decoder, decoder.clock(), live_at_question);
     const double recall = item_recall(answer, doc.items);
     recall_sum += recall;
     exact += answer == doc.expected_answer ? 1 : 0;
@@ -509,9 +498,10 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
          {"peak_rss_bytes", memory.peak_rss_bytes},
          {"live_kv_bytes", decoder->cache().memory().live_kv_bytes},
          {"peak_kv_bytes", stats.peak_kv_bytes},
-         {"forward_seconds_per_token", stats.forward_seconds / static_cast<double>(fed)},
-         {"eviction_seconds_per_token", stats.eviction_seconds / static_cast<double>(fed)}});
-    for (const auto& [name, seconds] : split_seconds(stats)) {
+         {"forward_seconds_per_token", forward_seconds(decoder.clock()) / static_cast<double>(fed)},
+         {"eviction_seconds_per_token",
+          cli::eviction_seconds(decoder.clock()) / static_cast<double>(fed)}});
+    for (const auto& [name, seconds] : split_seconds(decoder.clock())) {
       checkpoints.back()[name.substr(0, name.size() - std::string_view("seconds").size()) +
                          "seconds_per_token"] = seconds / static_cast<double>(fed);
     }
@@ -519,7 +509,7 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
     previous_seconds = seconds;
   }
   CacheTotals totals;
-  totals.add(*decoder, decoder->cache().memory().live_kv_bytes);
+  totals.add(*decoder, decoder.clock(), decoder->cache().memory().live_kv_bytes);
   totals.write(result["metrics"], seconds_since(start));
   result["details"]["checkpoints"] = std::move(checkpoints);
 }

@@ -4,6 +4,8 @@
 #include <string>
 #include <utility>
 
+#include "attention.hpp"
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/signals.hpp"
 #include "matmul.hpp"
@@ -70,8 +72,10 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
                                     ? options.rope_table_positions
                                     : std::clamp(c.context_length, 4096, 16384);
   config.position_mode = options.position_mode;
+  config.granularity = options.granularity;
   config.key_storage = options.key_storage;
   config.max_chunk = options.max_chunk;
+  config.max_pending_rotations = options.max_pending_rotations;
   return config;
 }
 
@@ -96,21 +100,30 @@ float negative_log_softmax(const float* logits, int vocab, std::int32_t token) {
 
 }  // namespace
 
+struct Decoder::AttentionScratch {
+  explicit AttentionScratch(const Rope& rope) : angles(rope) {}
+  QueryAngles angles;                   // query rotations of this forward
+  std::vector<KeyRun> runs;             // one KV head's live slots
+  AttentionMatrix probabilities;        // [n, slot_limit] one query head's softmax
+  AttentionMatrix rotated;              // [n, head_dim] queries rotated for one run
+  AttentionMatrix key_scratch;          // rotated keys of one KV head (pre-RoPE storage)
+  std::vector<float> rows;              // [heads][queries][stride] probabilities for the policy
+  std::vector<int> keys_per_kv_head;    // [kv_heads]
+  std::vector<std::int64_t> positions;  // [n] query positions in one KV head
+};
+
 Decoder::Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOptions options)
-    : model_(model), options_(options), cache_(cache_config(model, options), std::move(policy)) {
-  const ModelConfig& c = model_.config;
-  // DecoderStats itemises eviction time with the cache's stage timing.
-  cache_.set_timing(true);
-  reserve_scratch(options_.max_chunk);
-  logits_.assign(static_cast<std::size_t>(options_.max_chunk) * c.vocab_size, 0.0f);
-  surprisal_.assign(static_cast<std::size_t>(options_.max_chunk), 0.0f);
-  keys_per_kv_head_.assign(static_cast<std::size_t>(c.kv_heads), 0);
-  const std::optional<int> limit = cache_.policy().retained_limit();
-  const std::size_t live = static_cast<std::size_t>(limit ? *limit + options_.max_chunk : 256);
-  scores_.resize(static_cast<std::size_t>(options_.max_chunk) * live);
+    : model_(model),
+      options_(options),
+      cache_(cache_config(model, options), std::move(policy), options.observer),
+      attention_(std::make_unique<AttentionScratch>(cache_.rope())) {
+  reserve_rows(options_.max_chunk);
+  attention_->keys_per_kv_head.assign(static_cast<std::size_t>(model_.config.kv_heads), 0);
 }
 
-void Decoder::reserve_scratch(int rows) {
+Decoder::~Decoder() = default;
+
+void Decoder::reserve_rows(int rows) {
   if (rows <= scratch_rows_) return;
   const ModelConfig& c = model_.config;
   const auto n = static_cast<std::size_t>(rows);
@@ -143,12 +156,7 @@ void Decoder::note_kv_bytes() {
 
 void Decoder::set_catalyst(std::vector<std::int32_t> tokens) {
   check_tokens(tokens, "catalyst");
-  const int n = static_cast<int>(tokens.size());
-  reserve_scratch(n);
-  // Room for the catalyst on top of the pot, now rather than at the first distillation.
-  if (const std::optional<int> limit = cache_.policy().retained_limit()) {
-    cache_.store().reserve(*limit + std::max(n, options_.max_chunk));
-  }
+  reserve_rows(static_cast<int>(tokens.size()));
   catalyst_ = std::move(tokens);
 }
 
@@ -163,81 +171,40 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
   check_tokens(tokens, "forward:");
   const bool wants_surprisal = cache_.wants(Signal::surprisal);
   const bool all_rows = request.all_logits || wants_surprisal;
+  StageObserver* observer = options_.observer;
+  attention_->angles.clear();
 
-  const Clock::time_point start = Clock::now();
-  // The cache's policy / reposition totals may also grow outside forward() (an engine driving the
-  // cache directly): only what happens inside this forward is counted.
-  const EvictionTiming at_start = cache_.timing();
-  // Evict first if the policy does so before a turn, then append the chunk's slots.
+  // 1. Slots for the chunk (the policy may evict first, before a turn).
   cache_.begin_chunk(tokens, request.turn_start);
   note_kv_bytes();
-  const Clock::time_point appended = Clock::now();
-  const Clock::duration policy_before_compute = cache_.timing().policy;
-
   // The first token's surprisal comes from the previous forward's last logits, read before the
   // head overwrites them; the stream's very first token gets 0.
   if (wants_surprisal) {
+    const StageScope stage(observer, Stage::head);
+    surprisal_.resize(static_cast<std::size_t>(n));
     surprisal_[0] = logit_rows_ == 0
                         ? 0.0f
                         : negative_log_softmax(
                               logits_.data() + static_cast<std::size_t>(logit_rows_ - 1) * vocab,
                               vocab, tokens[0]);
-    times_.head += Clock::now() - appended;
   }
-  // Layers over the chunk (attention rows go to the policy), then logits and surprisal.
-  transformer(tokens, Pass::stream, &times_);
-  const Clock::time_point head_start = Clock::now();
-  output_head(n, all_rows);
-  if (wants_surprisal) {
-    for (int k = 1; k < n; ++k) {
+  // 2. The layers; attention rows go to the policy as each layer computes them.
+  transformer(tokens, Pass::stream);
+  // 3. Logits, and the surprisal of every token after the first.
+  {
+    const StageScope stage(observer, Stage::head);
+    output_head(n, all_rows);
+    for (int k = 1; wants_surprisal && k < n; ++k) {
       surprisal_[static_cast<std::size_t>(k)] = negative_log_softmax(
           logits_.data() + static_cast<std::size_t>(k - 1) * vocab, vocab, tokens[k]);
     }
   }
-  times_.head += Clock::now() - head_start;
-  if (wants_surprisal) {
+  if (wants_surprisal)
     cache_.observe_surprisal(std::span<const float>(surprisal_.data(), tokens.size()));
-  }
-  const Clock::time_point computed = Clock::now();
-  // The policy's observe_* hooks ran inside the compute: their time belongs to eviction.
-  const Clock::duration observed = cache_.timing().policy - policy_before_compute;
-
-  // Evict if the policy does so after a forward (or after an anchor).
+  // 4. Evict, if the policy does so after a forward (or after an anchor).
   cache_.end_forward();
-  // A full pot: run the catalyst prompt, let the policy read its attention, distill, roll back.
-  if (cache_.catalyst_pending()) {
-    KVEVICT_REQUIRE(catalyst_.has_value(),
-                    "Decoder: policy '" + std::string(cache_.policy().name()) +
-                        "' filled its pot and needs a catalyst prompt: call set_catalyst() first");
-    const Clock::time_point catalyst_start = Clock::now();
-    const EvictionTiming before = cache_.timing();
-    cache_.begin_catalyst(*catalyst_);
-    note_kv_bytes();
-    if (!catalyst_->empty()) transformer(*catalyst_, Pass::catalyst, nullptr);
-    cache_.end_catalyst();
-    const EvictionTiming& after = cache_.timing();
-    // The block minus what the policy and the compaction report inside it.
-    times_.catalyst += (Clock::now() - catalyst_start) - (after.policy - before.policy) -
-                       (after.reposition - before.reposition);
-    ++stats_.catalyst_runs;
-  }
-  const Clock::time_point done = Clock::now();
-
-  times_.forward += (computed - appended) - observed;
-  times_.eviction += (appended - start) + observed + (done - computed);
-  const auto to_seconds = [](Clock::duration elapsed) {
-    return std::chrono::duration<double>(elapsed).count();
-  };
-  stats_.forward_seconds = to_seconds(times_.forward);
-  stats_.eviction_seconds = to_seconds(times_.eviction);
-  stats_.head_seconds = to_seconds(times_.head);
-  stats_.attention_seconds = to_seconds(times_.attention);
-  stats_.mlp_seconds = to_seconds(times_.mlp);
-  times_.policy += cache_.timing().policy - at_start.policy;
-  times_.reposition += cache_.timing().reposition - at_start.reposition;
-  stats_.policy_seconds = to_seconds(times_.policy);
-  stats_.reposition_seconds = to_seconds(times_.reposition);
-  stats_.catalyst_seconds = to_seconds(times_.catalyst);
+  // 5. A full pot: run the catalyst prompt, let the policy read its attention, distill.
+  if (cache_.catalyst_pending()) run_catalyst();
   stats_.tokens_fed += n;
   ++stats_.forwards;
 
@@ -252,6 +219,20 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
   return result;
 }
 
+void Decoder::run_catalyst() {
+  KVEVICT_REQUIRE(catalyst_.has_value(),
+                  "Decoder: policy '" + std::string(cache_.policy().name()) +
+                      "' filled its pot and needs a catalyst prompt: call set_catalyst() first");
+  {
+    const StageScope stage(options_.observer, Stage::catalyst);
+    cache_.begin_catalyst(*catalyst_);
+    note_kv_bytes();
+    if (!catalyst_->empty()) transformer(*catalyst_, Pass::catalyst);
+  }
+  cache_.end_catalyst();  // rolled back and distilled: the policy's stages
+  ++stats_.catalyst_runs;
+}
+
 ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest request,
                             int chunk_size) {
   KVEVICT_REQUIRE(!tokens.empty(), "Decoder::feed: no tokens to feed");
@@ -263,7 +244,11 @@ ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest
   const std::size_t total = tokens.size();
   const auto vocab = static_cast<std::size_t>(model_.config.vocab_size);
   const bool wants_surprisal = cache_.wants(Signal::surprisal);
-  if (request.all_logits) feed_logits_.resize(total * vocab);
+  if (request.all_logits) {
+    feed_logits_.resize(
+        checked_allocation({static_cast<std::int64_t>(total), static_cast<std::int64_t>(vocab)},
+                           "Decoder::feed: logits of every token", std::int64_t{1} << 31));
+  }
   if (wants_surprisal) feed_surprisal_.resize(total);
 
   ForwardResult last;
@@ -271,7 +256,7 @@ ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest
   while (offset < total) {
     std::size_t n = std::min(static_cast<std::size_t>(chunk_size), total - offset);
     // Never cross a pot boundary: the pot is distilled exactly when it is full.
-    const std::optional<int> room = cache_.policy().pot_room(cache_.pipeline().slots());
+    const std::optional<int> room = cache_.pot_room();
     if (room && *room > 0) n = std::min(n, static_cast<std::size_t>(*room));
     last = forward(tokens.subspan(offset, n),
                    ForwardRequest{request.turn_start && offset == 0, request.all_logits});
@@ -291,28 +276,15 @@ ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest
   return last;
 }
 
-// The transformer over a chunk of n tokens whose slots were just appended to the cache: leaves the
-// final residual stream in x_ ([n, dim]). Pass::stream hands attention rows to observe_attention
-// when the policy wants them; Pass::catalyst hands every catalyst query's rows to observe_catalyst.
-void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass, StageTimes* times) {
+// The transformer over a chunk of n tokens whose slots were just given by the cache: leaves the
+// final residual stream in x_ ([n, dim]). The catalyst pass is timed as a whole by its caller.
+void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
   const ModelConfig& c = model_.config;
   const int n = static_cast<int>(tokens.size());
   const int hd = c.head_dim();
-  const int heads = c.heads;
-  const int kv_heads = c.kv_heads;
-  const int group = heads / kv_heads;
-  const int q_dim = heads * hd;
-  const int kv_dim = kv_heads * hd;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-
-  // Which attention probabilities the policy reads, if any.
-  const bool all_queries = pass == Pass::stream ? cache_.wants(Signal::attention_rows)
-                                                : cache_.wants(Signal::catalyst_attention);
-  const bool last_query =
-      pass == Pass::stream && !all_queries && cache_.wants(Signal::last_attention_row);
-  const bool give_rows = all_queries || last_query;
-  const int first_row = last_query ? n - 1 : 0;  // first query row handed over
-  const int queries = n - first_row;
+  const int q_dim = c.heads * hd;
+  const int kv_dim = c.kv_heads * hd;
+  StageObserver* observer = pass == Pass::stream ? options_.observer : nullptr;
 
   Eigen::Map<RowMatrix> x(x_.data(), n, c.dim);             // [n, dim] residual stream
   Eigen::Map<RowMatrix> xb(xb_.data(), n, c.dim);           // [n, dim]
@@ -323,115 +295,132 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass, Stage
   Eigen::Map<RowMatrix> hb(hb_.data(), n, c.hidden_dim);    // [n, hidden_dim]
   Eigen::Map<RowMatrix> hb2(hb2_.data(), n, c.hidden_dim);  // [n, hidden_dim]
 
-  // Stage timing (stream pass only): lap() adds the time since the last mark to a stage and moves
-  // the mark; restart() moves it without counting (the policy's observe_attention times itself).
-  Clock::time_point mark = times != nullptr ? Clock::now() : Clock::time_point{};
-  const auto lap = [&](Clock::duration StageTimes::*stage) {
-    if (times == nullptr) return;
-    const Clock::time_point now = Clock::now();
-    times->*stage += now - mark;
-    mark = now;
-  };
-  const auto restart = [&] {
-    if (times != nullptr) mark = Clock::now();
-  };
-
   // Token embedding: row i of x is the embedding of token i.                    // [n, dim]
-  for (int i = 0; i < n; ++i) model_.token_embedding.row_to_f32(tokens[i], x.row(i).data());
-  lap(&StageTimes::head);
+  {
+    const StageScope stage(observer, Stage::head);
+    for (int i = 0; i < n; ++i) model_.token_embedding.row_to_f32(tokens[i], x.row(i).data());
+  }
 
   for (int l = 0; l < c.layers; ++l) {
     const LayerWeights& w = model_.layers[static_cast<std::size_t>(l)];
+    {
+      const StageScope stage(observer, Stage::attention);
+      // Attention RMSNorm.                                                      // [n, dim]
+      rmsnorm(xb, x, w.attention_norm, c.norm_eps);
+      // Q, K, V projections.                               // [n, q_dim], [n, kv_dim], [n, kv_dim]
+      matmul(w.wq, xb, q);
+      matmul(w.wk, xb, k);
+      matmul(w.wv, xb, v);
+      // The chunk's keys (rotated by the cache for post-RoPE storage) and values.  // [n, head_dim]
+      for (int g = 0; g < c.kv_heads; ++g) {
+        cache_.write_chunk(l, g, k.middleCols(g * hd, hd), v.middleCols(g * hd, hd));
+      }
+      // Attention of every query head over its KV head's cache; rows to the policy. // [n, q_dim]
+      attention(l, n, pass);
+      // Output projection and residual.                                         // [n, dim]
+      matmul(w.wo, att, xb);
+      x += xb;
+    }
+    {
+      const StageScope stage(observer, Stage::mlp);
+      // FFN RMSNorm.                                                            // [n, dim]
+      rmsnorm(xb, x, w.ffn_norm, c.norm_eps);
+      // Gate and up projections.                                                // [n, hidden_dim]
+      matmul(w.w_gate, xb, hb);
+      matmul(w.w_up, xb, hb2);
+      // SwiGLU: silu(gate) * up.                                                // [n, hidden_dim]
+      hb.array() = hb.array() / (1.0f + (-hb.array()).exp()) * hb2.array();
+      // Down projection and residual.                                           // [n, dim]
+      matmul(w.w_down, hb, xb);
+      x += xb;
+    }
+  }
+}
 
-    // Attention RMSNorm.                                                        // [n, dim]
-    rmsnorm(xb, x, w.attention_norm, c.norm_eps);
-    // Q, K, V projections.                                 // [n, q_dim], [n, kv_dim], [n, kv_dim]
-    matmul(w.wq, xb, q);
-    matmul(w.wk, xb, k);
-    matmul(w.wv, xb, v);
-    // Store the chunk's pre-RoPE keys and its values in every KV head's cache.  // [n, head_dim]
-    for (int g = 0; g < kv_heads; ++g) {
-      cache_.write_chunk(l, g, k.middleCols(g * hd, hd), v.middleCols(g * hd, hd));
-    }
-    // Rotate query head h to the positions of its KV head's newest n slots.    // [n, head_dim]
-    for (int h = 0; h < heads; ++h) {
-      cache_.rope().rotate_rows(q_.data() + static_cast<std::ptrdiff_t>(h) * hd, q_dim,
-                                cache_.positions(l, h / group).last(static_cast<std::size_t>(n)));
-    }
+// Attention of layer `layer` for the chunk's n queries (q_ -> att_), over the cache's live slots of
+// each KV head. Hands the softmax rows to the policy when it reads them: every query (H2O, the
+// catalyst's CaP) or the last (TOVA).
+void Decoder::attention(int layer, int n, Pass pass) {
+  const ModelConfig& c = model_.config;
+  const int hd = c.head_dim();
+  const int group = c.heads / c.kv_heads;
+  const std::ptrdiff_t q_dim = static_cast<std::ptrdiff_t>(c.heads) * hd;
+  AttentionScratch& scratch = *attention_;
+  const bool all_queries = pass == Pass::stream ? cache_.wants(Signal::attention_rows)
+                                                : cache_.wants(Signal::catalyst_attention);
+  const bool last_query =
+      pass == Pass::stream && !all_queries && cache_.wants(Signal::last_attention_row);
+  const bool give_rows = all_queries || last_query;
+  const int first_row = last_query ? n - 1 : 0;  // first query row handed over
+  const int queries = n - first_row;
 
-    // Rows handed to the policy: [heads][queries][stride], stride = the layer's longest head.
-    int stride = 0;
-    for (int g = 0; g < kv_heads; ++g) stride = std::max(stride, cache_.live(l, g));
-    if (give_rows) {
-      const std::size_t needed = static_cast<std::size_t>(heads) * queries * stride;
-      if (rows_.size() < needed) rows_.resize(std::max(needed, 2 * rows_.size()));
-    }
-    if (scores_.size() < static_cast<std::size_t>(n) * stride) {
-      scores_.resize(std::max(static_cast<std::size_t>(n) * stride, 2 * scores_.size()));
-    }
+  // Rows handed to the policy: [heads][queries][stride], stride = the layer's widest slot limit.
+  int stride = 0;
+  for (int g = 0; g < c.kv_heads; ++g) stride = std::max(stride, cache_.slot_limit(layer, g));
+  if (give_rows) {
+    scratch.rows.resize(checked_allocation({c.heads, queries, stride},
+                                           "Decoder: attention rows for the policy",
+                                           std::int64_t{1} << 32));
+  }
 
-    // Attention of each query head over its KV head's live slots.
-    for (int g = 0; g < kv_heads; ++g) {
-      const int live = cache_.live(l, g);
-      keys_per_kv_head_[static_cast<std::size_t>(g)] = live;
-      // Keys rotated to their slots' positions, and values.                    // [live, head_dim]
-      const Eigen::Map<const RowMatrix> keys = cache_.attention_keys(l, g, key_scratch_);
-      const Eigen::Map<const RowMatrix> values = cache_.values(l, g);
-      for (int h = g * group; h < (g + 1) * group; ++h) {
-        // Scores q . k for every query of the chunk and every slot.              // [n, live]
-        Eigen::Map<RowMatrix> scores(scores_.data(), n, live);
-        scores.noalias() = q.middleCols(h * hd, hd) * keys.transpose();
-        // Causal softmax of (q . k) / sqrt(head_dim): query i sees slots [0, live - n + i].
-        for (int i = 0; i < n; ++i) {
-          const int visible = live - n + i + 1;
-          Eigen::Ref<RowVector> row = scores.row(i);
-          const float max = row.head(visible).maxCoeff();
-          row.head(visible) = ((row.head(visible).array() - max) * scale).exp().matrix();
-          row.head(visible) /= row.head(visible).sum();
-          row.tail(live - visible).setZero();
-        }
-        // Weighted sum of the values.                                            // [n, head_dim]
-        att.middleCols(h * hd, hd).noalias() = scores * values;
-        // Hand the probabilities over, zero past this head's slots.    // [queries, stride]
-        if (give_rows) {
-          for (int i = 0; i < queries; ++i) {
-            float* out = rows_.data() + (static_cast<std::size_t>(h) * queries + i) * stride;
-            std::copy_n(scores_.data() + static_cast<std::size_t>(first_row + i) * live, live, out);
-            std::fill(out + live, out + stride, 0.0f);
-          }
-        }
+  for (int g = 0; g < c.kv_heads; ++g) {
+    const int limit = cache_.slot_limit(layer, g);
+    scratch.keys_per_kv_head[static_cast<std::size_t>(g)] = limit;
+    // The live slots, by run of equal pending rotation (pre-RoPE keys: rotated to their positions).
+    scratch.runs.clear();
+    const bool post_rope = options_.key_storage == KeyStorage::post_rope;
+    const auto add_run = [&](int begin, int end, std::int64_t rotation) {
+      scratch.runs.push_back(KeyRun{begin, end, post_rope ? rotation : 0});
+    };
+    if (post_rope) {
+      cache_.for_each_key_run(layer, g, add_run);
+    } else {
+      cache_.sequence().for_each_position_run(layer, g, add_run);
+    }
+    const std::span<const std::int32_t> chunk_slots = cache_.chunk_slots(layer, g);
+    scratch.positions.resize(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      scratch.positions[static_cast<std::size_t>(i)] =
+          cache_.position(layer, g, chunk_slots[static_cast<std::size_t>(i)]);
+    }
+    HeadAttention head;
+    head.query_stride = q_dim;
+    head.query_positions = scratch.positions;
+    head.query_slots = chunk_slots;
+    head.keys = post_rope ? cache_.keys(layer, g).data()
+                          : cache_.rotated_keys(layer, g, scratch.key_scratch).data();
+    head.values = cache_.values(layer, g).data();
+    head.slot_limit = limit;
+    head.head_dim = hd;
+    head.runs = scratch.runs;
+    if (scratch.probabilities.rows() < n || scratch.probabilities.cols() < limit) {
+      scratch.probabilities.resize(std::max<Eigen::Index>(n, scratch.probabilities.rows()),
+                                   std::max<Eigen::Index>(limit, scratch.probabilities.cols()));
+    }
+    auto probabilities = scratch.probabilities.topLeftCorner(n, limit);
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+      head.queries = q_.data() + static_cast<std::ptrdiff_t>(h) * hd;
+      attend(head, scratch.angles, probabilities, att_.data() + static_cast<std::ptrdiff_t>(h) * hd,
+             q_dim, scratch.rotated);
+      if (!give_rows) continue;
+      // Hand the probabilities over, zero past this head's slots.            // [queries, stride]
+      for (int i = 0; i < queries; ++i) {
+        float* out = scratch.rows.data() + (static_cast<std::size_t>(h) * queries + i) * stride;
+        Eigen::Map<Eigen::RowVectorXf>(out, limit) = probabilities.row(first_row + i);
+        std::fill(out + limit, out + stride, 0.0f);
       }
     }
-    if (give_rows) {
-      lap(&StageTimes::attention);
-      const int live = cache_.live(l, 0);
-      const std::int64_t first_position = cache_.store().slots().original_positions(
-          l, 0)[static_cast<std::size_t>(live - n + first_row)];
-      const AttentionRows rows(rows_.data(), heads, group, queries, stride, keys_per_kv_head_,
-                               first_position);
-      if (pass == Pass::stream) {
-        cache_.observe_attention(l, rows);
-      } else {
-        cache_.observe_catalyst(l, rows);
-      }
-      restart();
-    }
-
-    // Output projection and residual.                                          // [n, dim]
-    matmul(w.wo, att, xb);
-    x += xb;
-    lap(&StageTimes::attention);
-    // FFN RMSNorm.                                                              // [n, dim]
-    rmsnorm(xb, x, w.ffn_norm, c.norm_eps);
-    // Gate and up projections.                                                  // [n, hidden_dim]
-    matmul(w.w_gate, xb, hb);
-    matmul(w.w_up, xb, hb2);
-    // SwiGLU: silu(gate) * up.                                                  // [n, hidden_dim]
-    hb.array() = hb.array() / (1.0f + (-hb.array()).exp()) * hb2.array();
-    // Down projection and residual.                                             // [n, dim]
-    matmul(w.w_down, hb, xb);
-    x += xb;
-    lap(&StageTimes::mlp);
+  }
+  if (!give_rows) return;
+  const std::int32_t first_slot = cache_.chunk_slots(layer, 0)[static_cast<std::size_t>(first_row)];
+  const std::int64_t first_position = cache_.slots().original_positions(
+      cache_.sequence().unit_of(layer, 0))[static_cast<std::size_t>(first_slot)];
+  const AttentionRows rows(scratch.rows.data(), c.heads, group, queries, stride,
+                           scratch.keys_per_kv_head, first_position);
+  if (pass == Pass::stream) {
+    cache_.observe_attention(layer, rows);
+  } else {
+    cache_.observe_catalyst(layer, rows);
   }
 }
 
@@ -442,6 +431,8 @@ void Decoder::output_head(int n, bool all_rows) {
   const ModelConfig& c = model_.config;
   const int first = all_rows ? 0 : n - 1;
   const int rows = n - first;
+  const std::size_t needed = static_cast<std::size_t>(rows) * c.vocab_size;
+  if (logits_.size() < needed) logits_.resize(needed);
   const Eigen::Map<const RowMatrix> x(x_.data() + static_cast<std::size_t>(first) * c.dim, rows,
                                       c.dim);                        // [rows, dim]
   Eigen::Map<RowMatrix> xb(xb_.data(), rows, c.dim);                 // [rows, dim]

@@ -1,5 +1,6 @@
 // The replay simulator: drives a policy through kvevict's own Sequence with the synthetic attention
 // oracle of docs/replay-format.md ("Simulated forward") and records the kept original positions.
+// Results stay per (layer, KV head): a head reports its decision unit's tokens.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "kvevict/pipeline.hpp"
 #include "kvevict/policy_registry.hpp"
+#include "kvevict/sequence.hpp"
 #include "kvevict/signals.hpp"
 #include "kvevict/slot_table.hpp"
 #include "replay/replay.hpp"
@@ -79,27 +80,23 @@ void softmax_row(int keys, AllowedFn allowed, LogitFn logit, std::span<float> ro
 class Simulator {
  public:
   Simulator(const Replay& replay, std::unique_ptr<Policy> policy)
-      : replay_(replay),
-        slots_(replay.shape.layers, replay.shape.kv_heads,
-               replay.tokens + (replay.catalyst ? replay.catalyst->length : 0) + 1,
-               checked(policy).score_columns()),
-        pipeline_(slots_, std::move(policy)),
-        keys_per_kv_head_(static_cast<std::size_t>(replay.shape.kv_heads)) {
-    const std::string policy_name(pipeline_.policy().name());
-    if (pipeline_.wants(Signal::surprisal) && !replay.surprisal) {
+      : replay_(replay), sequence_(sequence_config(replay), checked(std::move(policy))) {
+    const std::string policy_name(sequence_.policy().name());
+    if (sequence_.wants(Signal::surprisal) && !replay.surprisal) {
       throw ReplayError("policy '" + policy_name +
                         "' observes surprisal, but the replay has no \"surprisal\"");
     }
-    if (pipeline_.wants(Signal::token_ids) && !replay.token_ids) {
+    if (sequence_.wants(Signal::token_ids) && !replay.token_ids) {
       throw ReplayError("policy '" + policy_name +
                         "' reads token ids, but the replay has no \"token_ids\"");
     }
-    if (pipeline_.wants(Signal::catalyst_attention) && !replay.catalyst) {
+    if (sequence_.wants(Signal::catalyst_attention) && !replay.catalyst) {
       throw ReplayError("policy '" + policy_name +
                         "' observes catalyst attention, but the replay has no \"catalyst\"");
     }
     if (!replay.token_ids) zero_ids_.assign(static_cast<std::size_t>(replay.tokens), 0);
     if (replay.catalyst) catalyst_ids_.assign(static_cast<std::size_t>(replay.catalyst->length), 0);
+    keys_per_kv_head_.resize(static_cast<std::size_t>(replay.shape.kv_heads));
   }
 
   ReplayResult run() {
@@ -121,9 +118,19 @@ class Simulator {
   }
 
  private:
-  static Policy& checked(const std::unique_ptr<Policy>& policy) {
+  static std::unique_ptr<Policy> checked(std::unique_ptr<Policy> policy) {
     KVEVICT_REQUIRE(policy != nullptr, "run_replay: policy is null");
-    return *policy;
+    return policy;
+  }
+  // Every token and the catalyst fit at once: a replay is small (kMaxTokens).
+  static SequenceConfig sequence_config(const Replay& replay) {
+    SequenceConfig config;
+    config.layers = replay.shape.layers;
+    config.q_heads = replay.shape.q_heads;
+    config.kv_heads = replay.shape.kv_heads;
+    config.max_chunk = replay.tokens + (replay.catalyst ? replay.catalyst->length : 0);
+    config.initial_capacity = config.max_chunk + 1;
+    return config;
   }
 
   // One input chunk, split where the policy's pot would overflow (an engine does the same).
@@ -131,7 +138,7 @@ class Simulator {
     bool turn_start = true;  // every input chunk of a replay is a turn
     while (begin < end) {
       std::int64_t size = end - begin;
-      const std::optional<int> room = pipeline_.policy().pot_room(slots_);
+      const std::optional<int> room = sequence_.pot_room();
       if (room && *room > 0 && size > *room) size = *room;
       forward(begin, begin + size, turn_start);
       turn_start = false;
@@ -141,38 +148,38 @@ class Simulator {
 
   void forward(std::int64_t begin, std::int64_t end, bool turn_start) {
     const int size = static_cast<int>(end - begin);
-    pipeline_.before_chunk(size, turn_start);
     const std::vector<std::int32_t>& ids = replay_.token_ids ? *replay_.token_ids : zero_ids_;
-    pipeline_.append_chunk(std::span<const std::int32_t>(ids).subspan(
-        static_cast<std::size_t>(begin), static_cast<std::size_t>(size)));
-
-    if (pipeline_.wants(Signal::attention_rows)) {
+    sequence_.begin_chunk(std::span<const std::int32_t>(ids).subspan(
+                              static_cast<std::size_t>(begin), static_cast<std::size_t>(size)),
+                          turn_start);
+    if (sequence_.wants(Signal::attention_rows)) {
       for (int l = 0; l < replay_.shape.layers; ++l) observe_forward_rows(l, begin, end);
-    } else if (pipeline_.wants(Signal::last_attention_row)) {
+    } else if (sequence_.wants(Signal::last_attention_row)) {
       for (int l = 0; l < replay_.shape.layers; ++l) observe_forward_rows(l, end - 1, end);
     }
-    if (pipeline_.wants(Signal::surprisal)) {
-      pipeline_.observe_surprisal(
+    if (sequence_.wants(Signal::surprisal)) {
+      sequence_.observe_surprisal(
           std::span<const float>(*replay_.surprisal)
               .subspan(static_cast<std::size_t>(begin), static_cast<std::size_t>(size)));
     }
-    pipeline_.end_forward();
+    sequence_.end_forward();
 
-    if (pipeline_.catalyst_pending()) {
+    if (sequence_.catalyst_pending()) {
       run_catalyst();
-      if (pipeline_.catalyst_pending()) {
-        throw ReplayError("policy '" + std::string(pipeline_.policy().name()) +
+      if (sequence_.catalyst_pending()) {
+        throw ReplayError("policy '" + std::string(sequence_.policy().name()) +
                           "' still reports a full pot after distillation");
       }
     }
   }
 
-  // Slots per KV head of `layer` (into keys_per_kv_head_); returns the largest.
+  // Slot limit per KV head of `layer` (into keys_per_kv_head_); returns the largest.
   int count_keys(int layer) {
     int widest = 0;
     for (int g = 0; g < replay_.shape.kv_heads; ++g) {
-      keys_per_kv_head_[static_cast<std::size_t>(g)] = slots_.live(layer, g);
-      widest = std::max(widest, slots_.live(layer, g));
+      const int limit = sequence_.slot_limit(layer, g);
+      keys_per_kv_head_[static_cast<std::size_t>(g)] = limit;
+      widest = std::max(widest, limit);
     }
     return widest;
   }
@@ -184,13 +191,16 @@ class Simulator {
     const int stride = count_keys(layer);
     rows_.assign(static_cast<std::size_t>(shape.q_heads) * queries * stride, 0.0f);
     for (int h = 0; h < shape.q_heads; ++h) {
-      const int g = h / shape.group_size();
-      const std::span<const std::int64_t> original = slots_.original_positions(layer, g);
+      const int unit = sequence_.unit_of(layer, h / shape.group_size());
+      const SlotTable& slots = sequence_.slots();
+      const std::span<const std::int64_t> original = slots.original_positions(unit);
       for (int q = 0; q < queries; ++q) {
         const std::int64_t query = first_query + q;
         softmax_row(
-            slots_.live(layer, g),
-            [&](int s) { return original[static_cast<std::size_t>(s)] <= query; },
+            slots.slot_limit(unit),
+            [&](int s) {
+              return slots.is_live(unit, s) && original[static_cast<std::size_t>(s)] <= query;
+            },
             [&](int s) {
               return replay_.logit(layer, h, query, original[static_cast<std::size_t>(s)]);
             },
@@ -199,38 +209,45 @@ class Simulator {
     }
     const AttentionRows rows(rows_.data(), shape.q_heads, shape.group_size(), queries, stride,
                              keys_per_kv_head_, first_query);
-    pipeline_.observe_attention(layer, rows);
+    sequence_.observe_attention(layer, rows);
   }
 
   // The catalyst prompt attends to the pot and to itself, then is rolled back; the policy
   // distills on end_catalyst().
   void run_catalyst() {
     if (!replay_.catalyst) {
-      throw ReplayError("policy '" + std::string(pipeline_.policy().name()) +
+      throw ReplayError("policy '" + std::string(sequence_.policy().name()) +
                         "' needs a catalyst prompt, but the replay has no \"catalyst\"");
     }
     const ReplayShape& shape = replay_.shape;
     const int length = replay_.catalyst->length;
-    const std::int64_t first_query = pipeline_.stats().tokens_fed;
-    pipeline_.begin_catalyst(catalyst_ids_);
+    const std::int64_t first_query = sequence_.stats().tokens_fed;  // catalyst token 0's position
+    sequence_.begin_catalyst(catalyst_ids_);
+    const SlotTable& slots = sequence_.slots();
     for (int l = 0; l < shape.layers; ++l) {
       const int stride = count_keys(l);
       rows_.assign(static_cast<std::size_t>(shape.q_heads) * length * stride, 0.0f);
       for (int h = 0; h < shape.q_heads; ++h) {
-        const int g = h / shape.group_size();
-        const std::span<const std::int64_t> original = slots_.original_positions(l, g);
-        const std::span<const std::uint8_t> flags = slots_.flags(l, g);
-        const int base = pipeline_.catalyst_base(l, g);
+        const int unit = sequence_.unit_of(l, h / shape.group_size());
+        const std::span<const std::int64_t> original = slots.original_positions(unit);
+        const std::span<const std::uint8_t> flags = slots.flags(unit);
+        // Catalyst token k sits at original position first_query + k: column T + k.
         const auto is_catalyst = [&](int s) {
           return (flags[static_cast<std::size_t>(s)] & slot_flag::catalyst) != 0;
         };
         for (int p = 0; p < length; ++p) {
           softmax_row(
-              slots_.live(l, g), [&](int s) { return !is_catalyst(s) || s - base <= p; },
+              slots.slot_limit(unit),
               [&](int s) {
-                const std::int64_t column = is_catalyst(s)
-                                                ? std::int64_t{replay_.tokens} + (s - base)
-                                                : original[static_cast<std::size_t>(s)];
+                return slots.is_live(unit, s) &&
+                       (!is_catalyst(s) ||
+                        original[static_cast<std::size_t>(s)] - first_query <= p);
+              },
+              [&](int s) {
+                const std::int64_t column =
+                    is_catalyst(s) ? std::int64_t{replay_.tokens} +
+                                         (original[static_cast<std::size_t>(s)] - first_query)
+                                   : original[static_cast<std::size_t>(s)];
                 return replay_.catalyst_logit(l, h, p, column);
               },
               row_span(h, p, length, stride), scratch_);
@@ -238,9 +255,9 @@ class Simulator {
       }
       const AttentionRows rows(rows_.data(), shape.q_heads, shape.group_size(), length, stride,
                                keys_per_kv_head_, first_query);
-      pipeline_.observe_catalyst(l, rows);
+      sequence_.observe_catalyst(l, rows);
     }
-    pipeline_.end_catalyst();
+    sequence_.end_catalyst();
   }
 
   std::span<float> row_span(int q_head, int query, int queries, int stride) {
@@ -248,16 +265,20 @@ class Simulator {
     return {rows_.data() + offset, static_cast<std::size_t>(stride)};
   }
 
+  // Kept original positions of every (layer, KV head): its unit's, ascending.
   ChunkKept kept_now() const {
+    const SlotTable& slots = sequence_.slots();
     ChunkKept chunk;
     chunk.kept.resize(static_cast<std::size_t>(replay_.shape.layers));
     for (int l = 0; l < replay_.shape.layers; ++l) {
       auto& layer = chunk.kept[static_cast<std::size_t>(l)];
       layer.reserve(static_cast<std::size_t>(replay_.shape.kv_heads));
       for (int g = 0; g < replay_.shape.kv_heads; ++g) {
-        const std::span<const std::int64_t> original = slots_.original_positions(l, g);
-        std::vector<std::int64_t> positions(original.begin(), original.end());
-        std::sort(positions.begin(), positions.end());
+        const int unit = sequence_.unit_of(l, g);
+        std::vector<std::int64_t> positions;
+        for (const std::int32_t slot : slots.stream_order(unit)) {
+          positions.push_back(slots.original_positions(unit)[static_cast<std::size_t>(slot)]);
+        }
         layer.push_back(std::move(positions));
       }
     }
@@ -265,8 +286,7 @@ class Simulator {
   }
 
   const Replay& replay_;
-  SlotTable slots_;
-  EvictionPipeline pipeline_;
+  Sequence sequence_;
   std::vector<int> keys_per_kv_head_;
   std::vector<std::int32_t> zero_ids_;      // token ids when the replay has none
   std::vector<std::int32_t> catalyst_ids_;  // dummy ids of the catalyst prompt

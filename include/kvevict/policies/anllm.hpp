@@ -5,8 +5,8 @@
 // a forward whose input held at least one anchor, keep every anchor-flagged slot plus the slots
 // after the newest anchor; everything else goes, the BOS token and the tails kept from earlier
 // chunks included. A forward without an anchor only appends, so the cache grows with the number of
-// sentences. Trigger: anchor (the pipeline fires it after such a forward), else after_forward (used
-// only by the cap). Granularity: the same keep-set in every layer and head.
+// sentences. Trigger: anchor (Sequence fires it after such a forward). Granularity: token (the same
+// keep-set in every layer and head).
 // The authors' realtime forward (codes/llama_sft_forward_thisversion_new.py,
 // llamamodel_forwardforinfer_realtime_asan) keeps [previous anchors, the chunk's anchors, the
 // chunk's tokens after its last anchor]: the same set.
@@ -24,15 +24,18 @@
 // training a token sees the earlier anchors at their own text positions; keeping those positions
 // at inference reproduces that view exactly. Engines may choose cache_index instead.
 //
-// Cap (kvevict's extension, not in the paper): with max_slots > 0, once a head holds more than
-// max_slots slots (after the anchor reduction, or after a forward without anchors) the oldest
-// slots beyond the cap are dropped. The oldest anchors summarise the oldest sentences, the least
-// likely to matter to what comes next, and dropping from the front keeps the current sentence
-// whole. Without the cap the cache is unbounded on an endless stream.
+// Cap (kvevict's extension, not in the paper): with max_slots > 0, a SlotCap decorator
+// (policies/protection.hpp): once a unit holds more than max_slots tokens (after the anchor
+// reduction, or after a forward without anchors) the oldest tokens beyond the cap are dropped. The
+// oldest anchors summarise the oldest sentences, the least likely to matter to what comes next, and
+// dropping from the front keeps the current sentence whole. Without the cap the cache is unbounded
+// on an endless stream.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -40,42 +43,34 @@
 #include <vector>
 
 #include "kvevict/error.hpp"
+#include "kvevict/policies/protection.hpp"
 #include "kvevict/policy.hpp"
+#include "kvevict/policy_params.hpp"
 #include "kvevict/selection.hpp"
 
 namespace kvevict {
 
 struct AnLlmConfig {
   std::vector<std::int32_t> anchor_ids;  ///< token ids that are anchors; at least one
-  int max_slots = 0;                     ///< hard cap per head; 0 = no cap (the paper)
+  int max_slots = 0;                     ///< cap per unit (a SlotCap); 0 = no cap (the paper)
 };
 
+/// AnLLM's keep rule without the cap.
 class AnLlmPolicy final : public Policy {
  public:
-  explicit AnLlmPolicy(const AnLlmConfig& config)
-      : anchor_ids_(config.anchor_ids), max_slots_(config.max_slots) {
+  explicit AnLlmPolicy(std::vector<std::int32_t> anchor_ids) : anchor_ids_(std::move(anchor_ids)) {
     KVEVICT_REQUIRE(!anchor_ids_.empty(), "anllm: anchor_ids must name at least one token id");
     for (std::int32_t id : anchor_ids_) {
       KVEVICT_REQUIRE(id >= 0, "anllm: anchor ids must be >= 0, got " + std::to_string(id));
     }
-    KVEVICT_REQUIRE(config.max_slots >= 0, "anllm: max_slots must be >= 0 (0 = no cap), got " +
-                                               std::to_string(config.max_slots));
     std::sort(anchor_ids_.begin(), anchor_ids_.end());
     anchor_ids_.erase(std::unique(anchor_ids_.begin(), anchor_ids_.end()), anchor_ids_.end());
   }
 
   [[nodiscard]] std::string_view name() const override { return "anllm"; }
   [[nodiscard]] SignalSet signals() const override { return {Signal::token_ids}; }
-  [[nodiscard]] TriggerSet triggers() const override {
-    return {Trigger::anchor, Trigger::after_forward};
-  }
-  [[nodiscard]] PositionMode default_position_mode() const override {
-    return PositionMode::original;
-  }
-  [[nodiscard]] std::optional<int> retained_limit() const override {
-    if (max_slots_ > 0) return max_slots_;
-    return std::nullopt;
-  }
+  [[nodiscard]] TriggerSet triggers() const override { return {Trigger::anchor}; }
+  [[nodiscard]] Granularity default_granularity() const override { return Granularity::token; }
   [[nodiscard]] std::uint8_t flags_for(std::int32_t token_id) const override {
     return std::binary_search(anchor_ids_.begin(), anchor_ids_.end(), token_id) ? slot_flag::anchor
                                                                                 : 0;
@@ -83,58 +78,57 @@ class AnLlmPolicy final : public Policy {
   /// The anchor ids, sorted and without duplicates.
   [[nodiscard]] std::span<const std::int32_t> anchor_ids() const { return anchor_ids_; }
 
-  bool select(const EvictionContext& context, CompactionPlan& plan) override {
-    if (context.trigger != Trigger::anchor && max_slots_ == 0) return false;
-    bool changed = false;
-    for (int l = 0; l < context.slots.layers(); ++l) {
-      for (int g = 0; g < context.slots.kv_heads(); ++g) {
-        const int live = context.slots.live(l, g);
-        builder_.begin(live);
-        if (context.trigger == Trigger::anchor) {
-          keep_anchors_and_tail(context.slots.flags(l, g));
-        } else {
-          builder_.keep_range(0, live);
-        }
-        changed = write_capped(plan, l, g) || changed;
-      }
+  void select(const EvictionContext& context, Decision& decision) override {
+    if (context.trigger != Trigger::anchor) return;
+    const SlotTable& slots = context.slots;
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      // REDUCTION: every anchor, plus the tokens after the newest one.
+      const std::span<const std::uint8_t> flags = slots.flags(unit);
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      const auto newest_anchor = std::find_if(order.rbegin(), order.rend(), [&](std::int32_t slot) {
+        return (flags[static_cast<std::size_t>(slot)] & slot_flag::anchor) != 0;
+      });
+      if (newest_anchor == order.rend()) continue;  // no anchor cached: keep all
+      keep_.begin(slots, unit, context.protection);
+      keep_.keep_flagged(slot_flag::anchor);
+      keep_.keep_newer_than(
+          slots.original_positions(unit)[static_cast<std::size_t>(*newest_anchor)]);
+      keep_.evict_rest(decision);
     }
-    return changed;
   }
 
  private:
-  // Every anchor, plus the slots after the newest one (REDUCTION).
-  void keep_anchors_and_tail(std::span<const std::uint8_t> flags) {
-    int newest_anchor = -1;
-    for (int s = builder_.slots() - 1; s >= 0; --s) {
-      if ((flags[static_cast<std::size_t>(s)] & slot_flag::anchor) != 0) {
-        newest_anchor = s;
-        break;
-      }
-    }
-    if (newest_anchor < 0) {  // no anchor cached (cannot follow an anchor forward): keep all
-      builder_.keep_range(0, builder_.slots());
-      return;
-    }
-    builder_.keep_flagged(flags, slot_flag::anchor);
-    builder_.keep_range(newest_anchor + 1, builder_.slots());
-  }
-
-  // Writes the builder's keep set, minus its oldest entries beyond max_slots, into head (l, g).
-  bool write_capped(CompactionPlan& plan, int layer, int kv_head) const {
-    const std::span<std::int32_t> keep = plan.keep_buffer(layer, kv_head);
-    int count = builder_.write(keep);
-    if (max_slots_ > 0 && count > max_slots_) {
-      std::copy(keep.begin() + (count - max_slots_), keep.begin() + count, keep.begin());
-      count = max_slots_;
-    }
-    if (count == builder_.slots()) return false;
-    plan.set_keep_count(layer, kv_head, count);
-    return true;
-  }
-
   std::vector<std::int32_t> anchor_ids_;
-  int max_slots_;
-  KeepSetBuilder builder_;
+  KeepSet keep_;
+};
+
+/// AnLlmPolicy, capped by a SlotCap when max_slots > 0, named "anllm".
+[[nodiscard]] inline std::unique_ptr<Policy> make_anllm(const AnLlmConfig& config) {
+  KVEVICT_REQUIRE(config.max_slots >= 0, "anllm: max_slots must be >= 0 (0 = no cap), got " +
+                                             std::to_string(config.max_slots));
+  auto anllm = std::make_unique<AnLlmPolicy>(config.anchor_ids);
+  if (config.max_slots == 0) return anllm;
+  return std::make_unique<SlotCap>(std::move(anllm), config.max_slots, "anllm");
+}
+
+inline constexpr ParamSpec kAnLlmParams[] = {
+    {"anchor_ids", ParamType::integer_list,
+     "token ids of the anchors (the sentence end for AnLLM-EP, <AC> for AnLLM-AC)", std::nullopt, 0,
+     std::numeric_limits<std::int32_t>::max()},
+    {"max_slots", ParamType::integer, "cap per unit, oldest dropped first (0 = no cap)", 0, 0,
+     kMaxSlotsParam},
+};
+
+inline constexpr PolicySpec kAnLlmSpec{
+    "anllm",
+    "AnLLM (Pang et al. 2024): every anchor + the tokens after the newest, after anchor forwards",
+    kAnLlmParams,
+    [](int budget, int /*sinks*/) { return PolicyParams().set("max_slots", budget); },
+    [](const PolicyParams& params) {
+      const std::vector<std::int64_t>& ids = params.get_list("anchor_ids");
+      return make_anllm(
+          {std::vector<std::int32_t>(ids.begin(), ids.end()), params.get_int("max_slots")});
+    },
 };
 
 }  // namespace kvevict

@@ -1,9 +1,12 @@
 // Full cache: never evicts. The baseline every bounded policy is compared with.
 #pragma once
 
+#include <memory>
+#include <span>
 #include <string_view>
 
 #include "kvevict/policy.hpp"
+#include "kvevict/policy_params.hpp"
 
 namespace kvevict {
 
@@ -13,9 +16,16 @@ class FullPolicy final : public Policy {
  public:
   [[nodiscard]] std::string_view name() const override { return "full"; }
   [[nodiscard]] TriggerSet triggers() const override { return {}; }
-  bool select(const EvictionContext& /*context*/, CompactionPlan& /*plan*/) override {
-    return false;
-  }
+  [[nodiscard]] Granularity default_granularity() const override { return Granularity::token; }
+  void select(const EvictionContext& /*context*/, Decision& /*decision*/) override {}
+};
+
+inline constexpr PolicySpec kFullSpec{
+    "full",
+    "full cache: keeps every token (the baseline)",
+    std::span<const ParamSpec>{},
+    nullptr,
+    [](const PolicyParams&) -> std::unique_ptr<Policy> { return std::make_unique<FullPolicy>(); },
 };
 
 }  // namespace kvevict

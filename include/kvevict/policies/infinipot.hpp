@@ -15,9 +15,11 @@
 // once a head holds `pot` (M) slots; the engine then runs the catalyst
 // (EvictionPipeline::begin_catalyst / observe_catalyst / end_catalyst) and the pot is distilled.
 // Granularity: per KV head (CaP differs per head, so keep-sets differ; NuC is per token but each
-// head ranks its own pot). Positions: reset_on_compact (CR-RoPE, Sec. 3.5: keys stored pre-RoPE,
-// survivors get 0..C-1 after each distillation, new tokens continue from C), so no position
-// exceeds M plus the catalyst length. Paper setting: T = C / 2 worked best (Table 3).
+// head ranks its own pot). Coarser units sum CaP over every query head that reads the unit
+// (kvevict's extension; the paper distils per head). Positions: reset_on_compact (CR-RoPE,
+// Sec. 3.5: keys stored pre-RoPE, survivors get 0..C-1 after each distillation, new tokens continue
+// from C), so no position exceeds M plus the catalyst length. Paper setting: T = C / 2 worked best
+// (Table 3).
 //
 // Where kvevict fixes what the paper leaves open:
 // - NuC candidates are all pot tokens, as Sec. 3.3.3 says ("among current tokens in the pot").
@@ -27,21 +29,23 @@
 //   two keep_top_k steps give the same set without depending on topk's tie order.
 // - Chunks must not cross a pot boundary: engines feed at most pot_room() tokens per forward. A
 //   chunk that overshoots anyway is tolerated: the whole (overfull) pot is distilled to C.
-// - A pot distilled without catalyst attention for a layer (no observe_catalyst between two
-//   distillations, e.g. an empty catalyst: the "w/o CaP" ablation of Table 3) would otherwise be
-//   filled by lowest position, because every CaP score is 0. kvevict fills it with the most recent
-//   slots instead: the paper reports that CCD without CaP behaves like a sliding window (Sec. 3.4,
-//   Fig. 2), and keeping the oldest tokens of a stream is the worse default. NuC picks still come
-//   first.
-// - Surprisal is required for every token when novel > 0 (a missing value is an error at
-//   distillation, not a silent 0); with novel = 0 it is not requested. NaN surprisal is an error.
-// - novel must stay below keep (replay-format.md), so the NuC-only ablation (T = C) is not offered.
+// - A pot distilled without catalyst attention (an empty catalyst: the "w/o CaP" ablation of
+//   Table 3) would otherwise be filled by lowest position, because every CaP score is 0. kvevict
+//   fills it with the most recent slots instead: the paper reports that CCD without CaP behaves
+//   like a sliding window (Sec. 3.4, Fig. 2), and keeping the oldest tokens of a stream is the
+//   worse default. NuC picks still come first. A non-empty catalyst whose attention misses a layer
+//   is an error (Sequence checks every layer was observed).
+// - Surprisal is required for every token when novel > 0 (a forward without it is an error, not a
+//   silent 0); with novel = 0 it is not requested. NaN surprisal is an error.
+// - novel must stay below keep (docs/replay-format.md), so the NuC-only ablation (T = C) is not
+//   offered.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -51,6 +55,7 @@
 #include "kvevict/attention_scores.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policy.hpp"
+#include "kvevict/policy_params.hpp"
 #include "kvevict/selection.hpp"
 
 namespace kvevict {
@@ -92,20 +97,16 @@ class InfiniPotPolicy final : public Policy {
   /// The pot size; engines reserve their largest chunk on top, which must cover the catalyst.
   [[nodiscard]] std::optional<int> retained_limit() const override { return config_.pot; }
 
-  [[nodiscard]] bool pot_full(const SlotTable& slots) const override {
-    return slots.max_live() >= config_.pot;
-  }
   [[nodiscard]] std::optional<int> pot_room(const SlotTable& slots) const override {
     return std::max(config_.pot - slots.max_live(), 0);
   }
 
   void on_append(SlotTable& slots, const ChunkInfo& chunk) override {
-    // Mark the new slots "no surprisal yet" so that a forgotten observe_surprisal is caught.
-    for (int l = 0; l < slots.layers(); ++l) {
-      for (int g = 0; g < slots.kv_heads(); ++g) {
-        const auto n = static_cast<std::size_t>(chunk_slots(slots, l, g, chunk));
-        std::ranges::fill(slots.scores(l, g, kNucColumn).last(n),
-                          std::numeric_limits<float>::quiet_NaN());
+    // Mark the new tokens "no surprisal yet" so that a forgotten observe_surprisal is caught.
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const std::span<float> nuc = slots.scores(unit, kNucColumn);
+      for (const std::int32_t slot : chunk_slots(slots, unit, chunk)) {
+        nuc[static_cast<std::size_t>(slot)] = std::numeric_limits<float>::quiet_NaN();
       }
     }
   }
@@ -118,58 +119,56 @@ class InfiniPotPolicy final : public Policy {
                                                                     static_cast<std::int64_t>(k)) +
                                                      " is NaN");
     }
-    for (int l = 0; l < slots.layers(); ++l) {
-      for (int g = 0; g < slots.kv_heads(); ++g) {
-        const auto n = static_cast<std::size_t>(chunk_slots(slots, l, g, chunk));
-        std::ranges::copy(surprisal.first(n), slots.scores(l, g, kNucColumn).last(n).begin());
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const std::span<float> nuc = slots.scores(unit, kNucColumn);
+      const std::span<const std::int32_t> chunk_tokens = chunk_slots(slots, unit, chunk);
+      for (std::size_t k = 0; k < chunk_tokens.size(); ++k) {
+        nuc[static_cast<std::size_t>(chunk_tokens[k])] = surprisal[k];
       }
     }
   }
 
   void observe_catalyst(SlotTable& slots, int layer, const AttentionRows& rows) override {
-    KVEVICT_REQUIRE(layer >= 0 && layer < slots.layers(),
-                    "infinipot: observe_catalyst layer " + std::to_string(layer) + " out of range");
-    KVEVICT_REQUIRE(rows.kv_heads() == slots.kv_heads(),
-                    "infinipot: catalyst rows have " + std::to_string(rows.kv_heads()) +
-                        " KV heads, the cache has " + std::to_string(slots.kv_heads()));
-    for (int g = 0; g < slots.kv_heads(); ++g) {
-      const int pot_slots = count_pot_slots(slots, layer, g);
-      KVEVICT_REQUIRE(rows.keys(g * rows.group_size()) >= pot_slots,
-                      "infinipot: catalyst rows of layer " + std::to_string(layer) + ", KV head " +
-                          std::to_string(g) + " cover " +
-                          std::to_string(rows.keys(g * rows.group_size())) +
-                          " slots, the pot holds " + std::to_string(pot_slots));
+    check_attention_rows(slots, layer, rows, "infinipot");
+    const UnitLayout& layout = slots.layout();
+    const int group = rows.group_size();
+    for (int g = 0; g < layout.kv_heads(); ++g) {
+      const int unit = layout.unit_of(layer, g);
       // The column spans the catalyst's own slots too; what lands there is rolled back with them
-      // before select, so only the pot slots' sums are ever read.
-      add_attention_of_group(rows, g, HeadReduction::sum, slots.scores(layer, g, kCapColumn));
+      // before select, and the slots' scores are reset when they are reused.
+      add_attention(rows, g * group, (g + 1) * group, 1.0f, slots.scores(unit, kCapColumn));
+      if (catalyst_seen_.size() < static_cast<std::size_t>(slots.units())) {
+        catalyst_seen_.resize(static_cast<std::size_t>(slots.units()), 0);
+      }
+      catalyst_seen_[static_cast<std::size_t>(unit)] = 1;
     }
-    if (catalyst_seen_.size() < static_cast<std::size_t>(slots.layers())) {
-      catalyst_seen_.resize(static_cast<std::size_t>(slots.layers()), 0);
-    }
-    catalyst_seen_[static_cast<std::size_t>(layer)] = 1;
   }
 
-  bool select(const EvictionContext& context, CompactionPlan& plan) override {
-    if (context.trigger != Trigger::pot_full) return false;
+  void select(const EvictionContext& context, Decision& decision) override {
+    if (context.trigger != Trigger::pot_full) return;
     SlotTable& slots = context.slots;
-    const bool changed =
-        select_each_head(slots, builder_, plan, [&](KeepSetBuilder& keep, int l, int g) {
-          if (novel() > 0) {
-            require_surprisal_observed(slots, l, g);
-            keep.keep_top_k(slots.scores(l, g, kNucColumn), novel());
-          }
-          const bool catalyst_seen = static_cast<std::size_t>(l) < catalyst_seen_.size() &&
-                                     catalyst_seen_[static_cast<std::size_t>(l)] != 0;
-          if (catalyst_seen) {
-            keep.keep_top_k(slots.scores(l, g, kCapColumn), config_.keep - novel());
-          } else {
-            keep.keep_most_recent(config_.keep);
-          }
-          // The next pot is scored by its own catalyst run: survivors start from 0 again.
-          std::ranges::fill(slots.scores(l, g, kCapColumn), 0.0f);
-        });
-    std::ranges::fill(catalyst_seen_, 0);
-    return changed;
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      if (slots.live(unit) <= config_.keep) continue;
+      keep_.begin(slots, unit, context.protection);
+      if (novel() > 0) {
+        require_surprisal_observed(slots, unit);
+        keep_.keep_top_k(slots.scores(unit, kNucColumn), novel());
+      }
+      const bool catalyst_seen = static_cast<std::size_t>(unit) < catalyst_seen_.size() &&
+                                 catalyst_seen_[static_cast<std::size_t>(unit)] != 0;
+      if (catalyst_seen) {
+        keep_.keep_top_k(slots.scores(unit, kCapColumn), config_.keep - novel());
+      } else {
+        keep_.fill_newest(config_.keep);
+      }
+      keep_.evict_rest(decision);
+    }
+    // The next pot is scored by its own catalyst run: survivors start from 0 again.
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const std::span<float> cap = slots.scores(unit, kCapColumn);
+      std::fill(cap.begin(), cap.end(), 0.0f);
+    }
+    std::fill(catalyst_seen_.begin(), catalyst_seen_.end(), 0);
   }
 
  private:
@@ -186,42 +185,58 @@ class InfiniPotPolicy final : public Policy {
     return config;
   }
 
-  // Slots of the current chunk in head (layer, kv_head): its newest chunk.size() slots, which
-  // holds only between the chunk's append and the catalyst (InfiniPot evicts nowhere in between).
-  static int chunk_slots(const SlotTable& slots, int layer, int kv_head, const ChunkInfo& chunk) {
-    const int live = slots.live(layer, kv_head);
-    const int n = chunk.size();
+  // Slots of the current chunk in `unit`: its newest chunk.size() tokens, which holds only between
+  // the chunk's append and the catalyst (InfiniPot evicts nowhere in between).
+  static std::span<const std::int32_t> chunk_slots(const SlotTable& slots, int unit,
+                                                   const ChunkInfo& chunk) {
+    const std::span<const std::int32_t> order = slots.stream_order(unit);
+    const auto n = static_cast<std::size_t>(chunk.size());
     KVEVICT_REQUIRE(
-        n <= live && slots.original_positions(layer, kv_head)[static_cast<std::size_t>(live - n)] ==
-                         chunk.first_original_position,
-        "infinipot: the chunk's slots are not the newest of head (" + std::to_string(layer) + ", " +
-            std::to_string(kv_head) +
-            "); observe surprisal right after append_chunk, before any catalyst");
-    return n;
+        n <= order.size() &&
+            slots.original_positions(unit)[static_cast<std::size_t>(order[order.size() - n])] ==
+                chunk.first_original_position,
+        "infinipot: the chunk's tokens are not the newest of unit " + std::to_string(unit) +
+            "; observe surprisal right after the chunk is appended, before any "
+            "catalyst");
+    return order.last(n);
   }
 
-  // Slots before the first catalyst slot (the catalyst is appended after the pot).
-  static int count_pot_slots(const SlotTable& slots, int layer, int kv_head) {
-    const std::span<const std::uint8_t> flags = slots.flags(layer, kv_head);
-    const auto first_catalyst =
-        std::ranges::find_if(flags, [](std::uint8_t f) { return (f & slot_flag::catalyst) != 0; });
-    return static_cast<int>(first_catalyst - flags.begin());
-  }
-
-  static void require_surprisal_observed(const SlotTable& slots, int layer, int kv_head) {
-    const std::span<const float> nuc = slots.scores(layer, kv_head, kNucColumn);
-    for (std::size_t s = 0; s < nuc.size(); ++s) {
+  static void require_surprisal_observed(const SlotTable& slots, int unit) {
+    const std::span<const float> nuc = slots.scores(unit, kNucColumn);
+    for (const std::int32_t slot : slots.stream_order(unit)) {
       KVEVICT_REQUIRE(
-          !std::isnan(nuc[s]),
+          !std::isnan(nuc[static_cast<std::size_t>(slot)]),
           "infinipot: no surprisal was observed for original position " +
-              std::to_string(slots.original_positions(layer, kv_head)[s]) +
+              std::to_string(slots.original_positions(unit)[static_cast<std::size_t>(slot)]) +
               "; with novel > 0 call observe_surprisal for every chunk (or set novel = 0)");
     }
   }
 
   InfiniPotConfig config_;
-  KeepSetBuilder builder_;
-  std::vector<std::uint8_t> catalyst_seen_;  // [layers]: catalyst attention observed for this pot
+  KeepSet keep_;
+  std::vector<std::uint8_t> catalyst_seen_;  // [units]: catalyst attention observed for this pot
+};
+
+inline constexpr ParamSpec kInfiniPotParams[] = {
+    {"pot", ParamType::integer, "M: tokens per unit at which the pot is distilled", std::nullopt, 2,
+     kMaxSlotsParam},
+    {"keep", ParamType::integer, "C < M: tokens per unit after a distillation", std::nullopt, 1,
+     kMaxSlotsParam},
+    {"novel", ParamType::integer, "T < C: tokens forced by surprisal (NuC); default C / 2",
+     std::nullopt, 0, kMaxSlotsParam, /*optional=*/true},
+};
+
+inline constexpr PolicySpec kInfiniPotSpec{
+    "infinipot",
+    "InfiniPot (Kim et al. 2024): distil a pot of M to C by surprisal + catalyst attention",
+    kInfiniPotParams,
+    [](int budget, int /*sinks*/) {
+      return PolicyParams().set("pot", budget).set("keep", budget / 2).set("novel", budget / 4);
+    },
+    [](const PolicyParams& params) -> std::unique_ptr<Policy> {
+      return std::make_unique<InfiniPotPolicy>(InfiniPotConfig{
+          params.get_int("pot"), params.get_int("keep"), params.get_optional_int("novel")});
+    },
 };
 
 }  // namespace kvevict

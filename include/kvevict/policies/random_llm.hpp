@@ -3,12 +3,13 @@
 // selection of historical tokens"; Table 1 runs it with 4 sinks and 508 slots, no recent window).
 //
 // Score: none. Keep rule, before a turn of n tokens with L cached and capacity sinks + budget: if
-// L + n > capacity, keep slots [0, sinks) and budget - n history slots drawn uniformly without
-// replacement from [sinks, L); otherwise keep everything. A turn longer than `budget` is an error.
-// Trigger: before_turn (Signal::turn_boundaries), SirLLM's turn-level rule; nothing happens inside
-// a turn. Granularity: one keep-set for all layers and heads (one draw per eviction).
-// Positions: cache_index, as SirLLM. The authors released no code for the baselines: trigger and
-// capacity rule are SirLLM's, with the random pick in place of the entropy top-k.
+// L + n > capacity, keep the first `sinks` tokens and budget - n history tokens drawn uniformly
+// without replacement from the rest; otherwise keep everything (a HistorySampler inside a
+// ProtectOldest(sinks)). A turn longer than `budget` is an error. Trigger: before_turn
+// (Signal::turn_boundaries), SirLLM's turn-level rule; nothing happens inside a turn. Granularity:
+// token (one draw per eviction). Positions: cache_index, as SirLLM. The authors released no code
+// for the baselines: trigger and capacity rule are SirLLM's, with the random pick in place of the
+// entropy top-k.
 //
 // Reproducibility: the draw uses std::mt19937_64 seeded with `seed` (its output sequence is fixed
 // by the C++ standard) and kvevict's own unbiased bounded draw (std::uniform_int_distribution
@@ -17,21 +18,24 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "kvevict/policies/detail/turn_eviction.hpp"
+#include "kvevict/policies/protection.hpp"
 #include "kvevict/policy.hpp"
-#include "kvevict/selection.hpp"
+#include "kvevict/policy_params.hpp"
 
 namespace kvevict {
 
 struct RandomLlmConfig {
-  int sinks = 4;           ///< S >= 0 first slots kept for ever
-  int budget = 0;          ///< B > 0 slots for the sampled history (and the incoming turn)
+  int sinks = 4;           ///< S >= 0 first tokens kept for ever
+  int budget = 0;          ///< B > 0 tokens for the sampled history (and the incoming turn)
   std::uint64_t seed = 0;  ///< seed of the std::mt19937_64 that draws the history subset
 };
 
@@ -49,29 +53,56 @@ inline std::uint64_t uniform_below(std::mt19937_64& engine, std::uint64_t bound)
 
 }  // namespace detail
 
-class RandomLlmPolicy final : public detail::SinkHistoryPolicy {
+class RandomLlmPolicy final : public detail::HistorySampler {
  public:
-  explicit RandomLlmPolicy(const RandomLlmConfig& config)
-      : SinkHistoryPolicy("random_llm", config.sinks, config.budget), engine_(config.seed) {}
+  RandomLlmPolicy(int budget, std::uint64_t seed)
+      : HistorySampler("random_llm", budget), engine_(seed) {}
 
   [[nodiscard]] std::string_view name() const override { return "random_llm"; }
 
  protected:
-  void pick_history(int first, int last, int count, KeepSetBuilder& keep) override {
-    // Partial Fisher-Yates: after step i, history_[0..i] is a uniform sample without replacement.
-    history_.resize(static_cast<std::size_t>(last - first));
-    std::iota(history_.begin(), history_.end(), first);
-    const std::size_t size = history_.size();
+  void pick_history(std::span<const std::int32_t> history, int count, KeepSet& keep) override {
+    // Partial Fisher-Yates over history indices: after step i, picks_[0..i] is a uniform sample
+    // without replacement.
+    picks_.resize(history.size());
+    std::iota(picks_.begin(), picks_.end(), std::size_t{0});
+    const std::size_t size = picks_.size();
     for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) {
       const std::size_t j = i + static_cast<std::size_t>(detail::uniform_below(engine_, size - i));
-      std::swap(history_[i], history_[j]);
-      keep.keep_range(history_[i], history_[i] + 1);
+      std::swap(picks_[i], picks_[j]);
+      keep.keep(history[picks_[i]]);
     }
   }
 
  private:
   std::mt19937_64 engine_;
-  std::vector<int> history_;
+  std::vector<std::size_t> picks_;
+};
+
+/// RandomLlmPolicy with `sinks` protected first tokens, named "random_llm".
+[[nodiscard]] inline std::unique_ptr<Policy> make_random_llm(const RandomLlmConfig& config) {
+  return std::make_unique<ProtectOldest>(
+      std::make_unique<RandomLlmPolicy>(config.budget, config.seed), config.sinks, "random_llm");
+}
+
+inline constexpr ParamSpec kRandomLlmParams[] = {
+    {"sinks", ParamType::integer, "first tokens kept for ever", 4, 0, kMaxSlotsParam},
+    {"budget", ParamType::integer, "tokens for the sampled history and the incoming turn",
+     std::nullopt, 1, kMaxSlotsParam},
+    {"seed", ParamType::integer, "seed of the draw (std::mt19937_64)", 0, 0, 9.0e15},
+};
+
+inline constexpr PolicySpec kRandomLlmSpec{
+    "random_llm",
+    "RandomLLM (SirLLM's baseline, Yao et al. 2024): sinks + a random history, before each turn",
+    kRandomLlmParams,
+    [](int budget, int sinks) {
+      return PolicyParams().set("sinks", sinks).set("budget", budget_after_sinks(budget, sinks));
+    },
+    [](const PolicyParams& params) {
+      return make_random_llm({params.get_int("sinks"), params.get_int("budget"),
+                              static_cast<std::uint64_t>(params.get_real("seed"))});
+    },
 };
 
 }  // namespace kvevict

@@ -13,7 +13,9 @@
 // scores are appended undecayed. A turn longer than recent + entropy is an error.
 // Trigger: before_turn (Signal::turn_boundaries); nothing is evicted inside a turn, so a turn fed
 // in several chunks (a response decoded token by token) grows the cache past the capacity until
-// the next turn starts. Granularity: one keep-set for all layers and heads.
+// the next turn starts. Granularity: token (one keep-set for all layers and heads).
+// The sinks are SirLLM's own, not a ProtectOldest: they are ranked with everything else and fill
+// in only where the entropy top-k left them out (see the keep rule).
 // Positions: cache_index (§3.3: the cache [0, 1, 2, 3, 5, 7, 11, 12] gets positions 0..7).
 // Paper defaults: sinks 4, entropy 508 or 1020, recent 0, decay 0.5 to 1.0 (Table 1).
 //
@@ -38,14 +40,17 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/detail/turn_eviction.hpp"
 #include "kvevict/policy.hpp"
+#include "kvevict/policy_params.hpp"
 #include "kvevict/selection.hpp"
 
 namespace kvevict {
@@ -71,8 +76,9 @@ class SirLlmPolicy final : public Policy {
                     "sirllm: entropy + recent must be positive (no room for a turn otherwise)");
     KVEVICT_REQUIRE(std::isfinite(config.decay) && config.decay >= 0.0 && config.decay <= 1.0,
                     "sirllm: decay must be in [0, 1], got " + std::to_string(config.decay));
-    capacity_ = detail::checked_budget_sum(
-        std::int64_t{config.sinks} + config.recent + config.entropy, "sirllm");
+    capacity_ = checked_int(checked_sum({config.sinks, config.recent, config.entropy},
+                                        "sirllm: sinks + recent + entropy"),
+                            "sirllm: capacity");
   }
 
   [[nodiscard]] std::string_view name() const override { return "sirllm"; }
@@ -84,6 +90,7 @@ class SirLlmPolicy final : public Policy {
   [[nodiscard]] PositionMode default_position_mode() const override {
     return PositionMode::cache_index;
   }
+  [[nodiscard]] Granularity default_granularity() const override { return Granularity::token; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return capacity_; }
 
   void observe_surprisal(SlotTable& slots, const ChunkInfo& chunk,
@@ -99,45 +106,42 @@ class SirLlmPolicy final : public Policy {
           (chunk.turn_start || !previous_surprisal_) ? maximum(surprisal) : *previous_surprisal_;
       previous_surprisal_ = surprisal[static_cast<std::size_t>(n - 1)];
     }
-    for (int l = 0; l < slots.layers(); ++l) {
-      for (int g = 0; g < slots.kv_heads(); ++g) {
-        const std::span<float> scores = slots.scores(l, g, kEntropyColumn);
-        KVEVICT_REQUIRE(static_cast<int>(scores.size()) >= n,
-                        "sirllm: fewer slots than surprisal values in head (" + std::to_string(l) +
-                            ", " + std::to_string(g) + ")");
-        float* chunk_scores = scores.data() + (scores.size() - static_cast<std::size_t>(n));
-        // Slot k of the chunk takes surprisal[k], or surprisal[k - 1] when shifted.
-        const int shift = config_.shifted ? 1 : 0;
-        chunk_scores[0] = first;
-        for (int k = 1; k < n; ++k) {
-          chunk_scores[k] = surprisal[static_cast<std::size_t>(k - shift)];
-        }
+    // Slot of chunk token k: the chunk is the newest n tokens of every unit.
+    const int shift = config_.shifted ? 1 : 0;
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      KVEVICT_REQUIRE(static_cast<int>(order.size()) >= n,
+                      "sirllm: fewer tokens than surprisal values in unit " + std::to_string(unit));
+      const std::span<const std::int32_t> chunk_slots = order.last(static_cast<std::size_t>(n));
+      const std::span<float> scores = slots.scores(unit, kEntropyColumn);
+      // Slot of token k takes surprisal[k], or surprisal[k - 1] when shifted.
+      scores[static_cast<std::size_t>(chunk_slots[0])] = first;
+      for (int k = 1; k < n; ++k) {
+        scores[static_cast<std::size_t>(chunk_slots[static_cast<std::size_t>(k)])] =
+            surprisal[static_cast<std::size_t>(k - shift)];
       }
     }
   }
 
-  bool select(const EvictionContext& context, CompactionPlan& plan) override {
-    if (context.trigger != Trigger::before_turn) return false;
+  void select(const EvictionContext& context, Decision& decision) override {
+    if (context.trigger != Trigger::before_turn) return;
     const int incoming = context.incoming;
     detail::require_turn_fits(incoming, config_.recent + config_.entropy, "sirllm",
                               "recent + entropy");
     SlotTable& slots = context.slots;
-    const int live = detail::uniform_live_count(slots, "sirllm");
-    bool changed = false;
-    if (live + incoming > capacity_) {
-      builder_.begin(live);
-      // Ranked over all slots, sinks included (the authors rank the whole score list): a sink that
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      if (slots.live(unit) + incoming <= capacity_) continue;
+      keep_.begin(slots, unit, context.protection);
+      // Ranked over all tokens, sinks included (the authors rank the whole score list): a sink that
       // ranks here uses one of the entropy slots and the recent fill takes up the slack.
-      builder_.keep_top_k(slots.scores(0, 0, kEntropyColumn), config_.entropy - incoming);
-      builder_.keep_range(0, config_.sinks);
-      builder_.keep_most_recent(capacity_ - incoming);
-      changed = builder_.write(plan, 0, 0);
-      detail::copy_keep_to_all_heads(plan);
+      keep_.keep_top_k(slots.scores(unit, kEntropyColumn), config_.entropy - incoming);
+      keep_.keep_oldest(config_.sinks);
+      keep_.fill_newest(capacity_ - incoming);
+      keep_.evict_rest(decision);
     }
-    // Evicted or not: the retained scores fade once per turn. Slots about to be dropped are scaled
-    // too; the pipeline discards them with the plan.
+    // Evicted or not: the retained scores fade once per turn. Tokens about to be dropped are scaled
+    // too; their slots are freed with the decision.
     if (config_.decay != 1.0) decay_scores(slots);
-    return changed;
   }
 
  private:
@@ -154,22 +158,47 @@ class SirLlmPolicy final : public Policy {
   }
 
   void decay_scores(SlotTable& slots) const {
-    for (int l = 0; l < slots.layers(); ++l) {
-      for (int g = 0; g < slots.kv_heads(); ++g) {
-        for (float& score : slots.scores(l, g, kEntropyColumn)) {
-          // decay 0 forgets everything, an infinite surprisal (p = 0) included: 0 * inf is NaN.
-          score = std::isinf(score) && config_.decay == 0.0
-                      ? 0.0f
-                      : static_cast<float>(static_cast<double>(score) * config_.decay);
-        }
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const std::span<float> scores = slots.scores(unit, kEntropyColumn);
+      for (const std::int32_t slot : slots.stream_order(unit)) {
+        float& score = scores[static_cast<std::size_t>(slot)];
+        // decay 0 forgets everything, an infinite surprisal (p = 0) included: 0 * inf is NaN.
+        score = std::isinf(score) && config_.decay == 0.0
+                    ? 0.0f
+                    : static_cast<float>(static_cast<double>(score) * config_.decay);
       }
     }
   }
 
   SirLlmConfig config_;
   int capacity_ = 0;
-  KeepSetBuilder builder_;
+  KeepSet keep_;
   std::optional<float> previous_surprisal_;  // last value of the previous chunk (shifted mode)
+};
+
+inline constexpr ParamSpec kSirLlmParams[] = {
+    {"sinks", ParamType::integer, "first tokens kept for ever", 4, 0, kMaxSlotsParam},
+    {"entropy", ParamType::integer, "tokens kept by entropy (and room for the incoming turn)",
+     std::nullopt, 0, kMaxSlotsParam},
+    {"recent", ParamType::integer, "newest tokens kept", 0, 0, kMaxSlotsParam},
+    {"decay", ParamType::real, "factor applied to every stored entropy before each turn", 1.0, 0.0,
+     1.0},
+    {"shifted", ParamType::integer, "1: the authors' scores shifted by one token (eval_utils.py)",
+     0, 0, 1},
+};
+
+inline constexpr PolicySpec kSirLlmSpec{
+    "sirllm",
+    "SirLLM (Yao et al. 2024): sinks + top token entropy (decayed per turn) + recent, before turns",
+    kSirLlmParams,
+    [](int budget, int sinks) {
+      return PolicyParams().set("sinks", sinks).set("entropy", budget_after_sinks(budget, sinks));
+    },
+    [](const PolicyParams& params) -> std::unique_ptr<Policy> {
+      return std::make_unique<SirLlmPolicy>(
+          SirLlmConfig{params.get_int("sinks"), params.get_int("entropy"), params.get_int("recent"),
+                       params.get_real("decay"), params.get_int("shifted") == 1});
+    },
 };
 
 }  // namespace kvevict

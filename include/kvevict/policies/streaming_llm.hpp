@@ -1,56 +1,53 @@
 // StreamingLLM: window + attention sinks (Xiao et al., ICLR 2024; mit-han-lab/streaming-llm).
 //
-// Score: none. Keep rule: cache slots [0, sinks) (the attention sinks, in practice tokens 0..S-1)
-// and the last `recent` slots [L - R, L). Trigger: after every forward once L > S + R; on the
-// per-token perplexity path each step therefore attends to S + R + 1 keys. Granularity: the same
-// keep-set in every layer and head. Positions: cache_index (the authors store keys before RoPE and
-// rotate every key to its index in the cache at each forward). Paper default: S = 4.
+// Score: none. Keep rule: the first `sinks` tokens (the attention sinks, in practice tokens
+// 0..S-1) and the newest `recent`: a Window of `recent` inside a ProtectOldest of `sinks`
+// (policies/protection.hpp). Trigger: after every forward once a unit holds more than S + R; on the
+// per-token perplexity path each step therefore attends to S + R + 1 keys. Granularity: token (the
+// same keep-set in every layer and head). Positions: cache_index (the authors store keys before
+// RoPE and rotate every key to its index in the cache at each forward; kvevict gets the same
+// positions from two position groups, the sinks and the window, and no key is ever re-rotated).
+// Paper default: S = 4.
 // The authors' chat path instead evicts before each prompt to make room for prompt +
 // max_new_tokens; an engine gets that by feeding the prompt as one chunk with max_chunk set.
 #pragma once
 
+#include <memory>
 #include <optional>
-#include <string>
-#include <string_view>
 
-#include "kvevict/error.hpp"
-#include "kvevict/policy.hpp"
-#include "kvevict/selection.hpp"
+#include "kvevict/policies/protection.hpp"
+#include "kvevict/policies/window.hpp"
+#include "kvevict/policy_params.hpp"
 
 namespace kvevict {
 
 struct StreamingLlmConfig {
-  int sinks = 4;   ///< S >= 0 first slots kept for ever
-  int recent = 0;  ///< R > 0 newest slots kept
+  int sinks = 4;   ///< S >= 0 first tokens kept for ever
+  int recent = 0;  ///< R > 0 newest tokens kept
 };
 
-class StreamingLlmPolicy final : public Policy {
- public:
-  explicit StreamingLlmPolicy(const StreamingLlmConfig& config) : config_(config) {
-    KVEVICT_REQUIRE(config.sinks >= 0,
-                    "streaming_llm: sinks must be >= 0, got " + std::to_string(config.sinks));
-    KVEVICT_REQUIRE(config.recent > 0,
-                    "streaming_llm: recent must be positive, got " + std::to_string(config.recent));
-  }
+/// Window(recent) with `sinks` protected first tokens, named "streaming_llm".
+[[nodiscard]] inline std::unique_ptr<Policy> make_streaming_llm(const StreamingLlmConfig& config) {
+  return std::make_unique<ProtectOldest>(
+      std::make_unique<WindowPolicy>(WindowConfig{config.recent}), config.sinks, "streaming_llm");
+}
 
-  [[nodiscard]] std::string_view name() const override { return "streaming_llm"; }
-  [[nodiscard]] PositionMode default_position_mode() const override {
-    return PositionMode::cache_index;
-  }
-  [[nodiscard]] std::optional<int> retained_limit() const override {
-    return config_.sinks + config_.recent;
-  }
+inline constexpr ParamSpec kStreamingLlmParams[] = {
+    {"sinks", ParamType::integer, "first tokens kept for ever (attention sinks)", 4, 0,
+     kMaxSlotsParam},
+    {"recent", ParamType::integer, "newest tokens kept", std::nullopt, 1, kMaxSlotsParam},
+};
 
-  bool select(const EvictionContext& context, CompactionPlan& plan) override {
-    return select_each_head(context.slots, builder_, plan, [this](KeepSetBuilder& keep, int, int) {
-      keep.keep_range(0, config_.sinks);
-      keep.keep_range(keep.slots() - config_.recent, keep.slots());
-    });
-  }
-
- private:
-  StreamingLlmConfig config_;
-  KeepSetBuilder builder_;
+inline constexpr PolicySpec kStreamingLlmSpec{
+    "streaming_llm",
+    "StreamingLLM (Xiao et al. 2024): `sinks` first tokens + the newest `recent`",
+    kStreamingLlmParams,
+    [](int budget, int sinks) {
+      return PolicyParams().set("sinks", sinks).set("recent", budget_after_sinks(budget, sinks));
+    },
+    [](const PolicyParams& params) {
+      return make_streaming_llm({params.get_int("sinks"), params.get_int("recent")});
+    },
 };
 
 }  // namespace kvevict

@@ -7,9 +7,9 @@
 #include <span>
 #include <string>
 
-#include "kvevict/error.hpp"
+#include <kvevict/error.hpp>
 
-namespace kvevict::detail {
+namespace kvevict::eager::detail {
 
 /// Throws unless `keep` is strictly ascending with every entry in [0, live).
 inline void validate_keep_list(std::span<const std::int32_t> keep, int live) {
@@ -56,4 +56,4 @@ void gather_rows_in_place(T* rows, std::ptrdiff_t row_elements,
   }
 }
 
-}  // namespace kvevict::detail
+}  // namespace kvevict::eager::detail

@@ -12,10 +12,10 @@
 #include <span>
 #include <vector>
 
-#include "kvevict/error.hpp"
-#include "kvevict/signals.hpp"
+#include <kvevict/error.hpp>
+#include "eager/signals.hpp"
 
-namespace kvevict {
+namespace kvevict::eager {
 
 class CompactionPlan {
  public:
@@ -109,4 +109,4 @@ class CompactionPlan {
   std::vector<int> counts_;              // [heads]; kUnchanged or the kept count
 };
 
-}  // namespace kvevict
+}  // namespace kvevict::eager

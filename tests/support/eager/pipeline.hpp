@@ -26,15 +26,15 @@
 #include <string>
 #include <vector>
 
-#include "kvevict/compaction_plan.hpp"
-#include "kvevict/error.hpp"
-#include "kvevict/policy.hpp"
-#include "kvevict/positions.hpp"
-#include "kvevict/reposition.hpp"
-#include "kvevict/signals.hpp"
-#include "kvevict/slot_table.hpp"
+#include "eager/compaction_plan.hpp"
+#include <kvevict/error.hpp>
+#include "eager/policy.hpp"
+#include "eager/positions.hpp"
+#include "eager/reposition.hpp"
+#include "eager/signals.hpp"
+#include "eager/slot_table.hpp"
 
-namespace kvevict {
+namespace kvevict::eager {
 
 /// Counters over the life of a pipeline.
 struct PipelineStats {
@@ -276,4 +276,4 @@ class EvictionPipeline {
   std::vector<std::uint8_t> flags_;
 };
 
-}  // namespace kvevict
+}  // namespace kvevict::eager

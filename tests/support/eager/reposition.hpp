@@ -4,11 +4,11 @@
 #include <cstdint>
 #include <span>
 
-#include "kvevict/compaction_plan.hpp"
-#include "kvevict/positions.hpp"
-#include "kvevict/slot_table.hpp"
+#include "eager/compaction_plan.hpp"
+#include "eager/positions.hpp"
+#include "eager/slot_table.hpp"
 
-namespace kvevict {
+namespace kvevict::eager {
 
 /// Positions for `count` tokens about to be appended to head (layer, kv_head), written to `out`.
 /// original: the tokens' original positions; cache_index / reset_on_compact: the slot indices they
@@ -45,4 +45,4 @@ inline void assign_positions(PositionMode mode, const SlotTable& slots, Compacti
   }
 }
 
-}  // namespace kvevict
+}  // namespace kvevict::eager

@@ -1,0 +1,483 @@
+// Sequence: the one object an engine talks to, per sequence. It owns the slot metadata and the
+// policy, checks the order of events and the signals the policy needs, and applies every decision
+// to the engine's memory in one call (KvBackend::apply).
+//
+// Per forward (Signal: what the policy asked for, Sequence::wants):
+//   begin_chunk(ids, turn_start)     before_turn eviction (SirLLM), then a slot for every token of
+//                                    the chunk in every head: chunk_slots(layer, kv_head)
+//   ...the engine writes the chunk's K/V at those slots (post-RoPE keys rotated to key_position),
+//      attends over the live slots (for_each_key_run) and hands over the signals:
+//   observe_attention(layer, rows)   every layer, if wants(attention_rows / last_attention_row)
+//   observe_surprisal(values)        if wants(surprisal)
+//   end_forward()                    anchor / after_forward eviction
+//   catalyst_pending()?              pot_full (InfiniPot): begin_catalyst(ids), observe_catalyst(
+//                                    layer, rows) per layer, end_catalyst(): rolled back, distilled
+// Misuse (a call out of order, a wanted signal missing when the policy decides, a layer observed
+// twice, rows of the wrong shape) is a kvevict::Error with a message, never a silent default.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvevict/checked.hpp"
+#include "kvevict/decision.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/granularity.hpp"
+#include "kvevict/kv_backend.hpp"
+#include "kvevict/policy.hpp"
+#include "kvevict/positions.hpp"
+#include "kvevict/signals.hpp"
+#include "kvevict/slot_table.hpp"
+#include "kvevict/timing.hpp"
+
+namespace kvevict {
+
+struct SequenceConfig {
+  int layers = 0;
+  int q_heads = 0;   ///< query heads (attention rows are checked against it)
+  int kv_heads = 0;  ///< key/value heads; q_heads % kv_heads == 0
+  /// Defaults to the policy's own.
+  std::optional<PositionMode> position_mode;
+  /// Defaults to the policy's own. Coarser than the policy's default changes how its score is
+  /// aggregated (see each policy header); finer gives each head the same decision rule alone.
+  std::optional<Granularity> granularity;
+  /// How the engine stores keys. post_rope: rotated when written (to key_position), so kvevict may
+  /// fold pending rotations into them (KvBackend::apply). pre_rope: rotated at every attention to
+  /// position(); kvevict never asks for a rotation.
+  KeyStorage key_storage = KeyStorage::post_rope;
+  /// Largest chunk (and catalyst prompt) the engine will feed: with the policy's retained_limit()
+  /// it sizes the slots, so that a bounded policy never grows them.
+  int max_chunk = 1;
+  /// Slots reserved up front; 0 = retained_limit() + max_chunk, or 256 for unbounded policies.
+  int initial_capacity = 0;
+  /// post_rope keys under cache_index / reset_on_compact: the most different pending rotations a
+  /// unit may carry (each costs the attention one query rotation per run) before kvevict folds them
+  /// into the stored keys. 0: fold at every decision (engines whose attention cannot rotate the
+  /// query per run). A sliding window with sinks carries two and never folds.
+  int max_pending_rotations = 32;
+};
+
+/// Counters over the life of a sequence. Slot counts are summed over all (layer, KV head) heads.
+struct SequenceStats {
+  std::int64_t tokens_fed = 0;     ///< stream tokens appended (catalyst tokens excluded)
+  std::int64_t decisions = 0;      ///< decisions that evicted something
+  std::int64_t evicted_slots = 0;  ///< slots evicted (rolled-back catalyst slots excluded)
+  std::int64_t rotated_keys = 0;   ///< stored keys re-rotated by folds
+  std::int64_t folds = 0;          ///< unit folds
+  std::int64_t catalyst_runs = 0;  ///< catalyst prompts run
+  std::int64_t turns = 0;          ///< chunks that started a turn
+};
+
+class Sequence {
+ public:
+  /// `backend` (may be null: metadata only) and `observer` (may be null) must outlive the
+  /// sequence. The backend is reserve()d to the initial capacity here.
+  Sequence(const SequenceConfig& config, std::unique_ptr<Policy> policy,
+           KvBackend* backend = nullptr, StageObserver* observer = nullptr)
+      : config_(validated(config)),
+        policy_(std::move(policy)),
+        backend_(backend),
+        observer_(observer) {
+    KVEVICT_REQUIRE(policy_ != nullptr, "Sequence: policy is null");
+    position_mode_ = config_.position_mode.value_or(policy_->default_position_mode());
+    layout_ = UnitLayout(config_.layers, config_.kv_heads,
+                         config_.granularity.value_or(policy_->default_granularity()));
+    const int capacity = initial_capacity();
+    slots_ = SlotTable(layout_, position_mode_, capacity, policy_->score_columns());
+    if (backend_ != nullptr) backend_->reserve(capacity);
+    decision_.reset(layout_.units());
+    chunk_slots_.resize(static_cast<std::size_t>(layout_.units()));
+    catalyst_base_.assign(static_cast<std::size_t>(layout_.units()), 0);
+    observed_layers_.assign(static_cast<std::size_t>(config_.layers), 0);
+  }
+
+  [[nodiscard]] const SequenceConfig& config() const { return config_; }
+  [[nodiscard]] Policy& policy() { return *policy_; }
+  [[nodiscard]] const Policy& policy() const { return *policy_; }
+  [[nodiscard]] const SlotTable& slots() const { return slots_; }
+  [[nodiscard]] const UnitLayout& layout() const { return layout_; }
+  [[nodiscard]] PositionMode position_mode() const { return position_mode_; }
+  [[nodiscard]] Granularity granularity() const { return layout_.granularity(); }
+  [[nodiscard]] int capacity() const { return slots_.capacity(); }
+  [[nodiscard]] const SequenceStats& stats() const { return stats_; }
+  [[nodiscard]] bool wants(Signal signal) const { return policy_->signals().contains(signal); }
+  void set_observer(StageObserver* observer) { observer_ = observer; }
+  [[nodiscard]] StageObserver* observer() const { return observer_; }
+
+  // --- what attention needs, per head ----------------------------------------------------------
+  [[nodiscard]] int unit_of(int layer, int kv_head) const {
+    check_head(layer, kv_head);
+    return layout_.unit_of(layer, kv_head);
+  }
+  [[nodiscard]] int live(int layer, int kv_head) const {
+    return slots_.live(unit_of(layer, kv_head));
+  }
+  /// Attention over head (layer, kv_head) covers slots [0, slot_limit) and skips the free ones.
+  [[nodiscard]] int slot_limit(int layer, int kv_head) const {
+    return slots_.slot_limit(unit_of(layer, kv_head));
+  }
+  /// Slot of every token of the current chunk (or catalyst) in head (layer, kv_head).
+  [[nodiscard]] std::span<const std::int32_t> chunk_slots(int layer, int kv_head) const {
+    return chunk_slots_[static_cast<std::size_t>(unit_of(layer, kv_head))];
+  }
+  /// RoPE position of live slot `slot` of head (layer, kv_head).
+  [[nodiscard]] std::int64_t position(int layer, int kv_head, std::int32_t slot) const {
+    return slots_.position(unit_of(layer, kv_head), slot);
+  }
+  /// Position a post-RoPE key at `slot` is (to be) stored rotated to.
+  [[nodiscard]] std::int64_t key_position(int layer, int kv_head, std::int32_t slot) const {
+    return slots_.key_position(unit_of(layer, kv_head), slot);
+  }
+  /// fn(begin, end, rotation) per run of live slots sharing one pending rotation (post-RoPE
+  /// attention rotates each query to its position - rotation once per run).
+  template <class Fn>
+  void for_each_key_run(int layer, int kv_head, Fn&& fn) const {
+    slots_.for_each_key_run(unit_of(layer, kv_head), std::forward<Fn>(fn));
+  }
+  /// fn(begin, end, offset) per run of live slots at position original + offset (pre-RoPE).
+  template <class Fn>
+  void for_each_position_run(int layer, int kv_head, Fn&& fn) const {
+    slots_.for_each_position_run(unit_of(layer, kv_head), std::forward<Fn>(fn));
+  }
+
+  // --- per forward -----------------------------------------------------------------------------
+
+  /// Starts a forward over `token_ids`: evicts first if the policy does so before a turn, then
+  /// gives every token a slot in every head (chunk_slots).
+  void begin_chunk(std::span<const std::int32_t> token_ids, bool turn_start = false) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::idle, state_ == State::forward
+                                               ? "begin_chunk: the previous forward was not ended "
+                                                 "(call end_forward)"
+                                               : "begin_chunk: a catalyst prompt is open (call "
+                                                 "end_catalyst)");
+    KVEVICT_REQUIRE(!token_ids.empty(), "begin_chunk: a chunk needs at least one token");
+    const int n = static_cast<int>(token_ids.size());
+    if (turn_start) ++stats_.turns;
+    if (turn_start && policy_->triggers().contains(Trigger::before_turn)) {
+      decide(Trigger::before_turn, n);
+    }
+    append(token_ids, 0);
+    chunk_ = ChunkInfo{stats_.tokens_fed, chunk_ids_, turn_start};
+    stats_.tokens_fed += n;
+    std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
+    surprisal_observed_ = false;
+    state_ = State::forward;
+    policy_->on_append(slots_, chunk_);
+  }
+
+  /// Tokens of the current chunk (or catalyst prompt); 0 between forwards.
+  [[nodiscard]] int chunk_size() const { return state_ == State::idle ? 0 : chunk_size_; }
+  /// The current chunk (valid between begin_chunk and end_forward).
+  [[nodiscard]] const ChunkInfo& chunk() const { return chunk_; }
+
+  void observe_attention(int layer, const AttentionRows& rows) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::forward,
+                    "observe_attention: no forward is open (call begin_chunk first)");
+    mark_layer(layer, "observe_attention");
+    check_rows(rows);
+    const StageScope scope(observer_, Stage::policy);
+    policy_->observe_attention(slots_, layer, rows);
+  }
+
+  void observe_surprisal(std::span<const float> surprisal) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::forward,
+                    "observe_surprisal: no forward is open (call begin_chunk first)");
+    KVEVICT_REQUIRE(!surprisal_observed_, "observe_surprisal: already observed for this chunk");
+    KVEVICT_REQUIRE(static_cast<int>(surprisal.size()) == chunk_.size(),
+                    "observe_surprisal: expected one value per token of the chunk (" +
+                        std::to_string(chunk_.size()) + "), got " +
+                        std::to_string(surprisal.size()));
+    surprisal_observed_ = true;
+    const StageScope scope(observer_, Stage::policy);
+    policy_->observe_surprisal(slots_, chunk_, surprisal);
+  }
+
+  /// Ends the forward: checks that the policy got every signal it declared, then evicts if it does
+  /// so now (after an anchor, or after every forward).
+  void end_forward() {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::forward, "end_forward: no forward is open");
+    if (wants(Signal::attention_rows) || wants(Signal::last_attention_row)) {
+      require_every_layer("attention rows", "observe_attention");
+    }
+    KVEVICT_REQUIRE(!wants(Signal::surprisal) || surprisal_observed_,
+                    "policy '" + std::string(policy_->name()) +
+                        "' needs the surprisal of every token: call observe_surprisal before "
+                        "end_forward");
+    state_ = State::idle;
+    const TriggerSet triggers = policy_->triggers();
+    if (triggers.contains(Trigger::anchor) && chunk_has_anchor_) {
+      decide(Trigger::anchor, 0);
+    } else if (triggers.contains(Trigger::after_forward)) {
+      decide(Trigger::after_forward, 0);
+    }
+  }
+
+  // --- catalyst (InfiniPot) --------------------------------------------------------------------
+
+  /// Tokens that fit before the policy's pot is full (feed at most this many per forward), or
+  /// nullopt when the policy has no pot.
+  [[nodiscard]] std::optional<int> pot_room() const { return policy_->pot_room(slots_); }
+  /// True when the pot is full: run the catalyst prompt now.
+  [[nodiscard]] bool catalyst_pending() const {
+    const std::optional<int> room = pot_room();
+    return state_ == State::idle && policy_->triggers().contains(Trigger::pot_full) && room &&
+           *room == 0;
+  }
+  /// Appends a catalyst prompt (flagged slot_flag::catalyst) after the pot, positions continuing:
+  /// write its K/V at chunk_slots, attend, observe_catalyst per layer, then end_catalyst. May be
+  /// empty (no catalyst attention: InfiniPot's "w/o CaP" ablation).
+  void begin_catalyst(std::span<const std::int32_t> token_ids) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::idle,
+                    "begin_catalyst: end the forward first (and only when catalyst_pending())");
+    for (int unit = 0; unit < layout_.units(); ++unit) {
+      catalyst_base_[static_cast<std::size_t>(unit)] = slots_.live(unit);
+    }
+    if (!token_ids.empty()) append(token_ids, slot_flag::catalyst);
+    catalyst_size_ = static_cast<int>(token_ids.size());
+    std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
+    state_ = State::catalyst;
+  }
+  void observe_catalyst(int layer, const AttentionRows& rows) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
+    mark_layer(layer, "observe_catalyst");
+    check_rows(rows);
+    const StageScope scope(observer_, Stage::policy);
+    policy_->observe_catalyst(slots_, layer, rows);
+  }
+  /// Rolls the catalyst back and lets the policy distill the pot; one KvBackend::apply covers both
+  /// (the catalyst's slots are among the evicted).
+  void end_catalyst() {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::catalyst, "end_catalyst: no catalyst prompt is open");
+    if (catalyst_size_ > 0 && wants(Signal::catalyst_attention)) {
+      require_every_layer("catalyst attention rows", "observe_catalyst");
+    }
+    state_ = State::idle;
+    ++stats_.catalyst_runs;
+    decide(Trigger::pot_full, 0, /*roll_back_catalyst=*/true);
+  }
+
+ private:
+  enum class State { idle, forward, catalyst };
+
+  static SequenceConfig validated(SequenceConfig config) {
+    KVEVICT_REQUIRE(config.layers > 0,
+                    "Sequence: layers must be positive, got " + std::to_string(config.layers));
+    KVEVICT_REQUIRE(config.kv_heads > 0,
+                    "Sequence: kv_heads must be positive, got " + std::to_string(config.kv_heads));
+    KVEVICT_REQUIRE(config.q_heads > 0 && config.q_heads % config.kv_heads == 0,
+                    "Sequence: q_heads (" + std::to_string(config.q_heads) +
+                        ") must be a positive multiple of kv_heads (" +
+                        std::to_string(config.kv_heads) + ")");
+    KVEVICT_REQUIRE(config.max_chunk > 0 && config.max_chunk <= SlotTable::kMaxCapacity,
+                    "Sequence: max_chunk must be in [1, " +
+                        std::to_string(SlotTable::kMaxCapacity) + "], got " +
+                        std::to_string(config.max_chunk));
+    KVEVICT_REQUIRE(config.initial_capacity >= 0, "Sequence: negative initial_capacity");
+    KVEVICT_REQUIRE(config.max_pending_rotations >= 0,
+                    "Sequence: max_pending_rotations must be >= 0");
+    return config;
+  }
+
+  int initial_capacity() const {
+    if (config_.initial_capacity > 0) return config_.initial_capacity;
+    const std::optional<int> limit = policy_->retained_limit();
+    if (!limit) return std::max(256, config_.max_chunk);
+    return checked_int(
+        checked_sum({*limit, config_.max_chunk},
+                    "Sequence: the policy's retained limit + max_chunk", SlotTable::kMaxCapacity),
+        "Sequence: capacity");
+  }
+
+  void require_usable() const {
+    KVEVICT_REQUIRE(!broken_, "Sequence: unusable after the KvBackend failed to apply a decision");
+  }
+  void check_head(int layer, int kv_head) const {
+    KVEVICT_REQUIRE(
+        layer >= 0 && layer < config_.layers && kv_head >= 0 && kv_head < config_.kv_heads,
+        "head (" + std::to_string(layer) + ", " + std::to_string(kv_head) +
+            ") is outside the sequence's " + std::to_string(config_.layers) + " layers x " +
+            std::to_string(config_.kv_heads) + " KV heads");
+  }
+  void check_rows(const AttentionRows& rows) const {
+    KVEVICT_REQUIRE(rows.q_heads() == config_.q_heads,
+                    "attention rows have " + std::to_string(rows.q_heads()) +
+                        " query heads, the sequence has " + std::to_string(config_.q_heads));
+  }
+  void mark_layer(int layer, const char* call) {
+    KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
+                    std::string(call) + ": layer " + std::to_string(layer) + " outside [0, " +
+                        std::to_string(config_.layers) + ")");
+    std::uint8_t& seen = observed_layers_[static_cast<std::size_t>(layer)];
+    KVEVICT_REQUIRE(seen == 0, std::string(call) + ": layer " + std::to_string(layer) +
+                                   " was already observed in this forward");
+    seen = 1;
+  }
+  void require_every_layer(const char* signal, const char* call) const {
+    for (int l = 0; l < config_.layers; ++l) {
+      KVEVICT_REQUIRE(observed_layers_[static_cast<std::size_t>(l)] != 0,
+                      "policy '" + std::string(policy_->name()) + "' needs the " + signal +
+                          " of every layer: layer " + std::to_string(l) +
+                          " was not observed (call " + call + " for every layer before " +
+                          (state_ == State::catalyst ? "end_catalyst)" : "end_forward)"));
+    }
+  }
+
+  // Gives every token of `token_ids` a slot in every unit, growing the slots if needed.
+  void append(std::span<const std::int32_t> token_ids, std::uint8_t extra_flags) {
+    const int n = static_cast<int>(token_ids.size());
+    const std::int64_t needed =
+        checked_sum({slots_.max_live(), n}, "slots needed", SlotTable::kMaxCapacity);
+    if (needed > slots_.capacity()) {
+      const int grown = static_cast<int>(std::min<std::int64_t>(
+          std::max<std::int64_t>(needed, 2 * std::int64_t{slots_.capacity()}),
+          SlotTable::kMaxCapacity));
+      if (backend_ != nullptr) backend_->reserve(grown);
+      slots_.reserve(grown);
+    }
+    chunk_ids_.assign(token_ids.begin(), token_ids.end());
+    originals_.resize(static_cast<std::size_t>(n));
+    flags_.resize(static_cast<std::size_t>(n));
+    chunk_has_anchor_ = false;
+    for (int i = 0; i < n; ++i) {
+      originals_[static_cast<std::size_t>(i)] = stats_.tokens_fed + i;
+      const auto flags = static_cast<std::uint8_t>(
+          policy_->flags_for(token_ids[static_cast<std::size_t>(i)]) | extra_flags);
+      flags_[static_cast<std::size_t>(i)] = flags;
+      chunk_has_anchor_ = chunk_has_anchor_ || (flags & slot_flag::anchor) != 0;
+    }
+    for (int unit = 0; unit < layout_.units(); ++unit) {
+      std::vector<std::int32_t>& slots = chunk_slots_[static_cast<std::size_t>(unit)];
+      slots.resize(static_cast<std::size_t>(n));
+      slots_.append(unit, originals_, chunk_ids_, flags_, slots);
+    }
+    chunk_size_ = n;
+  }
+
+  // Runs the policy for `trigger` and applies its decision (with the catalyst rolled back first
+  // when asked), reporting everything that left the cache to the backend in one call.
+  void decide(Trigger trigger, int incoming, bool roll_back_catalyst = false) {
+    applied_.begin(trigger, position_mode_, layout_);
+    if (roll_back_catalyst) roll_back();
+    {
+      const StageScope scope(observer_, Stage::policy);
+      decision_.clear();
+      policy_->select(EvictionContext{trigger, slots_, incoming, {}}, decision_);
+    }
+    const StageScope scope(observer_, Stage::reposition);
+    std::int64_t evicted = 0;
+    const bool fold_keys =
+        config_.key_storage == KeyStorage::post_rope && position_mode_ != PositionMode::original;
+    for (int unit = 0; unit < layout_.units(); ++unit) {
+      const std::span<const std::int32_t> slots = decision_.evicted(unit);
+      record_evicted(unit, slots);
+      applied_.end_unit_evictions(unit);
+      if (!slots.empty()) {
+        slots_.evict(unit, slots);
+        evicted += static_cast<std::int64_t>(slots.size());
+        if (fold_keys && slots_.pending_rotation_bound(unit) > config_.max_pending_rotations) {
+          slots_.fold(unit, [&](std::int64_t delta, std::span<const std::int32_t> rotated) {
+            applied_.add_rotation(unit, delta, rotated);
+            stats_.rotated_keys +=
+                static_cast<std::int64_t>(rotated.size()) * layout_.heads_per_unit();
+          });
+          ++stats_.folds;
+        }
+      }
+      applied_.end_unit_rotations(unit);
+    }
+    applied_.finish();
+    if (evicted > 0) {
+      ++stats_.decisions;
+      stats_.evicted_slots += evicted * layout_.heads_per_unit();
+    }
+    if (backend_ != nullptr && applied_.evicted_count() > 0) {
+      try {
+        backend_->apply(applied_);
+      } catch (...) {
+        broken_ = true;
+        throw;
+      }
+    }
+  }
+
+  // Removes the catalyst's tokens (the newest of every unit), keeping them for record_evicted.
+  void roll_back() {
+    rolled_back_.assign(static_cast<std::size_t>(layout_.units()), {});
+    for (int unit = 0; unit < layout_.units(); ++unit) {
+      const int count = slots_.live(unit) - catalyst_base_[static_cast<std::size_t>(unit)];
+      const std::span<const std::int32_t> order = slots_.stream_order(unit);
+      std::vector<EvictedSlot>& removed = rolled_back_[static_cast<std::size_t>(unit)];
+      for (const std::int32_t slot : order.last(static_cast<std::size_t>(count))) {
+        removed.push_back(
+            EvictedSlot{slot, slots_.original_positions(unit)[static_cast<std::size_t>(slot)],
+                        slots_.position(unit, slot)});
+      }
+      slots_.truncate(unit, count);
+    }
+  }
+
+  // Lists `slots` of `unit` (and a rolled-back catalyst's) in applied_, oldest first, with the
+  // positions they have before the eviction.
+  void record_evicted(int unit, std::span<const std::int32_t> slots) {
+    const auto u = static_cast<std::size_t>(unit);
+    const std::size_t first = applied_.evicted_count();
+    if (!slots.empty()) seen_.assign(static_cast<std::size_t>(slots_.slot_limit(unit)), 0);
+    for (const std::int32_t slot : slots) {
+      KVEVICT_REQUIRE(slots_.is_live(unit, slot) && seen_[static_cast<std::size_t>(slot)] == 0,
+                      "policy '" + std::string(policy_->name()) + "' evicted slot " +
+                          std::to_string(slot) + " of unit " + std::to_string(unit) +
+                          ", which is not live or was listed twice");
+      seen_[static_cast<std::size_t>(slot)] = 1;
+      applied_.add_evicted(
+          EvictedSlot{slot, slots_.original_positions(unit)[static_cast<std::size_t>(slot)],
+                      slots_.position(unit, slot)});
+    }
+    if (u < rolled_back_.size()) {
+      for (const EvictedSlot& slot : rolled_back_[u]) applied_.add_evicted(slot);
+      rolled_back_[u].clear();
+    }
+    applied_.sort_evicted_from(first);
+  }
+
+  SequenceConfig config_;
+  std::unique_ptr<Policy> policy_;
+  KvBackend* backend_;
+  StageObserver* observer_;
+  PositionMode position_mode_ = PositionMode::original;
+  UnitLayout layout_;
+  SlotTable slots_;
+  Decision decision_;
+  AppliedDecision applied_;
+  SequenceStats stats_;
+  State state_ = State::idle;
+  bool broken_ = false;
+  ChunkInfo chunk_;
+  int chunk_size_ = 0;
+  int catalyst_size_ = 0;
+  bool chunk_has_anchor_ = false;
+  bool surprisal_observed_ = false;
+  std::vector<std::uint8_t> observed_layers_;           // [layers] this forward / catalyst
+  std::vector<std::vector<std::int32_t>> chunk_slots_;  // [units][chunk]
+  std::vector<int> catalyst_base_;                      // [units] live before the catalyst
+  std::vector<std::vector<EvictedSlot>> rolled_back_;   // [units] catalyst slots removed
+  std::vector<std::uint8_t> seen_;                      // [slot limit] duplicate check
+  // Per-chunk scratch, reused.
+  std::vector<std::int32_t> chunk_ids_;
+  std::vector<std::int64_t> originals_;
+  std::vector<std::uint8_t> flags_;
+};
+
+}  // namespace kvevict
