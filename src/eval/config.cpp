@@ -4,13 +4,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <iterator>
+#include <kvevict/checked.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <limits>
 #include <set>
 
+#include "common/bounded_json.hpp"
+#include "common/input_files.hpp"
 #include "eval/documents.hpp"
 
 namespace kvevict::eval {
@@ -45,9 +46,7 @@ class ObjectReader {
   }
 
   static std::string describe(const Json& value) {
-    std::string text = value.dump();
-    if (text.size() > 40) text = text.substr(0, 37) + "...";
-    return fmt::format("{} {}", value.type_name(), text);
+    return fmt::format("{} {}", value.type_name(), common::json_preview(value));
   }
 
   std::string string(const std::string& key, std::optional<std::string> fallback) const {
@@ -68,7 +67,7 @@ class ObjectReader {
     }
     if (value.is_number_unsigned() &&
         value.get<std::uint64_t>() > static_cast<std::uint64_t>(max)) {
-      fail(path, fmt::format("must be at most {}, got {}", max, value.dump()));
+      fail(path, fmt::format("must be in [{}, {}], got {}", min, max, value.get<std::uint64_t>()));
     }
     const auto number = value.get<std::int64_t>();
     if (number < min || number > max) {
@@ -158,9 +157,18 @@ class ObjectReader {
   std::string path_;
 };
 
-constexpr std::int64_t kMaxTokens = std::int64_t{1} << 40;
-constexpr int kMaxBudget = 1 << 24;
+// Limits on what a grid may ask for (docs/reliability.md says why each is what it is). A config
+// is a few hundred bytes; these keep it from asking for memory or cells out of proportion to
+// anything it could mean, and are checked before anything is sized from it.
+constexpr std::int64_t kMaxStreamTokens = std::int64_t{1} << 32;    // stream_bpb, cost tokens
+constexpr std::int64_t kMaxDocumentTokens = std::int64_t{1} << 20;  // passkey, grocery lengths
+constexpr int kMaxBudget = 1 << 20;
+constexpr int kMaxChunk = 4096;
+constexpr int kMaxTurns = (1 << 16) - 1;
 constexpr int kMaxDocuments = 100000;
+constexpr std::int64_t kMaxCells = std::int64_t{1} << 16;
+// Eval configs are hand-written grids of a few kilobytes.
+constexpr std::uintmax_t kMaxConfigBytes = std::uintmax_t{1} << 24;
 
 std::string default_label(const PolicyEntry& entry) {
   std::string label = entry.policy;
@@ -219,6 +227,52 @@ PolicyEntry parse_policy(const Json& json, const std::string& source, const std:
   return entry;
 }
 
+// A policy without a budget keeps every token, so its cache grows with the stream: such a grid is
+// held to the document limit.
+void require_bounded_cache(const ObjectReader& reader, std::int64_t tokens,
+                           const std::vector<PolicyEntry>& policies) {
+  if (tokens <= kMaxDocumentTokens) return;
+  for (const PolicyEntry& policy : policies) {
+    if (policy.bounded()) continue;
+    reader.fail(reader.child("tokens"),
+                fmt::format("{} tokens, but policy '{}' has no budget and would keep every one; "
+                            "without a budget the limit is {} tokens",
+                            tokens, policy.label, kMaxDocumentTokens));
+  }
+}
+
+// The grid's cells, counted before anything enumerates them (enumerate_cells in cells.cpp): an
+// upper bound where passkey lengths are multiples of every budget (unbudgeted policies).
+void require_cells_within_limit(const EvalConfig& config) {
+  std::set<int> all_budgets;
+  for (const PolicyEntry& entry : config.policies) {
+    all_budgets.insert(entry.budgets.begin(), entry.budgets.end());
+  }
+  const std::string what = fmt::format(
+      "{}: the grid's cells (tasks x policies x budgets x task variants)", config.source);
+  const auto count = [](std::size_t size) { return static_cast<std::int64_t>(size); };
+  std::int64_t cells = 0;
+  for (const TaskConfig& task : config.tasks) {
+    for (const PolicyEntry& entry : config.policies) {
+      std::int64_t variants = 1;
+      if (task.kind == TaskKind::passkey) {
+        const std::int64_t lengths =
+            !task.lengths.empty() ? count(task.lengths.size())
+            : entry.bounded()
+                ? count(task.length_x_budget.size())
+                : checked_product({count(task.length_x_budget.size()), count(all_budgets.size())},
+                                  what, kMaxCells);
+        variants = checked_product({lengths, count(task.depths.size())}, what, kMaxCells);
+      } else if (task.kind == TaskKind::grocery) {
+        variants = count(task.turns.size());
+      }
+      const std::int64_t budgets = std::max<std::int64_t>(1, count(entry.budgets.size()));
+      cells = checked_sum({cells, checked_product({budgets, variants}, what, kMaxCells)}, what,
+                          kMaxCells);
+    }
+  }
+}
+
 TaskConfig parse_task(const Json& json, const std::string& source, const std::string& path,
                       const std::vector<PolicyEntry>& policies) {
   if (!json.is_object() || !json.contains("task") || !json.at("task").is_string()) {
@@ -232,14 +286,16 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
   if (kind == "stream_bpb") {
     const ObjectReader reader(json, source, path, {"task", "tokens", "window", "turn_separator"});
     task.kind = TaskKind::stream_bpb;
-    task.tokens = reader.integer("tokens", 4096, 2, kMaxTokens);
+    task.tokens = reader.integer("tokens", 4096, 2, kMaxStreamTokens);
+    require_bounded_cache(reader, task.tokens, policies);
     task.window = static_cast<int>(reader.integer("window", 256, 1, kMaxBudget));
     task.turn_separator = reader.string("turn_separator", std::string());
   } else if (kind == "cost") {
     const ObjectReader reader(json, source, path,
                               {"task", "tokens", "checkpoints", "turn_separator"});
     task.kind = TaskKind::cost;
-    task.tokens = reader.integer("tokens", std::nullopt, 1, kMaxTokens);
+    task.tokens = reader.integer("tokens", std::nullopt, 1, kMaxStreamTokens);
+    require_bounded_cache(reader, task.tokens, policies);
     task.turn_separator = reader.string("turn_separator", std::string());
     if (reader.has("checkpoints")) {
       task.checkpoints = reader.integers("checkpoints", false, 1, task.tokens);
@@ -267,7 +323,7 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
     }
     const std::int64_t shortest = passkey_template_tokens();
     if (reader.has("lengths")) {
-      task.lengths = reader.integers("lengths", false, 1, kMaxTokens);
+      task.lengths = reader.integers("lengths", false, 1, kMaxDocumentTokens);
       reader.require_distinct("lengths", task.lengths);
       for (std::size_t i = 0; i < task.lengths.size(); ++i) {
         if (task.lengths[i] < shortest) {
@@ -277,25 +333,36 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
         }
       }
     } else {
-      task.length_x_budget = reader.integers("length_x_budget", false, 1, 1 << 20);
+      task.length_x_budget = reader.integers("length_x_budget", false, 1, kMaxDocumentTokens);
       reader.require_distinct("length_x_budget", task.length_x_budget);
-      bool any_budget = false;
+      // Only the extremes can fail: the shortest length is the smallest factor times the
+      // smallest budget, the longest the largest times the largest.
+      const auto [min_factor, max_factor] =
+          std::minmax_element(task.length_x_budget.begin(), task.length_x_budget.end());
+      std::optional<int> min_budget;
+      std::optional<int> max_budget;
       for (const PolicyEntry& policy : policies) {
         for (const int budget : policy.budgets) {
-          any_budget = true;
-          for (const std::int64_t factor : task.length_x_budget) {
-            if (factor * budget < shortest) {
-              reader.fail(reader.child("length_x_budget"),
-                          fmt::format("length {} x budget {} = {} is shorter than the passkey "
-                                      "template ({} tokens)",
-                                      factor, budget, factor * budget, shortest));
-            }
-          }
+          min_budget = std::min(budget, min_budget.value_or(budget));
+          max_budget = std::max(budget, max_budget.value_or(budget));
         }
       }
-      if (!any_budget) {
+      if (!min_budget) {
         reader.fail(reader.child("length_x_budget"),
                     "no policy has a budget to multiply: give \"lengths\"");
+      }
+      if (*min_factor * *min_budget < shortest) {
+        reader.fail(reader.child("length_x_budget"),
+                    fmt::format("length {} x budget {} = {} is shorter than the passkey "
+                                "template ({} tokens)",
+                                *min_factor, *min_budget, *min_factor * *min_budget, shortest));
+      }
+      if (*max_factor * *max_budget > kMaxDocumentTokens) {
+        reader.fail(
+            reader.child("length_x_budget"),
+            fmt::format("length {} x budget {} = {} is longer than the document limit "
+                        "of {} tokens",
+                        *max_factor, *max_budget, *max_factor * *max_budget, kMaxDocumentTokens));
       }
     }
   } else if (kind == "grocery") {
@@ -305,7 +372,7 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
     task.items = static_cast<int>(
         reader.integer("items", 5, 1, static_cast<std::int64_t>(kGroceries.size())));
     for (const std::int64_t turns : reader.has("turns")
-                                        ? reader.integers("turns", false, 1, 1 << 20)
+                                        ? reader.integers("turns", false, 1, kMaxTurns)
                                         : std::vector<std::int64_t>{3}) {
       if (turns % 2 == 0) {
         reader.fail(reader.child("turns"),
@@ -316,7 +383,7 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
       task.turns.push_back(static_cast<int>(turns));
     }
     reader.require_distinct("turns", task.turns);
-    task.length = reader.integer("length", std::nullopt, 1, kMaxTokens);
+    task.length = reader.integer("length", std::nullopt, 1, kMaxDocumentTokens);
     task.documents = static_cast<int>(reader.integer("documents", 20, 1, kMaxDocuments));
     for (const int turns : task.turns) {
       const std::int64_t shortest = grocery_template_tokens(task.items, turns);
@@ -386,9 +453,12 @@ std::int64_t grocery_template_tokens(int items, int turns) {
   }
   std::size_t total = 1 + kGroceryListPrefix.size() + list + 1 + kTurnSeparator.size() +
                       kGroceryQuestion.size() + kTurnSeparator.size() + kGroceryAnswerPrefix.size();
-  for (int t = 0; t < turns; ++t) {
-    total += kGrocerySpeakers[static_cast<std::size_t>(t % 2)].size() + kTurnSeparator.size();
-  }
+  // Filler turns alternate Assistant / User from an Assistant turn (counted, not looped: a config
+  // may list many turn counts).
+  const auto assistant_turns = static_cast<std::size_t>(turns + 1) / 2;
+  const auto user_turns = static_cast<std::size_t>(turns) / 2;
+  total += assistant_turns * (kGrocerySpeakers[0].size() + kTurnSeparator.size()) +
+           user_turns * (kGrocerySpeakers[1].size() + kTurnSeparator.size());
   return static_cast<std::int64_t>(total);
 }
 
@@ -415,7 +485,7 @@ EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& sour
   if (config.text.empty()) reader.fail("text", "must not be empty");
   config.seed = static_cast<std::uint64_t>(
       reader.integer("seed", 1, 0, std::numeric_limits<std::int64_t>::max()));
-  config.chunk = static_cast<int>(reader.integer("chunk", 16, 1, cli::kMaxChunk));
+  config.chunk = static_cast<int>(reader.integer("chunk", 16, 1, kMaxChunk));
   config.anchors = reader.boolean("anchors", false);
   if (reader.has("budgets")) {
     for (const std::int64_t budget : reader.integers("budgets", true, 1, kMaxBudget)) {
@@ -447,20 +517,24 @@ EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& sour
     config.tasks.push_back(
         parse_task(tasks[i], source, fmt::format("tasks[{}]", i), config.policies));
   }
+  require_cells_within_limit(config);
   return config;
 }
 
-EvalConfig load_eval_config(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("cannot open the eval config '{}'", path.string()));
-  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+EvalConfig parse_eval_config_text(std::string_view text, const std::string& source) {
   Json json;
   try {
-    json = Json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+    json = common::parse_json_bounded<Json>(text, fmt::format("eval config '{}'", source),
+                                            /*ignore_comments=*/true);
   } catch (const Json::exception& error) {
-    throw Error(fmt::format("eval config '{}' is not valid JSON: {}", path.string(), error.what()));
+    throw Error(fmt::format("eval config '{}' is not valid JSON: {}", source, error.what()));
   }
-  return parse_eval_config(json, path.string());
+  return parse_eval_config(json, source);
+}
+
+EvalConfig load_eval_config(const std::filesystem::path& path) {
+  return parse_eval_config_text(common::read_regular_file(path, "eval config", kMaxConfigBytes),
+                                path.string());
 }
 
 nlohmann::ordered_json to_json(const PolicyEntry& entry) {

@@ -81,7 +81,10 @@ struct EvalConfig {
 
 /// Validates and normalises a parsed config. `source` prefixes every message.
 [[nodiscard]] EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& source);
-/// Reads and parses a config file (JSON; // and /* */ comments allowed).
+/// Parses config text (JSON; // and /* */ comments allowed). `source` names it in messages.
+[[nodiscard]] EvalConfig parse_eval_config_text(std::string_view text, const std::string& source);
+/// Reads and parses a config file: a regular file of at most 16 MiB (a FIFO or a directory is an
+/// error naming the path, never a hang).
 [[nodiscard]] EvalConfig load_eval_config(const std::filesystem::path& path);
 
 /// The normalised config (every default filled in): what results record and hash.

@@ -16,6 +16,8 @@
 #include <set>
 
 #include "cli_common/report.hpp"
+#include "common/bounded_json.hpp"
+#include "common/input_files.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
@@ -29,9 +31,20 @@ using OrderedJson = nlohmann::ordered_json;
 
 constexpr int kChildFailed = 3;  // a child's exit status after an exception in its cell
 
+// A cell's result or failure message is a few kilobytes; the output directory is the user's, but
+// a file there that is not what kvevict wrote must not hang or exhaust the run.
+constexpr std::uintmax_t kMaxCellFileBytes = std::uintmax_t{1} << 28;
+
+// The file's text, or "" when it does not exist.
 std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::error_code error;
+  if (!fs::exists(path, error)) return {};
+  return common::read_regular_file(path, "cell file", kMaxCellFileBytes);
+}
+
+OrderedJson read_cell(const fs::path& path) {
+  return common::parse_json_bounded<OrderedJson>(read_file(path),
+                                                 fmt::format("cell file '{}'", path.string()));
 }
 
 // Writes `text` to `path` through `path`.tmp and a rename: a reader (or a resumed run) sees the
@@ -112,7 +125,7 @@ std::set<std::string> done_cells(const GridContext& grid, const fs::path& cells_
     if (path.extension() != ".json") continue;
     OrderedJson cell;
     try {
-      cell = OrderedJson::parse(read_file(path));
+      cell = read_cell(path);
     } catch (const OrderedJson::exception& error) {
       throw Error(fmt::format("cell file '{}' is not valid JSON ({}): delete it or pass --fresh",
                               path.string(), error.what()));
@@ -363,7 +376,7 @@ GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && fs::exists(result_file)) {
       ++summary.run;
       try {
-        outcome = headline(OrderedJson::parse(read_file(result_file))).text;
+        outcome = headline(read_cell(result_file)).text;
       } catch (const std::exception& parse_error) {
         outcome = fmt::format("(unreadable result: {})", parse_error.what());
       }
@@ -414,7 +427,7 @@ OrderedJson aggregate_json(const GridContext& grid, const fs::path& out) {
           {{"id", cell.id}, {"failed", why.empty() ? OrderedJson(nullptr) : OrderedJson(why)}});
       continue;
     }
-    OrderedJson result = OrderedJson::parse(read_file(file));
+    OrderedJson result = read_cell(file);
     result["label"] = config.policies[cell.policy_index].label;  // labels are not hashed
     cells.push_back(std::move(result));
   }

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "half.hpp"
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "model_io.hpp"
 
@@ -28,7 +29,7 @@ constexpr std::uint64_t kMaxNameLength = 65535;
 constexpr std::uint64_t kMinMetadataBytes = 8 + 4 + 1;            // empty key, type, 1-byte value
 constexpr std::uint64_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;  // empty name, 1 dim
 // Element counts beyond this are corrupt (and would overflow byte sizes).
-constexpr std::uint64_t kMaxElements = std::uint64_t{1} << 56;
+constexpr std::int64_t kMaxElements = std::int64_t{1} << 56;
 
 [[noreturn]] void fail(const std::string& message) { throw Error("GGUF: " + message); }
 
@@ -183,20 +184,25 @@ Value read_value(ByteReader& reader, ValueType type, std::string_view key, int d
 
 /// Bytes of a tensor of a supported type, or 0 for other types.
 std::uint64_t tensor_size(const TensorInfo& tensor) {
-  std::uint64_t elements = 1;
-  for (const std::int64_t dim : tensor.dims) elements *= static_cast<std::uint64_t>(dim);
+  const std::int64_t elements = element_count(tensor);
+  const auto bytes = [&](std::int64_t per_element) {
+    return static_cast<std::uint64_t>(checked_product(
+        {elements, per_element}, "GGUF: tensor " + in_quotes(tensor.name) + " bytes"));
+  };
   switch (static_cast<TensorType>(tensor.type)) {
     case TensorType::f32:
-      return elements * 4;
+      return bytes(4);
     case TensorType::f16:
     case TensorType::bf16:
-      return elements * 2;
+      return bytes(2);
     case TensorType::q8_0:
       if (tensor.dims[0] % kQ8BlockValues != 0) {
         fail("Q8_0 tensor " + in_quotes(tensor.name) + " has ne[0] = " +
              std::to_string(tensor.dims[0]) + ", not a multiple of the block size 32");
       }
-      return elements / kQ8BlockValues * kQ8BlockBytes;
+      return static_cast<std::uint64_t>(
+          checked_product({elements / kQ8BlockValues, kQ8BlockBytes},
+                          "GGUF: tensor " + in_quotes(tensor.name) + " bytes"));
   }
   return 0;
 }
@@ -238,6 +244,17 @@ bool is_supported(std::uint32_t type) {
       return true;
   }
   return false;
+}
+
+std::int64_t element_count(const TensorInfo& tensor) {
+  std::int64_t elements = 1;
+  for (const std::int64_t dim : tensor.dims) {
+    elements = checked_product(
+        {elements, dim},
+        "GGUF: tensor " + in_quotes(tensor.name) + " has an absurd dimension: its element count",
+        kMaxElements);
+  }
+  return elements;
 }
 
 // --- File --------------------------------------------------------------------------------------
@@ -418,15 +435,14 @@ File parse(std::span<const std::byte> bytes) {
     if (n_dims < 1 || n_dims > static_cast<std::uint32_t>(kMaxDims)) {
       fail(what + " has " + std::to_string(n_dims) + " dimensions (1 to 4 supported)");
     }
-    std::uint64_t elements = 1;
     for (std::uint32_t d = 0; d < n_dims; ++d) {
       const std::uint64_t dim = reader.u64(what + " dimension");
-      if (dim == 0 || dim > kMaxElements / elements) {
+      if (dim == 0 || dim > static_cast<std::uint64_t>(kMaxElements)) {
         fail(what + " has an absurd dimension " + std::to_string(dim));
       }
-      elements *= dim;
       tensor.dims.push_back(static_cast<std::int64_t>(dim));
     }
+    (void)element_count(tensor);  // the product of the dimensions is bounded too
     tensor.type = reader.u32(what + " type");
     tensor.offset = reader.u64(what + " offset");
     if (tensor.offset % file.alignment != 0) {
@@ -698,8 +714,7 @@ void load_tensor(Model& model, const gguf::File& file, TensorRole role, int laye
   }
   const std::span<const std::byte> bytes = file.tensor_data(*tensor);
   const auto type = static_cast<gguf::TensorType>(tensor->type);
-  std::size_t count = 1;
-  for (const std::int64_t dim : tensor->dims) count *= static_cast<std::size_t>(dim);
+  const auto count = static_cast<std::size_t>(gguf::element_count(*tensor));
   if (detail::is_norm(role)) {
     std::vector<float>& norm = detail::norm_of(model, role, layer);
     norm.resize(count);

@@ -80,6 +80,9 @@ struct TensorInfo {
   std::uint64_t size = 0;    ///< bytes (0 for unsupported types: their size is not computed)
 };
 
+/// The product of the tensor's dimensions; kvevict::Error when it exceeds 2^56 (a corrupt file).
+[[nodiscard]] std::int64_t element_count(const TensorInfo& tensor);
+
 /// A parsed file. Views into `bytes`, which the caller keeps alive.
 struct File {
   std::uint32_t version = 0;

@@ -3,10 +3,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <system_error>
 
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "model_io.hpp"
 
@@ -85,7 +87,8 @@ Model load_checkpoint(const detail::AlignedBytes& bytes, std::span<const std::by
     fail("seq_len must be positive, got " + std::to_string(header.seq_len));
   }
   if (header.seq_len > (1 << 24)) fail("seq_len " + std::to_string(header.seq_len) + " is absurd");
-  const std::uint64_t expected = llama2c::expected_floats(header) * 4;
+  const auto expected = static_cast<std::uint64_t>(checked_product(
+      {static_cast<std::int64_t>(llama2c::expected_floats(header)), 4}, "llama2.c: weight bytes"));
   if (reader.remaining() != expected) {
     fail("size mismatch: the header describes " + std::to_string(expected + 28) +
          " bytes, the file has " + std::to_string(bytes.size));
@@ -96,12 +99,16 @@ Model load_checkpoint(const detail::AlignedBytes& bytes, std::span<const std::by
   // Every tensor of a role is stored for all layers before the next role starts.
   const auto next_matrix = [&](TensorRole role, int layer) {
     const std::vector<std::int64_t> shape = detail::expected_shape(config, role);
-    const auto span = reader.bytes(static_cast<std::uint64_t>(shape[0] * shape[1]) * 4, "weights");
+    const auto span = reader.bytes(static_cast<std::uint64_t>(checked_product(
+                                       {shape[0], shape[1], 4}, "llama2.c: matrix bytes")),
+                                   "weights");
     detail::matrix_of(model, role, layer) =
         detail::matrix_view(model, span, DType::f32, shape[0], shape[1]);
   };
   const auto next_norm = [&](TensorRole role, int layer) {
-    const auto span = reader.bytes(static_cast<std::uint64_t>(config.dim) * 4, "weights");
+    const auto span = reader.bytes(
+        static_cast<std::uint64_t>(checked_product({config.dim, 4}, "llama2.c: norm bytes")),
+        "weights");
     detail::norm_of(model, role, layer) =
         detail::to_f32(span, DType::f32, static_cast<std::size_t>(config.dim));
   };
@@ -118,7 +125,9 @@ Model load_checkpoint(const detail::AlignedBytes& bytes, std::span<const std::by
     }
   }
   next_norm(TensorRole::final_norm, 0);
-  reader.skip(static_cast<std::uint64_t>(header.seq_len) * config.head_dim() * 4, "freq_cis");
+  reader.skip(static_cast<std::uint64_t>(checked_product({header.seq_len, config.head_dim(), 4},
+                                                         "llama2.c: freq_cis bytes")),
+              "freq_cis");
   if (config.tied_embeddings) {
     model.output = model.token_embedding;
   } else {
@@ -139,21 +148,27 @@ Model load_checkpoint(const detail::AlignedBytes& bytes, std::span<const std::by
 namespace llama2c {
 
 std::uint64_t expected_floats(const Header& header) {
-  const auto dim = static_cast<std::uint64_t>(header.dim);
-  const auto hidden = static_cast<std::uint64_t>(header.hidden_dim);
-  const auto layers = static_cast<std::uint64_t>(header.layers);
-  const std::uint64_t head_dim = dim / static_cast<std::uint64_t>(header.heads);
-  const std::uint64_t kv_dim = head_dim * static_cast<std::uint64_t>(header.kv_heads);
-  const std::uint64_t vocab =
-      static_cast<std::uint64_t>(std::abs(static_cast<std::int64_t>(header.vocab_size)));
-  std::uint64_t total = vocab * dim;                               // token embedding
-  total += layers * (2 * dim);                                     // rms_att, rms_ffn
-  total += layers * (2 * dim * dim + 2 * kv_dim * dim);            // wq, wo, wk, wv
-  total += layers * (3 * dim * hidden);                            // w1, w2, w3
-  total += dim;                                                    // rms_final
-  total += static_cast<std::uint64_t>(header.seq_len) * head_dim;  // freq_cis real + imag
-  if (header.vocab_size < 0) total += vocab * dim;                 // wcls
-  return total;
+  const std::int64_t dim = header.dim;
+  const std::int64_t hidden = header.hidden_dim;
+  const std::int64_t layers = header.layers;
+  const std::int64_t head_dim = dim / header.heads;
+  const std::int64_t vocab = std::abs(static_cast<std::int64_t>(header.vocab_size));
+  const auto floats = [](std::initializer_list<std::int64_t> factors) {
+    return checked_product(factors, "llama2.c: weights of the header's shape");
+  };
+  const std::int64_t kv_dim = floats({head_dim, header.kv_heads});
+  return static_cast<std::uint64_t>(checked_sum(
+      {
+          floats({vocab, dim}),                              // token embedding
+          floats({layers, 2, dim}),                          // rms_att, rms_ffn
+          floats({layers, 2, dim, dim}),                     // wq, wo
+          floats({layers, 2, kv_dim, dim}),                  // wk, wv
+          floats({layers, 3, dim, hidden}),                  // w1, w2, w3
+          dim,                                               // rms_final
+          floats({header.seq_len, head_dim}),                // freq_cis real + imag
+          header.vocab_size < 0 ? floats({vocab, dim}) : 0,  // wcls
+      },
+      "llama2.c: weights of the header's shape", std::numeric_limits<std::int64_t>::max()));
 }
 
 }  // namespace llama2c

@@ -12,7 +12,9 @@
 #include <system_error>
 #include <utility>
 
+#include "../common/input_files.hpp"
 #include "half.hpp"
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "model_io.hpp"
 
@@ -135,6 +137,8 @@ Model load_model(const std::filesystem::path& path) {
   std::error_code error;
   if (std::filesystem::is_directory(path, error)) return load_safetensors(path);
   if (path.extension() == ".safetensors") return load_safetensors(path);
+  // Before the sniffing read below: opening a FIFO would block.
+  common::require_regular_file(path, "model file");
   std::ifstream stream(path, std::ios::binary);
   KVEVICT_REQUIRE(stream.good(), "cannot open model file " + path.string());
   std::array<char, 9> head{};
@@ -215,6 +219,7 @@ AlignedBytes copy_aligned(std::span<const std::byte> bytes) {
 }
 
 AlignedBytes read_file(const std::filesystem::path& path, std::string_view format) {
+  common::require_regular_file(path, std::string(format) + " file");
   std::ifstream stream(path, std::ios::binary | std::ios::ate);
   KVEVICT_REQUIRE(stream.good(), std::string(format) + ": cannot open " + path.string());
   const std::streamoff size = stream.tellg();
@@ -407,8 +412,9 @@ WeightMatrix matrix_view(Model& model, std::span<const std::byte> bytes, DType d
 }
 
 WeightMatrix new_f32_matrix(Model& model, std::int64_t rows, std::int64_t cols, float** values) {
-  const AlignedBytes buffer =
-      allocate_aligned(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * 4);
+  // Callers size it from a tensor whose (quantised) bytes are already in the file.
+  const AlignedBytes buffer = allocate_aligned(checked_allocation(
+      {rows, cols, 4}, "f32 matrix bytes", std::numeric_limits<std::int64_t>::max()));
   model.storage.push_back(buffer.owner);
   *values = reinterpret_cast<float*>(buffer.data());
   return WeightMatrix{DType::f32, rows, cols, buffer.data()};
@@ -421,7 +427,11 @@ float narrow_to_f32(double value, std::string_view what) {
 }
 
 std::vector<float> to_f32(std::span<const std::byte> bytes, DType dtype, std::size_t count) {
-  KVEVICT_REQUIRE(bytes.size() >= count * dtype_size(dtype), "to_f32: too few bytes");
+  KVEVICT_REQUIRE(
+      static_cast<std::uint64_t>(checked_product(
+          {static_cast<std::int64_t>(count), static_cast<std::int64_t>(dtype_size(dtype))},
+          "to_f32: byte count")) <= bytes.size(),
+      "to_f32: too few bytes");
   std::vector<float> values(count);
   convert_to_f32(bytes.data(), dtype, count, values.data());
   return values;

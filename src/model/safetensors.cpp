@@ -10,6 +10,9 @@
 #include <unordered_set>
 #include <utility>
 
+#include "../common/bounded_json.hpp"
+#include "../common/input_files.hpp"
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "model_io.hpp"
 
@@ -22,7 +25,8 @@ using nlohmann::json;
 
 [[noreturn]] void fail(const std::string& message) { throw Error("safetensors: " + message); }
 
-constexpr std::uint64_t kMaxElements = std::uint64_t{1} << 56;
+// Element counts beyond this are corrupt (2^56 elements of 8 bytes still fit a uint64 byte count).
+constexpr std::int64_t kMaxElements = std::int64_t{1} << 56;
 
 }  // namespace
 
@@ -65,7 +69,7 @@ File parse(std::span<const std::byte> bytes) {
   const std::string_view text = reader.string(header_length, "header");
   json header;
   try {
-    header = json::parse(text);
+    header = common::parse_json_bounded<json>(text, "safetensors: header");
   } catch (const json::exception& error) {
     fail(std::string("header is not valid JSON: ") + error.what());
   }
@@ -92,15 +96,17 @@ File parse(std::span<const std::byte> bytes) {
     tensor.dtype = dtype->get<std::string>();
     const auto shape = entry.find("shape");
     if (shape == entry.end() || !shape->is_array()) fail(what + " has no array 'shape'");
-    std::uint64_t elements = 1;
+    // A zero dimension is a valid empty tensor; the product stays exact and bounded either way.
+    std::int64_t elements = 1;
     for (const json& dim : *shape) {
-      if (!dim.is_number_unsigned()) fail(what + " has a shape entry that is not a count");
-      const auto value = dim.get<std::uint64_t>();
-      if (value > 0 && value > kMaxElements / elements) {
-        fail(what + " has an absurd shape " + shape->dump());
+      if (!dim.is_number_unsigned() || dim.get<std::uint64_t>() > kMaxElements) {
+        fail(what + " has a shape entry that is not a count up to " + std::to_string(kMaxElements) +
+             ": " + common::json_preview(dim));
       }
-      elements *= value;
-      tensor.shape.push_back(static_cast<std::int64_t>(value));
+      tensor.shape.push_back(static_cast<std::int64_t>(dim.get<std::uint64_t>()));
+      elements = checked_product({elements, tensor.shape.back()},
+                                 "safetensors: " + what + " has an absurd shape: its element count",
+                                 kMaxElements);
     }
     const auto offsets = entry.find("data_offsets");
     if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
@@ -115,10 +121,13 @@ File parse(std::span<const std::byte> bytes) {
            std::to_string(data_size) + " bytes)");
     }
     const std::size_t element_size = dtype_size(tensor.dtype);
-    if (element_size != 0 && tensor.end - tensor.begin != elements * element_size) {
+    const auto needed = static_cast<std::uint64_t>(
+        checked_product({elements, static_cast<std::int64_t>(element_size)},
+                        "safetensors: " + what + " byte count"));
+    if (element_size != 0 && tensor.end - tensor.begin != needed) {
       fail(what + " size mismatch: " + std::to_string(tensor.end - tensor.begin) +
-           " bytes for dtype " + tensor.dtype + " and shape " + shape->dump() + " (needs " +
-           std::to_string(elements * element_size) + ")");
+           " bytes for dtype " + tensor.dtype + " and shape " + detail::shape_string(tensor.shape) +
+           " (needs " + std::to_string(needed) + ")");
     }
     file.tensors.push_back(std::move(tensor));
   }
@@ -283,7 +292,7 @@ std::int32_t config_token(const json& config, std::string_view key) {
 json parse_config(std::string_view text) {
   json config;
   try {
-    config = json::parse(text);
+    config = common::parse_json_bounded<json>(text, "safetensors: config.json");
   } catch (const json::exception& error) {
     fail(std::string("config.json is not valid JSON: ") + error.what());
   }
@@ -335,7 +344,7 @@ ModelConfig read_config(const json& config) {
     fail("config.json attention_bias / mlp_bias are not supported");
   }
   if (const json* act = member(config, "hidden_act"); act && *act != "silu") {
-    fail("config.json hidden_act " + act->dump() + " is not supported (only silu)");
+    fail("config.json hidden_act " + common::json_preview(*act) + " is not supported (only silu)");
   }
   if (const int head_dim = config_int(config, "head_dim", result.head_dim());
       head_dim != result.head_dim()) {
@@ -356,7 +365,7 @@ Tokenizer read_tokenizer(const json& config) {
     return tokenizer;
   }
   if (*kind != "sentencepiece") {
-    fail("config.json kvevict_tokenizer " + kind->dump() +
+    fail("config.json kvevict_tokenizer " + common::json_preview(*kind) +
          " is not supported (\"bytes\" or \"sentencepiece\")");
   }
   tokenizer.kind = Tokenizer::Kind::sentencepiece;
@@ -489,9 +498,10 @@ Model load_safetensors(const std::filesystem::path& path) {
     }
   }
   const std::filesystem::path config = tensors.parent_path() / "config.json";
-  if (!std::filesystem::is_regular_file(config, error)) {
+  if (!std::filesystem::exists(config, error)) {
     fail("config.json not found beside " + tensors.string());
   }
+  common::require_regular_file(config, "config.json");
   return load_safetensors_bytes(detail::read_file(tensors, "safetensors"), read_text(config));
 }
 

@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <fstream>
 #include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <system_error>
 #include <utility>
 
+#include "common/bounded_json.hpp"
+#include "common/input_files.hpp"
+#include "kvevict/checked.hpp"
 #include "replay/replay.hpp"
 
 namespace kvevict::replay {
@@ -41,13 +42,8 @@ std::string indexed(const std::string& path, std::initializer_list<std::size_t> 
   return out;
 }
 
-// A short, always printable rendering of a value for messages.
-std::string preview(const json& value) {
-  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  constexpr std::size_t kMaxPreview = 60;
-  if (text.size() > kMaxPreview) text = text.substr(0, kMaxPreview) + "...";
-  return text;
-}
+// A short, always printable rendering of a value for messages, whatever its size or depth.
+std::string preview(const json& value) { return common::json_preview(value); }
 
 std::string kind_of(const json& value) {
   if (value.is_number()) return "the number " + preview(value);
@@ -117,13 +113,14 @@ double read_finite(const json& value, const std::string& path) {
 }
 
 // Reads a dense [d0][d1][d2][d3] array of numbers into `out`, row-major. Entries for which
-// `used(i0, i1, i2, i3)` is false must be numbers but are ignored (stored as 0).
+// `used(i0, i1, i2, i3)` is false must be numbers but are ignored (stored as 0). `out` grows with
+// the entries the document holds (never to the product of `dims` up front): a short file that
+// declares a large shape fails on its first short array, before it costs memory.
 template <class UsedFn>
 void read_tensor4(const json& value, const std::string& path, std::array<std::size_t, 4> dims,
                   std::array<std::string_view, 4> meanings, UsedFn used, std::vector<double>& out) {
-  out.assign(dims[0] * dims[1] * dims[2] * dims[3], 0.0);
+  out.clear();
   require_array_of(value, path, dims[0], meanings[0]);
-  std::size_t flat = 0;
   for (std::size_t i0 = 0; i0 < dims[0]; ++i0) {
     const json& level1 = value[i0];
     if (!level1.is_array() || level1.size() != dims[1]) {
@@ -139,15 +136,18 @@ void read_tensor4(const json& value, const std::string& path, std::array<std::si
         if (!row.is_array() || row.size() != dims[3]) {
           require_array_of(row, indexed(path, {i0, i1, i2}), dims[3], meanings[3]);
         }
-        for (std::size_t i3 = 0; i3 < dims[3]; ++i3, ++flat) {
+        for (std::size_t i3 = 0; i3 < dims[3]; ++i3) {
           const json& entry = row[i3];
           if (used(i0, i1, i2, i3)) {
             if (!entry.is_number() || !std::isfinite(entry.get<double>())) {
               read_finite(entry, indexed(path, {i0, i1, i2, i3}));
             }
-            out[flat] = entry.get<double>();
-          } else if (!entry.is_number()) {
-            fail(indexed(path, {i0, i1, i2, i3}), "expected a number, got " + kind_of(entry));
+            out.push_back(entry.get<double>());
+          } else {
+            if (!entry.is_number()) {
+              fail(indexed(path, {i0, i1, i2, i3}), "expected a number, got " + kind_of(entry));
+            }
+            out.push_back(0.0);
           }
         }
       }
@@ -155,15 +155,15 @@ void read_tensor4(const json& value, const std::string& path, std::array<std::si
   }
 }
 
-// product of positive factors, or nullopt past `limit`.
-std::optional<std::int64_t> bounded_product(std::initializer_list<std::int64_t> factors,
-                                            std::int64_t limit) {
-  std::int64_t product = 1;
-  for (std::int64_t factor : factors) {
-    if (factor > limit / product) return std::nullopt;
-    product *= factor;
+// Throws a ReplayError at `path` unless the product of `factors` is at most the replay limit
+// `limit`; `what` names the product in the message.
+void require_product_within(const std::string& path, std::initializer_list<std::int64_t> factors,
+                            std::string_view what, std::int64_t limit) {
+  try {
+    (void)checked_product(factors, what, limit);
+  } catch (const Error& error) {
+    fail(path, std::string(error.what()) + " (a replay limit)");
   }
-  return product;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -183,11 +183,8 @@ ReplayShape read_shape(const json& document) {
     fail("shape", "q_heads (" + std::to_string(shape.q_heads) +
                       ") is not a multiple of kv_heads (" + std::to_string(shape.kv_heads) + ")");
   }
-  if (!bounded_product({shape.layers, shape.q_heads}, kMaxLayerHeads)) {
-    fail("shape",
-         "layers * q_heads = " + std::to_string(std::int64_t{shape.layers} * shape.q_heads) +
-             " is larger than the replay limit of " + std::to_string(kMaxLayerHeads));
-  }
+  require_product_within("shape", {shape.layers, shape.q_heads}, "layers * q_heads",
+                         kMaxLayerHeads);
   return shape;
 }
 
@@ -273,11 +270,8 @@ Catalyst read_catalyst(const json& value, const ReplayShape& shape, int tokens) 
   catalyst.length =
       read_int(require_key(value, "catalyst", "length"), "catalyst.length", 1, kMaxTokens);
   const std::int64_t columns = std::int64_t{tokens} + catalyst.length;
-  if (!bounded_product({shape.layers, shape.q_heads, catalyst.length, columns}, kMaxLogits)) {
-    fail("catalyst",
-         "layers * q_heads * length * (tokens + length) is larger than the replay limit of " +
-             std::to_string(kMaxLogits) + " logits");
-  }
+  require_product_within("catalyst", {shape.layers, shape.q_heads, catalyst.length, columns},
+                         "layers * q_heads * length * (tokens + length) logits", kMaxLogits);
   const auto length = static_cast<std::size_t>(catalyst.length);
   const auto t = static_cast<std::size_t>(tokens);
   // Catalyst query p sees every pot token (column < T) and catalyst tokens 0..p (causal).
@@ -376,10 +370,8 @@ Replay parse_replay(const json& document) {
 
   // Sizes are known and bounded from here on; the arrays must match them exactly.
   const ReplayShape& shape = replay.shape;
-  if (!bounded_product({shape.layers, shape.q_heads, replay.tokens, replay.tokens}, kMaxLogits)) {
-    fail("logits", "layers * q_heads * tokens * tokens is larger than the replay limit of " +
-                       std::to_string(kMaxLogits) + " logits");
-  }
+  require_product_within("logits", {shape.layers, shape.q_heads, replay.tokens, replay.tokens},
+                         "layers * q_heads * tokens * tokens logits", kMaxLogits);
   const auto t = static_cast<std::size_t>(replay.tokens);
   const auto causal = [](std::size_t, std::size_t, std::size_t query, std::size_t key) {
     return key <= query;
@@ -408,7 +400,7 @@ Replay parse_replay(const json& document) {
 Replay parse_replay_text(std::string_view text) {
   json document;
   try {
-    document = json::parse(text.begin(), text.end());
+    document = common::parse_json_bounded<json, ReplayError>(text, "the replay");
   } catch (const json::parse_error& error) {
     throw ReplayError("invalid JSON at byte " + std::to_string(error.byte) + ": " +
                       strip_nlohmann_prefix(error.what()));
@@ -419,18 +411,8 @@ Replay parse_replay_text(std::string_view text) {
 }
 
 Replay load_replay(const std::filesystem::path& file) {
-  std::error_code error;
-  const std::uintmax_t size = std::filesystem::file_size(file, error);
-  if (error) throw ReplayError("cannot read '" + file.string() + "': " + error.message());
-  if (size > kMaxFileBytes) {
-    throw ReplayError("'" + file.string() + "' is " + std::to_string(size) +
-                      " bytes, larger than the replay limit of " + std::to_string(kMaxFileBytes));
-  }
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw ReplayError("cannot open '" + file.string() + "'");
-  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  if (in.bad()) throw ReplayError("error while reading '" + file.string() + "'");
-  return parse_replay_text(text);
+  return parse_replay_text(
+      common::read_regular_file<ReplayError>(file, "replay file", kMaxFileBytes));
 }
 
 ReplayResult parse_result(const json& document, const std::string& path) {
