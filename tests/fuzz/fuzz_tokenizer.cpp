@@ -7,9 +7,9 @@
 //   flags & 2  append the 256 byte pieces <0x00>..<0xFF> (every byte can then be encoded)
 //   flags & 4  explicit piece types (type byte % 8) instead of inferred ones
 //   flags & 8  add BOS
-// Properties: ids are in the vocabulary and decode; where every byte has a byte piece and types
-// are inferred, decoding the ids gives back the text (SentencePiece: with spaces as "▁", the dummy
-// prefix in front).
+// Properties: ids are in the vocabulary and decode; where every byte's fallback piece is typed as
+// a byte piece (appended byte pieces, inferred types, BOS and EOS not among them), decoding the ids
+// gives back the text (SentencePiece: with spaces as "▁", the dummy prefix in front).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fuzz_input.hpp"
+#include "model/model_io.hpp"
 
 namespace {
 
@@ -108,13 +109,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                             " outside the vocabulary of " + std::to_string(tokenizer.vocab_size));
     }
     try {
-      if (!(add_bos && i == 0)) decoded += tokenizer.decode(id);
+      if (!(add_bos && tokenizer.bos_id >= 0 && i == 0)) decoded += tokenizer.decode(id);
     } catch (const Error& error) {
       fuzz::property_failed("id " + std::to_string(id) + " does not decode: " + error.what());
     }
   }
   const bool byte_level = tokenizer.kind == Tokenizer::Kind::byte_level;
-  const bool every_byte = byte_level || ((flags & 2) != 0 && (flags & 4) == 0);
+  // Byte fallback uses the first piece spelling <0xXX> (as llama.cpp does), which decodes to its
+  // byte only when it is typed as a byte piece: with inferred types, unless it is BOS or EOS.
+  const auto is_byte_piece = [&](std::int32_t id) {
+    return id >= 0 &&
+           model::detail::byte_piece_value(tokenizer.pieces[static_cast<std::size_t>(id)]) >= 0;
+  };
+  const bool every_byte =
+      byte_level || ((flags & 2) != 0 && (flags & 4) == 0 && !is_byte_piece(tokenizer.bos_id) &&
+                     !is_byte_piece(tokenizer.eos_id));
   if (!every_byte) return 0;
   std::string expected(text);
   if (!byte_level) {
