@@ -260,6 +260,26 @@ TEST(Safetensors, ZeroDimensionBesideAValidConfigIsAShapeError) {
                      "'model.embed_tokens.weight' has shape [0, 5], expected [260, 4]");
 }
 
+// --- Fuzzing finding: tensors over shared bytes
+// -----------------------------------------------------
+
+// fuzz_gguf's round trip found output.weight pointing at token_embd.weight's bytes: it loaded as
+// an untied classifier aliasing the embedding, and weight_bytes() counted the two once.
+TEST(SharedTensorBytes, GgufTensorsThatOverlapAreRefused) {
+  expect_clean_error(
+      [] {
+        const std::string file = regression("gguf", "output-aliases-embedding");
+        (void)kvevict::model::load_gguf(kvevict::fuzz::as_bytes(file));
+      },
+      "GGUF: tensors 'token_embd.weight' and 'output.weight' overlap in the data section");
+}
+
+TEST(SharedTensorBytes, SafetensorsTensorsThatOverlapAreRefused) {
+  expect_clean_error(
+      [] { (void)load_two_files(regression("safetensors", "lm-head-aliases-embedding")); },
+      "overlap in the data section");
+}
+
 // --- Finding 2: error messages of deeply nested JSON
 // -----------------------------------------------
 
@@ -554,6 +574,10 @@ TEST_F(HostileCli, ModelFindings) {
     expect_exit_2({"info", "--model", nested.string()},
                   "cannot load model '" + nested.string() + "': safetensors: config.json nests");
   }
+  const fs::path aliased = path("aliased.gguf");
+  write_text(aliased, regression("gguf", "output-aliases-embedding"));
+  expect_exit_2({"info", "--model", aliased.string()},
+                "cannot load model '" + aliased.string() + "': GGUF: tensors");
   const fs::path model = fifo("cli-model.gguf");
   expect_exit_2({"info", "--model", model.string()},
                 "cannot open model file '" + model.string() + "': it is a FIFO");

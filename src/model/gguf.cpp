@@ -459,6 +459,7 @@ File parse(std::span<const std::byte> bytes) {
   file.data_offset = (header_end + file.alignment - 1) / file.alignment * file.alignment;
   const std::uint64_t data_size =
       bytes.size() > file.data_offset ? bytes.size() - file.data_offset : 0;
+  std::vector<detail::TensorBytes> extents;
   for (const TensorInfo& tensor : file.tensors) {
     if (!is_supported(tensor.type)) continue;  // its size is unknown; it is rejected if used
     if (tensor.offset > data_size || tensor.size > data_size - tensor.offset) {
@@ -467,7 +468,10 @@ File parse(std::span<const std::byte> bytes) {
            ") extends beyond the end of the file (the data section holds " +
            std::to_string(data_size) + " bytes)");
     }
+    extents.push_back({tensor.name, tensor.offset, tensor.offset + tensor.size});
   }
+  // ggml's own loader goes further: each offset must follow the previous tensor's padded end.
+  detail::require_disjoint(std::move(extents), "GGUF");
   return file;
 }
 

@@ -503,6 +503,22 @@ void finish_model(Model& model, std::string_view format) {
   }
 }
 
+void require_disjoint(std::vector<TensorBytes> tensors, std::string_view format) {
+  std::erase_if(tensors, [](const TensorBytes& tensor) { return tensor.begin == tensor.end; });
+  std::sort(tensors.begin(), tensors.end(),
+            [](const TensorBytes& a, const TensorBytes& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < tensors.size(); ++i) {
+    const TensorBytes& before = tensors[i - 1];
+    const TensorBytes& after = tensors[i];
+    KVEVICT_REQUIRE(after.begin >= before.end,
+                    std::string(format) + ": tensors " + in_quotes(before.name) + " and " +
+                        in_quotes(after.name) + " overlap in the data section (bytes [" +
+                        std::to_string(before.begin) + ", " + std::to_string(before.end) +
+                        ") and [" + std::to_string(after.begin) + ", " + std::to_string(after.end) +
+                        "))");
+  }
+}
+
 }  // namespace detail
 namespace detail {
 

@@ -272,6 +272,17 @@ void convert_rope_layout(Model& model, RopeLayout target);
 /// consistency with it; fills tokenizer.vocab_size.
 void finish_model(Model& model, std::string_view format);
 
+/// A tensor's bytes in a file's data section: [begin, end).
+struct TensorBytes {
+  std::string_view name;
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;
+};
+/// Throws "<format>: tensors 'a' and 'b' overlap ..." unless no two non-empty ranges share a byte:
+/// two tensors over the same bytes would alias each other (an untied classifier that is the
+/// embedding, read as another dtype).
+void require_disjoint(std::vector<TensorBytes> tensors, std::string_view format);
+
 /// Tokenizer helpers (tokenizer.cpp).
 /// For "<0xXX>" returns the byte value, else -1.
 [[nodiscard]] int byte_piece_value(std::string_view piece);

@@ -131,6 +131,12 @@ File parse(std::span<const std::byte> bytes) {
     }
     file.tensors.push_back(std::move(tensor));
   }
+  // The format promises that no two tensors' bytes overlap (its README, "Prevent DOS attacks").
+  std::vector<detail::TensorBytes> extents;
+  for (const TensorInfo& tensor : file.tensors) {
+    extents.push_back({tensor.name, tensor.begin, tensor.end});
+  }
+  detail::require_disjoint(std::move(extents), "safetensors");
   return file;
 }
 

@@ -128,8 +128,41 @@ std::string with_nested(std::string config, std::string_view key, int depth) {
   return config + ", \"" + std::string(key) + "\": " + nested_array(depth) + "}";
 }
 
+/// An untied GGUF model whose output.weight tensor info points at token_embd.weight's bytes
+/// (offset 0: the writer puts the embedding first).
+std::vector<std::byte> gguf_aliasing_output(const model::Model& untied) {
+  std::vector<std::byte> file = model::serialize_gguf(untied);
+  const std::string_view name = "output.weight";
+  std::string key(8, '\0');
+  const std::uint64_t length = name.size();
+  std::memcpy(key.data(), &length, 8);
+  key += name;
+  const std::string_view text = fuzz::as_text(file);
+  const std::size_t at = text.find(key);
+  if (at == std::string_view::npos) throw Error("no output.weight tensor info");
+  // name, u32 n_dims (2), u64 ne[2], u32 type, then the u64 offset.
+  const std::size_t offset_at = at + key.size() + 4 + 16 + 4;
+  const std::uint64_t zero = 0;
+  std::memcpy(file.data() + offset_at, &zero, 8);
+  return file;
+}
+
+/// An untied safetensors model whose lm_head.weight has model.embed_tokens.weight's data_offsets.
+std::vector<std::byte> safetensors_aliasing_output(const model::Model& untied) {
+  const model::SafetensorsFiles files = model::serialize_safetensors(untied);
+  std::uint64_t length = 0;
+  std::memcpy(&length, files.tensors.data(), 8);
+  json header = json::parse(fuzz::as_text(std::span(files.tensors).subspan(8, length)));
+  header["lm_head.weight"]["data_offsets"] = header["model.embed_tokens.weight"]["data_offsets"];
+  std::vector<std::byte> tensors = safetensors_file(header, 0);
+  tensors.insert(tensors.end(), files.tensors.begin() + 8 + static_cast<std::ptrdiff_t>(length),
+                 files.tensors.end());
+  return fuzz::join_two(fuzz::as_bytes(files.config_json), tensors);
+}
+
 void model_seeds(const fs::path& root) {
   using model::DType;
+  const model::Model sentencepiece = sentencepiece_model(DType::f32, /*tied=*/false);
   const fs::path gguf = root / "corpus" / "gguf";
   write(gguf / "bytes-f32.gguf", model::serialize_gguf(byte_model(4, DType::f32)));
   write(gguf / "sentencepiece-f16-untied.gguf",
@@ -149,13 +182,18 @@ void model_seeds(const fs::path& root) {
   const fs::path llama2c = root / "corpus" / "llama2c";
   write(llama2c / "bytes-no-tokenizer",
         fuzz::join_two({}, model::serialize_llama2c(byte_model(4, DType::f32))));
-  const model::Model sentencepiece = sentencepiece_model(DType::f32, /*tied=*/false);
   write(llama2c / "sentencepiece-untied",
         fuzz::join_two(model::serialize_llama2c_tokenizer(sentencepiece.tokenizer),
                        model::serialize_llama2c(sentencepiece)));
 
   // Findings (docs/reliability.md).
   const fs::path regressions = root / "regressions";
+  // Fuzzing (fuzz_gguf's round trip): output.weight over token_embd.weight's bytes loaded as an
+  // untied classifier aliasing the embedding (and weight_bytes() counted it once).
+  write(regressions / "gguf" / "output-aliases-embedding", gguf_aliasing_output(sentencepiece));
+  // The same in safetensors, by analogy (found in review after the GGUF finding).
+  write(regressions / "safetensors" / "lm-head-aliases-embedding",
+        safetensors_aliasing_output(sentencepiece));
   // Issue 14 item 1: a zero dimension made the element count a divisor of 0 (SIGFPE).
   const json zero_dimension = {{"model.embed_tokens.weight",
                                 {{"dtype", "F32"}, {"shape", {0, 5}}, {"data_offsets", {0, 0}}}}};
