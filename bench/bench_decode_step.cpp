@@ -17,6 +17,9 @@
 // (policy, budget) is kept across Google Benchmark's runs of that benchmark (iteration estimation,
 // repetitions): the fill is paid once, and later runs continue the same stream at steady state.
 //
+// `full` is the reference at the same live size: after each step, outside the timing, the token
+// just fed is rolled back (Sequence::roll_back), so that every step attends over N + 1 slots.
+//
 // Stream: byte tokens from an LCG with the <AC> anchor (id 258) every 16th token, the same for
 // every policy (AnLLM reduces at each anchor). AnLLM is filled with anchors only, the steady state
 // of an endless stream under its max_slots cap (a cache of anchors, oldest dropped at the cap).
@@ -35,21 +38,23 @@
 // and projections stream from memory as in a real model; 8 layers (not 22+) keep the fill of a
 // 4K cache at seconds. The vocabulary is tiny, so the head is cheaper than in a real model.
 //
-// Counters, per step (µs of wall time, steady_clock, from DecoderStats deltas over the run):
-//   step_us        forward_seconds + eviction_seconds: the whole forward()
+// Counters, per step (µs of wall time, steady_clock, from the StageClock injected into the decoder,
+// deltas over the run; stages are exclusive, so nested policy hooks are not in attention):
+//   step_us        every stage: the whole forward()
 //   attention_us   attention blocks (norm, QKV, K/V write, RoPE, q.K, softmax, .V, out-proj)
 //   mlp_us         MLP blocks (norm, gate/up, SwiGLU, down)
 //   head_us        embedding, final norm, classifier, surprisal
-//   policy_us      observe_* scoring + select (top-k, keep-lists) + new positions
-//   reposition_us  compaction of slot metadata, K/V rows gathered, post-RoPE keys re-rotated
+//   policy_us      observe_* scoring + select (the policy's decision)
+//   reposition_us  applying decisions: slot metadata, the KvStore's folds (key rotations)
 //   catalyst_us    InfiniPot's catalyst prompt forward (amortised over the pot cycle)
-//   eviction_us    eviction_seconds: policy + reposition + catalyst + slot bookkeeping
 //   overhead       (policy + reposition) / (attention + mlp)
-//   evict_overhead eviction / (attention + mlp)
-//   live           slots of head (0, 0) after the run; evictions: compactions per step
+//   catalyst       catalyst / (attention + mlp)
+//   moved_bytes_per_evicted  K/V bytes rewritten or copied (folds, growth) per evicted slot
+//   live           tokens of head (0, 0) after the run; evictions: decisions per step
 #include <benchmark/benchmark.h>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/random_model.hpp>
@@ -63,7 +68,6 @@
 namespace {
 
 using kvevict::model::Decoder;
-using kvevict::model::DecoderStats;
 using kvevict::model::Model;
 using kvevict::model::ModelConfig;
 
@@ -103,6 +107,7 @@ std::int32_t stream_token(std::int64_t index) {
 struct Running {
   int policy = -1;
   int budget = 0;
+  kvevict::StageClock clock;  // the decoder's observer
   std::unique_ptr<Decoder> decoder;
   std::int64_t next = 0;  // index of the next stream token
 };
@@ -115,6 +120,7 @@ Running& running_for(int policy, int budget) {
   options.policy = kPolicies[static_cast<std::size_t>(policy)];
   if (policy != kFull) options.budget = budget;
   kvevict::cli::PolicySetup setup = kvevict::cli::make_policy_setup(options, model());
+  setup.decoder_options.observer = &running.clock;
   running.decoder = kvevict::cli::make_decoder(model(), setup);
   running.policy = policy;
   running.budget = budget;
@@ -129,54 +135,60 @@ Running& running_for(int policy, int budget) {
 }
 
 void BM_DecodeStep(benchmark::State& state) {
+  using kvevict::Stage;
   const int policy = static_cast<int>(state.range(0));
   const int budget = static_cast<int>(state.range(1));
   Running& running = running_for(policy, budget);
   Decoder& decoder = *running.decoder;
   state.SetLabel(kPolicies[static_cast<std::size_t>(policy)]);
-  const kvevict::model::ModelConfig& c = model().config;
   // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
   const bool turns = decoder.cache().policy().triggers().contains(kvevict::Trigger::before_turn);
   const kvevict::model::ForwardRequest request{turns, false};
+  kvevict::Sequence& sequence = decoder.cache().sequence();
 
-  const DecoderStats before = decoder.stats();
-  const std::int64_t compactions_before = decoder.cache().pipeline().stats().compactions;
+  const kvevict::StageClock before = running.clock;
+  const kvevict::SequenceStats stats_before = sequence.stats();
+  const std::size_t moved_before =
+      decoder.cache().store().bytes_rotated() + decoder.cache().store().bytes_copied();
   for (auto _ : state) {
     const std::int32_t token = stream_token(running.next++);
     benchmark::DoNotOptimize(decoder.forward(std::span<const std::int32_t>(&token, 1), request));
     if (policy == kFull) {
-      // Back to N slots for the next step, outside the timing (and outside DecoderStats).
+      // Back to N tokens for the next step, outside the timing (and outside the clock).
       state.PauseTiming();
-      for (int l = 0; l < c.layers; ++l) {
-        for (int g = 0; g < c.kv_heads; ++g) decoder.cache().store().truncate(l, g, budget);
-      }
+      sequence.roll_back(1);
+      --running.next;
       state.ResumeTiming();
     }
   }
-  const DecoderStats& after = decoder.stats();
   const double steps = static_cast<double>(state.iterations());
-  const auto per_step_us = [&](double DecoderStats::*field) {
-    return (after.*field - before.*field) / steps * 1e6;
+  const auto per_step_us = [&](Stage stage) {
+    return std::chrono::duration<double>(running.clock.total(stage) - before.total(stage)).count() /
+           steps * 1e6;
   };
-  const double attention = per_step_us(&DecoderStats::attention_seconds);
-  const double mlp = per_step_us(&DecoderStats::mlp_seconds);
-  const double policy_us = per_step_us(&DecoderStats::policy_seconds);
-  const double reposition = per_step_us(&DecoderStats::reposition_seconds);
-  const double eviction = per_step_us(&DecoderStats::eviction_seconds);
-  state.counters["step_us"] = per_step_us(&DecoderStats::forward_seconds) + eviction;
+  const double attention = per_step_us(Stage::attention);
+  const double mlp = per_step_us(Stage::mlp);
+  const double head = per_step_us(Stage::head);
+  const double policy_us = per_step_us(Stage::policy);
+  const double reposition = per_step_us(Stage::reposition);
+  const double catalyst = per_step_us(Stage::catalyst);
+  state.counters["step_us"] = attention + mlp + head + policy_us + reposition + catalyst;
   state.counters["attention_us"] = attention;
   state.counters["mlp_us"] = mlp;
-  state.counters["head_us"] = per_step_us(&DecoderStats::head_seconds);
+  state.counters["head_us"] = head;
   state.counters["policy_us"] = policy_us;
   state.counters["reposition_us"] = reposition;
-  state.counters["catalyst_us"] = per_step_us(&DecoderStats::catalyst_seconds);
-  state.counters["eviction_us"] = eviction;
+  state.counters["catalyst_us"] = catalyst;
   state.counters["overhead"] = (policy_us + reposition) / (attention + mlp);
-  state.counters["evict_overhead"] = eviction / (attention + mlp);
+  state.counters["catalyst"] = catalyst / (attention + mlp);
+  const std::int64_t evicted = sequence.stats().evicted_slots - stats_before.evicted_slots;
+  const std::size_t moved = decoder.cache().store().bytes_rotated() +
+                            decoder.cache().store().bytes_copied() - moved_before;
+  state.counters["moved_bytes_per_evicted"] =
+      evicted > 0 ? static_cast<double>(moved) / static_cast<double>(evicted) : 0.0;
   state.counters["live"] = decoder.cache().live(0, 0);
   state.counters["evictions"] =
-      static_cast<double>(decoder.cache().pipeline().stats().compactions - compactions_before) /
-      steps;
+      static_cast<double>(sequence.stats().decisions - stats_before.decisions) / steps;
 }
 
 void register_benchmarks() {

@@ -28,17 +28,12 @@ constexpr int kKvHeads = 8;
 constexpr int kQueryHeads = 8;
 constexpr int kMaxChunk = 64;
 
-// Parameters that hold each policy at `budget` slots per head.
+// Parameters that hold each policy at `budget` slots per head: the CLI's --budget mapping (4
+// sinks), with AnLLM's anchor id and SirLLM's decay 0.9.
 kvevict::PolicyParams params_for(const std::string& policy, int budget) {
-  kvevict::PolicyParams params;
-  if (policy == "window") params.set("recent", budget);
-  if (policy == "streaming_llm") params.set("sinks", 4).set("recent", budget - 4);
-  if (policy == "h2o") params.set("heavy", budget / 2).set("recent", budget - budget / 2);
-  if (policy == "tova") params.set("budget", budget);
-  if (policy == "sirllm") params.set("sinks", 4).set("entropy", budget - 4).set("decay", 0.9);
-  if (policy == "anllm") params.set_list("anchor_ids", {1}).set("max_slots", budget);
-  if (policy == "infinipot")
-    params.set("pot", budget).set("keep", budget / 2).set("novel", budget / 4);
+  kvevict::PolicyParams params = kvevict::budget_params(policy, budget);
+  if (policy == "sirllm") params.set("decay", 0.9);
+  if (policy == "anllm") params.set_list("anchor_ids", {1});
   return params;
 }
 
@@ -65,7 +60,7 @@ StepInputs make_inputs(int budget, int head_dim) {
     in.key(0, c) = normal(rng);
     in.value(0, c) = normal(rng);
   }
-  in.stride = budget + 8;
+  in.stride = budget + kMaxChunk;  // at least every head's slot limit
   in.rows.assign(static_cast<std::size_t>(kQueryHeads) * in.stride, 0.0f);
   std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
   for (float& x : in.rows) x = uniform(rng) / static_cast<float>(budget);
@@ -85,7 +80,8 @@ void step(Cache& cache, StepInputs& in, int n, std::int32_t token, std::mt19937&
   const bool wants_rows = cache.wants(kvevict::Signal::attention_rows) ||
                           cache.wants(kvevict::Signal::last_attention_row);
   if (wants_rows) {
-    for (int g = 0; g < kKvHeads; ++g) in.keys[static_cast<std::size_t>(g)] = cache.live(0, g);
+    for (int g = 0; g < kKvHeads; ++g)
+      in.keys[static_cast<std::size_t>(g)] = cache.slot_limit(0, g);
     cache.observe_attention(
         0, kvevict::AttentionRows(in.rows.data(), kQueryHeads, 1, 1, in.stride, in.keys, 0));
   }
@@ -100,7 +96,7 @@ void step(Cache& cache, StepInputs& in, int n, std::int32_t token, std::mt19937&
     cache.begin_catalyst(catalyst);
     for (int g = 0; g < kKvHeads; ++g) {
       cache.write_chunk(0, g, in.key, in.value);
-      in.keys[static_cast<std::size_t>(g)] = cache.live(0, g);
+      in.keys[static_cast<std::size_t>(g)] = cache.slot_limit(0, g);
     }
     cache.observe_catalyst(
         0, kvevict::AttentionRows(in.rows.data(), kQueryHeads, 1, 1, in.stride, in.keys, 0));
@@ -125,7 +121,7 @@ void BM_PolicyStep(benchmark::State& state) {
   // which fills AnLLM to its cap: the steady state of a capped endless stream.
   std::int64_t fed = 0;
   while (fed < budget + 2 * kMaxChunk) {
-    const std::optional<int> room = cache.policy().pot_room(cache.pipeline().slots());
+    const std::optional<int> room = cache.pot_room();
     const int n = std::min(kMaxChunk, room && *room > 0 ? *room : kMaxChunk);
     step(cache, in, n, 1, rng);
     fed += n;

@@ -1,138 +1,111 @@
-// Store primitives: compaction throughput beside memcpy of the same bytes, and RoPE re-rotation.
+// Store primitives of the metadata-only core, each beside a reference measured in the same run.
 //
 //   build/release/bin/bench_store --benchmark_counters_tabular=true
 //
-// Compaction moves, per (layer, KV head), the key and value rows of every kept slot after the first
-// evicted one. bytes_per_second counts exactly those bytes, so it compares directly with memcpy of
-// the same number of bytes (BM_Memcpy with the same arguments), measured in the same run.
+// BM_EvictAndAppend: one steady step of a unit at `slots` live tokens: one token evicted and one
+// appended, metadata only (slot freed and reused, stream order, position groups). `where` picks the
+// eviction: 0 the oldest non-sink (Window / StreamingLLM), 1 a random token (H2O / TOVA). Under
+// cache_index a random eviction splits a position group and shifts the newer ones, which is the
+// worst case of the bookkeeping. BM_MemmoveHalf is the reference: moving half of one head's K/V
+// rows (head_dim 64, f32), what the v1 core did per head at every such eviction.
+//
+// BM_FoldRotation: rotating stored keys in place (a fold), rows per second beside BM_Memcpy of the
+// same bytes between two buffers.
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
 #include <cstring>
 #include <kvevict/kvevict.hpp>
+#include <random>
 #include <vector>
 
 namespace {
 
-using kvevict::CacheShape;
-using kvevict::CompactionPlan;
-using kvevict::KvStore;
+using kvevict::PositionMode;
+using kvevict::SlotTable;
 
-constexpr int kKvHeads = 8;
-
-// Fills every head of `store` to `slots` live slots (metadata only; key/value contents are
-// irrelevant to the cost of moving them).
-void refill(KvStore<float>& store, int slots) {
-  static std::vector<std::int64_t> positions;
-  static std::vector<std::int32_t> ids;
-  static std::vector<std::uint8_t> flags;
-  positions.resize(static_cast<std::size_t>(slots));
-  ids.assign(static_cast<std::size_t>(slots), 0);
-  flags.assign(static_cast<std::size_t>(slots), 0);
-  for (int i = 0; i < slots; ++i) positions[static_cast<std::size_t>(i)] = i;
-  for (int g = 0; g < kKvHeads; ++g) {
-    store.truncate(0, g, 0);
-    store.slots().append(0, g, positions, positions, ids, flags);
+// Args: live slots, where (0 oldest non-sink, 1 random), mode (0 original, 1 cache_index).
+void BM_EvictAndAppend(benchmark::State& state) {
+  const int live = static_cast<int>(state.range(0));
+  const bool random = state.range(1) == 1;
+  const PositionMode mode =
+      state.range(2) == 1 ? PositionMode::cache_index : PositionMode::original;
+  SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), mode, live + 1, 1);
+  std::vector<std::int64_t> original{0};
+  const std::vector<std::int32_t> token{0};
+  const std::vector<std::uint8_t> flags{0};
+  std::vector<std::int32_t> slot(1);
+  for (int t = 0; t < live; ++t) {
+    original[0] = t;
+    slots.append(0, original, token, flags, slot);
   }
-}
-
-// Keep-list shapes: 0 = drop one slot in the middle (steady-state H2O/TOVA: half the rows move),
-// 1 = keep every other slot (a large distillation: every kept row but the first moves).
-std::vector<std::int32_t> keep_list(int slots, int pattern) {
-  std::vector<std::int32_t> keep;
-  for (int s = 0; s < slots; ++s) {
-    if (pattern == 0 ? s != slots / 2 : s % 2 == 0) keep.push_back(s);
-  }
-  return keep;
-}
-
-std::int64_t moved_rows(const std::vector<std::int32_t>& keep) {
-  std::int64_t moved = 0;
-  for (std::size_t i = 0; i < keep.size(); ++i) moved += keep[i] != static_cast<std::int32_t>(i);
-  return moved;
-}
-
-// Args: slots per head, head_dim, pattern.
-void BM_Compaction(benchmark::State& state) {
-  const int slots = static_cast<int>(state.range(0));
-  const int head_dim = static_cast<int>(state.range(1));
-  KvStore<float> store(CacheShape{1, kKvHeads, kKvHeads, head_dim}, slots);
-  const std::vector<std::int32_t> keep = keep_list(slots, static_cast<int>(state.range(2)));
-  CompactionPlan plan(1, kKvHeads, slots);
-  for (int g = 0; g < kKvHeads; ++g) {
-    std::copy(keep.begin(), keep.end(), plan.keep_buffer(0, g).begin());
-    plan.set_keep_count(0, g, static_cast<int>(keep.size()));
-  }
-  refill(store, slots);
-  kvevict::assign_positions(kvevict::PositionMode::original, store.slots(), plan);
+  std::mt19937 rng(1);
+  std::int64_t next = live;
   for (auto _ : state) {
-    state.PauseTiming();
-    refill(store, slots);
-    state.ResumeTiming();
-    store.apply(plan);
-    benchmark::ClobberMemory();
+    const auto order = slots.stream_order(0);
+    const std::int32_t victim =
+        random ? order[4 + rng() % (order.size() - 4)] : order[4];  // 4 sinks stay
+    slots.evict(0, std::span<const std::int32_t>(&victim, 1));
+    original[0] = next++;
+    slots.append(0, original, token, flags, slot);
   }
-  const std::int64_t bytes =
-      moved_rows(keep) * kKvHeads * 2 * head_dim * static_cast<std::int64_t>(sizeof(float));
-  state.SetBytesProcessed(state.iterations() * bytes);
-  state.counters["moved_MiB"] = static_cast<double>(bytes) / (1 << 20);
+  state.counters["groups"] = slots.group_count(0);
 }
+BENCHMARK(BM_EvictAndAppend)
+    ->ArgNames({"live", "random", "cache_index"})
+    ->ArgsProduct({{1024, 4096}, {0, 1}, {0, 1}});
 
-// The same bytes as BM_Compaction with the same arguments, copied with one memcpy per head and
-// tensor (the lower bound a gather could reach).
-void BM_Memcpy(benchmark::State& state) {
-  const int slots = static_cast<int>(state.range(0));
-  const int head_dim = static_cast<int>(state.range(1));
-  const std::vector<std::int32_t> keep = keep_list(slots, static_cast<int>(state.range(2)));
-  const std::size_t bytes_per_copy =
-      static_cast<std::size_t>(moved_rows(keep)) * head_dim * sizeof(float);
-  const std::size_t copies = 2 * kKvHeads;
-  std::vector<char> source(bytes_per_copy * copies, 1);
-  std::vector<char> destination(bytes_per_copy * copies, 0);
+// The v1 core's compaction of one head after one eviction in the middle: half the K and V rows
+// move.
+void BM_MemmoveHalf(benchmark::State& state) {
+  const int live = static_cast<int>(state.range(0));
+  constexpr int kHeadDim = 64;
+  std::vector<float> keys(static_cast<std::size_t>(live + 1) * kHeadDim, 1.0f);
+  std::vector<float> values(keys.size(), 2.0f);
+  const std::size_t half = static_cast<std::size_t>(live / 2) * kHeadDim;
   for (auto _ : state) {
-    for (std::size_t c = 0; c < copies; ++c) {
-      std::memcpy(destination.data() + c * bytes_per_copy, source.data() + c * bytes_per_copy,
-                  bytes_per_copy);
-    }
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * bytes_per_copy * copies));
-}
-
-void CompactionArgs(benchmark::internal::Benchmark* bench) {
-  for (int slots : {256, 1024, 4096}) {
-    for (int head_dim : {64, 128}) {
-      for (int pattern : {0, 1}) bench->Args({slots, head_dim, pattern});
-    }
+    std::memmove(keys.data() + half, keys.data() + half + kHeadDim, half * sizeof(float));
+    std::memmove(values.data() + half, values.data() + half + kHeadDim, half * sizeof(float));
+    benchmark::DoNotOptimize(keys.data());
+    benchmark::DoNotOptimize(values.data());
   }
 }
-BENCHMARK(BM_Compaction)->Apply(CompactionArgs);
-BENCHMARK(BM_Memcpy)->Apply(CompactionArgs);
+BENCHMARK(BM_MemmoveHalf)->ArgName("live")->Arg(1024)->Arg(4096);
 
-// Re-rotation of `rows` keys of head_dim values. Arg 2: 0 = one shared delta (a compaction that
-// shifts a run of keys by the same amount, the post-RoPE path), 1 = every row its own position (the
-// pre-RoPE path: rotate every cached key to its position before attending).
-void BM_ReRotation(benchmark::State& state) {
+// Args: rows, head_dim.
+void BM_FoldRotation(benchmark::State& state) {
   const int rows = static_cast<int>(state.range(0));
   const int head_dim = static_cast<int>(state.range(1));
   const kvevict::Rope rope(
-      kvevict::RopeConfig{head_dim, 0, 10000.0, kvevict::RopeLayout::half_split, 8192});
+      kvevict::RopeConfig{head_dim, 0, 10000.0, kvevict::RopeLayout::half_split});
   std::vector<float> keys(static_cast<std::size_t>(rows) * head_dim, 0.5f);
-  std::vector<std::int64_t> steps(static_cast<std::size_t>(rows), -1);
-  if (state.range(2) == 1) {
-    for (int r = 0; r < rows; ++r) steps[static_cast<std::size_t>(r)] = r;
-  }
+  std::vector<double> angles(static_cast<std::size_t>(head_dim));
+  std::int64_t delta = -1;
   for (auto _ : state) {
-    rope.rotate_rows(keys.data(), head_dim, std::span<const std::int64_t>(steps));
-    benchmark::ClobberMemory();
+    const double* cos_sin = rope.angles(delta--, angles.data());
+    for (int r = 0; r < rows; ++r) {
+      rope.rotate_with(keys.data() + static_cast<std::ptrdiff_t>(r) * head_dim, cos_sin);
+    }
+    benchmark::DoNotOptimize(keys.data());
   }
   state.SetItemsProcessed(state.iterations() * rows);
-  state.SetBytesProcessed(state.iterations() * rows * head_dim *
-                          static_cast<std::int64_t>(sizeof(float)));
+  state.SetBytesProcessed(state.iterations() *
+                          static_cast<std::int64_t>(keys.size() * sizeof(float)));
 }
-BENCHMARK(BM_ReRotation)
-    ->ArgsProduct({{256, 4096}, {64, 128}, {0, 1}})
-    ->ArgNames({"rows", "head_dim", "per_row"});
+BENCHMARK(BM_FoldRotation)->ArgNames({"rows", "head_dim"})->ArgsProduct({{1024, 4096}, {64, 128}});
+
+// memcpy of the bytes BM_FoldRotation rewrites, between two buffers.
+void BM_Memcpy(benchmark::State& state) {
+  const std::size_t bytes = static_cast<std::size_t>(state.range(0)) *
+                            static_cast<std::size_t>(state.range(1)) * sizeof(float);
+  std::vector<char> from(bytes, 1), to(bytes);
+  for (auto _ : state) {
+    std::memcpy(to.data(), from.data(), bytes);
+    benchmark::DoNotOptimize(to.data());
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(bytes));
+}
+BENCHMARK(BM_Memcpy)->ArgNames({"rows", "head_dim"})->ArgsProduct({{1024, 4096}, {64, 128}});
 
 }  // namespace
 

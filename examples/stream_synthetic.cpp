@@ -12,12 +12,15 @@
 #include <fmt/ranges.h>
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <exception>
 #include <kvevict/kvevict.hpp>
+#include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,29 +48,38 @@ void forward(Cache& cache, std::mt19937& rng, bool catalyst) {
   const int query_rows = all_rows ? n : 1;
   std::vector<float> rows;
   std::vector<int> keys_per_kv_head(static_cast<std::size_t>(kShape.kv_heads));
-  Matrix scratch;
   for (int l = 0; l < kShape.layers; ++l) {
+    int stride = 0;
     for (int g = 0; g < kShape.kv_heads; ++g) {
       cache.write_chunk(l, g, random_rows(rng, n), random_rows(rng, n));
-      keys_per_kv_head[static_cast<std::size_t>(g)] = cache.live(l, g);
+      keys_per_kv_head[static_cast<std::size_t>(g)] = cache.slot_limit(l, g);
+      stride = std::max(stride, cache.slot_limit(l, g));
     }
     if (!wants_rows) continue;
-    const int stride = cache.pipeline().slots().max_live();
     rows.assign(static_cast<std::size_t>(kShape.q_heads) * query_rows * stride, 0.0f);
     for (int h = 0; h < kShape.q_heads; ++h) {
       const int g = kShape.kv_head_of(h);
-      const Eigen::Map<const Matrix> keys =
-          cache.attention_keys(l, g, scratch);  // [live, head_dim]
-      const int live = static_cast<int>(keys.rows());
+      const std::span<const std::int32_t> chunk = cache.chunk_slots(l, g);
       for (int q = 0; q < query_rows; ++q) {
-        const int slot = live - query_rows + q;  // the query's own slot
-        Matrix query = random_rows(rng, 1);
-        cache.rope().rotate(query.data(), cache.positions(l, g)[static_cast<std::size_t>(slot)]);
-        const Eigen::VectorXf logits = keys.topRows(slot + 1) * query.transpose() /
-                                       std::sqrt(static_cast<float>(kShape.head_dim));
-        const Eigen::VectorXf weights = (logits.array() - logits.maxCoeff()).exp();
+        const int i = n - query_rows + q;  // the query's index in the chunk
+        const Matrix query = random_rows(rng, 1);
         float* row = rows.data() + (static_cast<std::size_t>(h) * query_rows + q) * stride;
-        for (int s = 0; s <= slot; ++s) row[s] = weights(s) / weights.sum();
+        cache.dot_products(l, g, std::span<const float>(query.data(), kShape.head_dim),
+                           cache.position(l, g, chunk[static_cast<std::size_t>(i)]),
+                           std::span<float>(row, static_cast<std::size_t>(stride)));
+        // Causal: the chunk's later tokens are not visible to this query.
+        for (int j = i + 1; j < n; ++j) {
+          row[chunk[static_cast<std::size_t>(j)]] = -std::numeric_limits<float>::infinity();
+        }
+        const float max = *std::max_element(row, row + stride);
+        float sum = 0;
+        for (int s = 0; s < stride; ++s) {
+          sum += row[s] =
+              std::isinf(row[s])
+                  ? 0.0f
+                  : std::exp((row[s] - max) / std::sqrt(static_cast<float>(kShape.head_dim)));
+        }
+        for (int s = 0; s < stride; ++s) row[s] /= sum;
       }
     }
     const kvevict::AttentionRows view(rows.data(), kShape.q_heads, kShape.group_size(), query_rows,
@@ -99,17 +111,8 @@ int run(int argc, char** argv) {
       tokens = std::stoi(value);
     } else if (key == "storage") {
       storage = kvevict::parse_key_storage(value);
-    } else if (value.find(',') != std::string::npos) {
-      std::vector<std::int64_t> list;
-      for (std::size_t begin = 0; begin <= value.size();) {
-        const std::size_t end = std::min(value.find(',', begin), value.size());
-        list.push_back(std::stoll(value.substr(begin, end - begin)));
-        begin = end + 1;
-      }
-      params.set_list(key, list);
-      defaults = false;
     } else {
-      params.set(key, std::stod(value));
+      params.parse_pair(arg);  // typed by the policy's spec when the policy is built
       defaults = false;
     }
   }
@@ -122,7 +125,7 @@ int run(int argc, char** argv) {
   Cache cache(config, kvevict::make_policy(policy_name, params));
   fmt::print("policy {} | {} layers, {} query / {} KV heads, head_dim {} | positions {}, keys {}\n",
              policy_name, kShape.layers, kShape.q_heads, kShape.kv_heads, kShape.head_dim,
-             kvevict::to_string(cache.pipeline().position_mode()), kvevict::to_string(storage));
+             kvevict::to_string(cache.sequence().position_mode()), kvevict::to_string(storage));
   fmt::print("{:>6} {:>10} {:>12} {:>12}  kept original positions (layer 0, KV head 0)\n", "fed",
              "live/head", "live bytes", "peak bytes");
 
@@ -146,16 +149,21 @@ int run(int argc, char** argv) {
     }
     fed += n;
     if (fed % 8 == 0 || fed == tokens) {
-      const auto& slots = cache.pipeline().slots();
-      const auto kept = slots.original_positions(0, 0);
+      const kvevict::SlotTable& slots = cache.slots();
+      const int unit = cache.sequence().unit_of(0, 0);
+      std::vector<std::int64_t> kept;
+      for (const std::int32_t slot : slots.stream_order(unit)) {
+        kept.push_back(slots.original_positions(unit)[static_cast<std::size_t>(slot)]);
+      }
       const kvevict::MemoryStats memory = cache.memory();
-      fmt::print("{:>6} {:>10} {:>12} {:>12}  {}\n", fed, slots.live(0, 0), memory.live_bytes(),
+      fmt::print("{:>6} {:>10} {:>12} {:>12}  {}\n", fed, slots.live(unit), memory.live_bytes(),
                  memory.peak_live_bytes, fmt::join(kept, " "));
     }
   }
-  const kvevict::PipelineStats& stats = cache.pipeline().stats();
-  fmt::print("compactions {}, evicted slots {} (all heads), reserved {} bytes\n", stats.compactions,
-             stats.evicted_slots, cache.memory().reserved_bytes);
+  const kvevict::SequenceStats& stats = cache.sequence().stats();
+  fmt::print("decisions {}, evicted slots {} (all heads), keys re-rotated {}, reserved {} bytes\n",
+             stats.decisions, stats.evicted_slots, stats.rotated_keys,
+             cache.memory().reserved_bytes);
   return 0;
 }
 

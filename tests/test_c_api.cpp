@@ -1,136 +1,363 @@
-// The C API: same decisions as the C++ pipeline, plans an engine can apply, and every failure a
-// status plus a message, never an exception.
+// The C API: the same decisions as the C++ Sequence, applied through an engine's own backend
+// callbacks, and every failure a status plus a message, never an exception.
 #include <gtest/gtest.h>
 #include <kvevict/c_api.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <kvevict/policy_registry.hpp>
+#include <kvevict/sequence.hpp>
+#include <kvevict/version.hpp>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "support/policy_harness.hpp"
+
 namespace {
 
-struct PipelineDeleter {
-  void operator()(kvevict_pipeline* pipeline) const { kvevict_pipeline_destroy(pipeline); }
+struct SequenceDeleter {
+  void operator()(kvevict_sequence* sequence) const { kvevict_sequence_destroy(sequence); }
 };
-using Pipeline = std::unique_ptr<kvevict_pipeline, PipelineDeleter>;
+using CSequence = std::unique_ptr<kvevict_sequence, SequenceDeleter>;
 
-Pipeline create(const char* policy, const char* params, int layers, int kv_heads, int capacity,
-                const char* mode = nullptr) {
-  kvevict_pipeline* raw = nullptr;
-  const kvevict_status status =
-      kvevict_pipeline_create(policy, params, layers, kv_heads, capacity, mode, &raw);
+kvevict_config config(int layers, int q_heads, int kv_heads, int max_chunk = 4) {
+  kvevict_config c;
+  kvevict_config_init(&c);
+  c.layers = layers;
+  c.q_heads = q_heads;
+  c.kv_heads = kv_heads;
+  c.max_chunk = max_chunk;
+  return c;
+}
+
+CSequence create(const char* policy, const char* params, const kvevict_config& c,
+                 const kvevict_backend* backend = nullptr) {
+  kvevict_sequence* raw = nullptr;
+  const kvevict_status status = kvevict_sequence_create(policy, params, &c, backend, &raw);
   EXPECT_EQ(status, KVEVICT_OK) << kvevict_last_error();
-  return Pipeline(raw);
+  return CSequence(raw);
 }
 
-std::vector<std::int64_t> kept(const kvevict_pipeline* pipeline, int layer, int kv_head) {
-  const std::int64_t* original = nullptr;
-  int count = 0;
-  EXPECT_EQ(kvevict_pipeline_slots(pipeline, layer, kv_head, &original, nullptr, &count),
-            KVEVICT_OK);
-  return {original, original + count};
-}
+// An engine with its own token-major buffer: one value per (slot, layer, KV head) standing for the
+// token's K/V (its original position, so that the test can see which token a slot holds), and a
+// record of what each decision asked.
+struct Engine {
+  Engine(int layer_count, int kv_head_count) : layers(layer_count), kv_heads(kv_head_count) {}
+  int layers = 0;
+  int kv_heads = 0;
+  int capacity = 0;
+  std::vector<std::int64_t> rows;  // [capacity][layers][kv_heads]
+  int applies = 0;
+  std::int64_t evicted = 0;
+  int fail_apply = 0;
 
-// StreamingLLM sinks 2 + recent 3, one token per forward: after token t >= 5 the sixth slot is
-// evicted, and the plan tells the engine which rows to keep and how far to rotate them.
-TEST(CApi, StreamingLlmPlansMatchTheRule) {
-  Pipeline pipeline = create("streaming_llm", "sinks=2 recent=3", 2, 2, 16);
-  ASSERT_NE(pipeline, nullptr);
-  EXPECT_EQ(kvevict_pipeline_retained_limit(pipeline.get()), 5);
-  EXPECT_EQ(kvevict_pipeline_signals(pipeline.get()), 0u);
-  for (std::int32_t t = 0; t < 6; ++t) {
-    int compacted = -1;
-    ASSERT_EQ(kvevict_pipeline_before_chunk(pipeline.get(), 1, 0, &compacted), KVEVICT_OK);
-    EXPECT_EQ(compacted, 0);
-    ASSERT_EQ(kvevict_pipeline_append_chunk(pipeline.get(), &t, 1), KVEVICT_OK);
-    ASSERT_EQ(kvevict_pipeline_end_forward(pipeline.get(), &compacted), KVEVICT_OK);
-    EXPECT_EQ(compacted, t == 5 ? 1 : 0) << "token " << t;
+  std::int64_t& at(std::int32_t slot, int l, int g) {
+    return rows[(static_cast<std::size_t>(slot) * layers + l) * kv_heads + g];
   }
-  // Slots 0..5 held tokens 0..5; the plan keeps slots {0, 1, 3, 4, 5}. cache_index positions:
-  // slots 3, 4, 5 move to 2, 3, 4, a rotation of -1 each.
-  int changes = 0, count = 0;
-  const std::int32_t* keep = nullptr;
-  const std::int64_t* deltas = nullptr;
-  ASSERT_EQ(kvevict_pipeline_plan(pipeline.get(), 1, 1, &changes, &keep, &deltas, &count),
-            KVEVICT_OK);
-  ASSERT_EQ(changes, 1);
-  EXPECT_EQ(std::vector<std::int32_t>(keep, keep + count),
-            (std::vector<std::int32_t>{0, 1, 3, 4, 5}));
-  EXPECT_EQ(std::vector<std::int64_t>(deltas, deltas + count),
-            (std::vector<std::int64_t>{0, 0, -1, -1, -1}));
-  EXPECT_EQ(kept(pipeline.get(), 0, 1), (std::vector<std::int64_t>{0, 1, 3, 4, 5}));
+  static int reserve(void* self, int capacity) {
+    Engine& e = *static_cast<Engine*>(self);
+    e.rows.resize(static_cast<std::size_t>(capacity) * e.layers * e.kv_heads, -1);
+    e.capacity = capacity;
+    return 0;
+  }
+  static int apply(void* self, const kvevict_decision* decision) {
+    Engine& e = *static_cast<Engine*>(self);
+    ++e.applies;
+    for (int l = 0; l < e.layers; ++l) {
+      for (int g = 0; g < e.kv_heads; ++g) {
+        const kvevict_evicted* evicted = nullptr;
+        int count = 0;
+        if (kvevict_decision_evicted(decision, l, g, &evicted, &count) != KVEVICT_OK) return 1;
+        for (int i = 0; i < count; ++i) {
+          if (e.at(evicted[i].slot, l, g) != evicted[i].original_position) return 2;  // stale
+          e.at(evicted[i].slot, l, g) = -1;
+        }
+        e.evicted += count;
+      }
+    }
+    return e.fail_apply;
+  }
+  kvevict_backend backend() { return kvevict_backend{this, &Engine::reserve, &Engine::apply}; }
+};
+
+// Feeds `n` tokens: writes each token's "K/V" (its original position) at the slots kvevict gives.
+void feed(kvevict_sequence* s, Engine& engine, std::int64_t& fed, int n, int turn_start = 0) {
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n), 5);
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s, ids.data(), n, turn_start), KVEVICT_OK)
+      << kvevict_last_error();
+  for (int l = 0; l < engine.layers; ++l) {
+    for (int g = 0; g < engine.kv_heads; ++g) {
+      const std::int32_t* slots = nullptr;
+      int count = 0;
+      ASSERT_EQ(kvevict_sequence_chunk_slots(s, l, g, &slots, &count), KVEVICT_OK);
+      ASSERT_EQ(count, n);
+      for (int i = 0; i < n; ++i) {
+        ASSERT_LT(slots[i], engine.capacity);
+        engine.at(slots[i], l, g) = fed + i;
+      }
+    }
+  }
+  ASSERT_EQ(kvevict_sequence_end_forward(s), KVEVICT_OK) << kvevict_last_error();
+  fed += n;
 }
 
-// H2O through the C API: attention rows in the documented layout drive the same heavy hitters.
-TEST(CApi, AttentionRowsReachThePolicy) {
-  // heavy 1 + recent 1; one layer, 2 query heads reading 1 KV head.
-  Pipeline pipeline = create("h2o", "heavy=1 recent=1", 1, 1, 8);
-  ASSERT_NE(pipeline, nullptr);
-  EXPECT_EQ(kvevict_pipeline_signals(pipeline.get()), unsigned{KVEVICT_SIGNAL_ATTENTION_ROWS});
-  const std::int32_t ids[3] = {7, 8, 9};
-  ASSERT_EQ(kvevict_pipeline_before_chunk(pipeline.get(), 3, 0, nullptr), KVEVICT_OK);
-  ASSERT_EQ(kvevict_pipeline_append_chunk(pipeline.get(), ids, 3), KVEVICT_OK);
-  // [q_head][query][stride 3], causal. Column sums over both heads: token 0 gets 1 + 0.2 + 0.1 +
-  // 1 + 0.2 + 0.1 = 2.6, token 1 gets 1.6, token 2 gets 0.8 (it is the recent one anyway).
-  const std::vector<float> rows{1.0f, 0, 0, 0.2f, 0.8f, 0, 0.1f, 0.5f, 0.4f,
-                                1.0f, 0, 0, 0.2f, 0.8f, 0, 0.1f, 0.5f, 0.4f};
-  ASSERT_EQ(kvevict_pipeline_observe_attention(pipeline.get(), 0, rows.data(), 2, 3, 3),
-            KVEVICT_OK);
-  int compacted = 0;
-  ASSERT_EQ(kvevict_pipeline_end_forward(pipeline.get(), &compacted), KVEVICT_OK);
-  EXPECT_EQ(compacted, 1);
-  EXPECT_EQ(kept(pipeline.get(), 0, 0), (std::vector<std::int64_t>{0, 2}));
+// The tokens head (l, g) of the engine holds, ascending.
+std::vector<std::int64_t> held(const Engine& engine, int l, int g) {
+  std::vector<std::int64_t> out;
+  for (int slot = 0; slot < engine.capacity; ++slot) {
+    const std::int64_t v =
+        engine.rows[(static_cast<std::size_t>(slot) * engine.layers + l) * engine.kv_heads + g];
+    if (v >= 0) out.push_back(v);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
-TEST(CApi, FailuresAreStatusesWithMessages) {
-  kvevict_pipeline* raw = nullptr;
-  EXPECT_EQ(kvevict_pipeline_create("lru", nullptr, 1, 1, 8, nullptr, &raw),
-            KVEVICT_INVALID_ARGUMENT);
+// StreamingLLM sinks 2 + recent 3 over an engine's own buffer: the engine ends up holding exactly
+// the tokens the rule keeps, and never had to move a row.
+TEST(CApi, StreamingLlmOverAnEnginesOwnBuffers) {
+  Engine engine(2, 2);
+  const kvevict_backend backend = engine.backend();
+  const kvevict_config c = config(2, 2, 2, 1);
+  CSequence s = create("streaming_llm", "sinks=2 recent=3", c, &backend);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(engine.capacity, 2 + 3 + 1);  // retained limit + max_chunk, reserved at creation
+  EXPECT_EQ(kvevict_sequence_retained_limit(s.get()), 5);
+  EXPECT_EQ(kvevict_sequence_signals(s.get()), 0u);
+  std::int64_t fed = 0;
+  for (int t = 0; t < 12; ++t) feed(s.get(), engine, fed, 1);
+  for (int l = 0; l < 2; ++l) {
+    for (int g = 0; g < 2; ++g) {
+      EXPECT_EQ(held(engine, l, g), (std::vector<std::int64_t>{0, 1, 9, 10, 11}));
+    }
+  }
+  EXPECT_EQ(engine.applies, 7);  // one call per decision, tokens 5..11
+  EXPECT_EQ(engine.evicted, 7 * 4);
+  // cache_index positions: the window sits at 2, 3, 4 whatever its slots.
+  int32_t begins[4], ends[4];
+  int64_t rotations[4];
+  int runs = 0;
+  ASSERT_EQ(kvevict_sequence_key_runs(s.get(), 1, 1, begins, ends, rotations, 4, &runs),
+            KVEVICT_OK);
+  EXPECT_LE(runs, 3);  // sinks and window (the window may wrap around the slots)
+  for (int slot = 0; slot < kvevict_sequence_slot_limit(s.get(), 1, 1); ++slot) {
+    std::int64_t position = -1, key_position = -1;
+    if (kvevict_sequence_position(s.get(), 1, 1, slot, &position, &key_position) != KVEVICT_OK) {
+      continue;  // free
+    }
+    const std::int64_t token = engine.at(slot, 1, 1);
+    EXPECT_EQ(position, token < 2 ? token : token - 9 + 2);
+    EXPECT_EQ(key_position, token);  // rotated once, to its original position; never re-rotated
+  }
+}
+
+// The same decisions as the C++ Sequence, for a policy driven by attention rows.
+TEST(CApi, H2oDecidesAsTheCppSequence) {
+  const kvevict_config c = config(1, 2, 1, 2);
+  CSequence s = create("h2o", "heavy=3 recent=2", c);
+  kvevict::SequenceConfig cpp_config;
+  cpp_config.layers = 1;
+  cpp_config.q_heads = 2;
+  cpp_config.kv_heads = 1;
+  cpp_config.max_chunk = 2;
+  kvevict::Sequence cpp(
+      cpp_config,
+      kvevict::make_policy("h2o", kvevict::PolicyParams().set("heavy", 3).set("recent", 2)));
+  EXPECT_EQ(kvevict_sequence_signals(s.get()),
+            static_cast<uint32_t>(KVEVICT_SIGNAL_ATTENTION_ROWS));
+  std::uint64_t x = 7;
+  for (int step = 0; step < 40; ++step) {
+    const int n = 1 + step % 2;
+    const std::vector<std::int32_t> ids(static_cast<std::size_t>(n), 1);
+    ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), ids.data(), n, 0), KVEVICT_OK);
+    cpp.begin_chunk(ids);
+    // Rows over slots: both sides give the same tokens the same slots (same decisions so far).
+    const int limit = kvevict_sequence_slot_limit(s.get(), 0, 0);
+    ASSERT_EQ(limit, cpp.slot_limit(0, 0));
+    std::vector<float> rows(static_cast<std::size_t>(2 * n * limit), 0.0f);
+    for (const std::int32_t slot : cpp.slots().stream_order(0)) {
+      for (int r = 0; r < 2 * n; ++r) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        rows[static_cast<std::size_t>(r * limit + slot)] =
+            static_cast<float>(x >> 40) / 16777216.0f;
+      }
+    }
+    ASSERT_EQ(kvevict_sequence_observe_attention(s.get(), 0, rows.data(), n, limit), KVEVICT_OK)
+        << kvevict_last_error();
+    const std::vector<int> keys{limit};
+    cpp.observe_attention(0, kvevict::AttentionRows(rows.data(), 2, 2, n, limit, keys, 0));
+    ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK);
+    cpp.end_forward();
+    for (int slot = 0; slot < limit; ++slot) {
+      std::int64_t position = -1;
+      const bool live =
+          kvevict_sequence_position(s.get(), 0, 0, slot, &position, nullptr) == KVEVICT_OK;
+      ASSERT_EQ(live, cpp.slots().is_live(0, slot)) << "step " << step << " slot " << slot;
+    }
+  }
+  EXPECT_EQ(kvevict_sequence_live(s.get(), 0, 0), 5);
+}
+
+// One anchor id is a list of one: the parameter's type comes from the policy's spec.
+TEST(CApi, AnLlmTakesASingleAnchorId) {
+  const kvevict_config c = config(1, 1, 1);
+  CSequence single = create("anllm", "anchor_ids=29889", c);
+  ASSERT_NE(single, nullptr);
+  CSequence pair = create("anllm", "anchor_ids=29889,32001", c);
+  ASSERT_NE(pair, nullptr);
+  const std::int32_t tokens[] = {1, 2, 29889, 3};
+  ASSERT_EQ(kvevict_sequence_begin_chunk(single.get(), tokens, 4, 0), KVEVICT_OK);
+  ASSERT_EQ(kvevict_sequence_end_forward(single.get()), KVEVICT_OK);
+  EXPECT_EQ(kvevict_sequence_live(single.get(), 0, 0), 2);  // the anchor and the token after it
+}
+
+TEST(CApi, BudgetParamsAndVersion) {
+  char buffer[64];
+  ASSERT_EQ(kvevict_budget_params("h2o", 101, 4, buffer, sizeof buffer), KVEVICT_OK);
+  EXPECT_STREQ(buffer, "heavy=50 recent=51");
+  ASSERT_EQ(kvevict_budget_params("streaming_llm", 64, 4, buffer, sizeof buffer), KVEVICT_OK);
+  EXPECT_STREQ(buffer, "recent=60 sinks=4");
+  EXPECT_EQ(kvevict_budget_params("streaming_llm", 64, 4, buffer, 5), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(kvevict_budget_params("full", 64, 4, buffer, sizeof buffer), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("full"), std::string::npos);
+  EXPECT_STREQ(kvevict_version(), kvevict::kVersionString);
+}
+
+// A catalyst run through the C API: the rolled-back catalyst and the distillation reach the
+// backend in one apply.
+TEST(CApi, CatalystThroughTheCApi) {
+  Engine engine(1, 1);
+  const kvevict_backend backend = engine.backend();
+  kvevict_config c = config(1, 1, 1, 3);
+  CSequence s = create("infinipot", "pot=6 keep=3 novel=0", c, &backend);
+  std::int64_t fed = 0;
+  for (int t = 0; t < 2; ++t) feed(s.get(), engine, fed, 3);
+  EXPECT_EQ(kvevict_sequence_pot_room(s.get()), 0);
+  ASSERT_EQ(kvevict_sequence_catalyst_pending(s.get()), 1);
+  const std::int32_t catalyst[] = {9, 9};
+  ASSERT_EQ(kvevict_sequence_begin_catalyst(s.get(), catalyst, 2), KVEVICT_OK);
+  const std::int32_t* slots = nullptr;
+  int count = 0;
+  ASSERT_EQ(kvevict_sequence_chunk_slots(s.get(), 0, 0, &slots, &count), KVEVICT_OK);
+  ASSERT_EQ(count, 2);
+  for (int i = 0; i < 2; ++i) engine.at(slots[i], 0, 0) = fed + i;
+  // The catalyst attends to pot tokens 1, 3, 5 only.
+  const int limit = kvevict_sequence_slot_limit(s.get(), 0, 0);
+  std::vector<float> rows(static_cast<std::size_t>(2 * limit), 0.0f);
+  for (int slot = 0; slot < limit; ++slot) {
+    const std::int64_t token = engine.at(slot, 0, 0);
+    if (token == 1 || token == 3 || token == 5) rows[static_cast<std::size_t>(slot)] = 0.3f;
+  }
+  ASSERT_EQ(kvevict_sequence_observe_catalyst(s.get(), 0, rows.data(), 2, limit), KVEVICT_OK)
+      << kvevict_last_error();
+  ASSERT_EQ(kvevict_sequence_end_catalyst(s.get()), KVEVICT_OK) << kvevict_last_error();
+  EXPECT_EQ(engine.applies, 1);
+  EXPECT_EQ(engine.evicted, 2 + 3);  // catalyst rolled back, pot 6 -> 3
+  EXPECT_EQ(held(engine, 0, 0), (std::vector<std::int64_t>{1, 3, 5}));
+}
+
+TEST(CApi, EveryFailureIsAStatusAndAMessage) {
+  const kvevict_config c = config(1, 1, 1);
+  kvevict_sequence* raw = nullptr;
+  EXPECT_EQ(kvevict_sequence_create("lru", nullptr, &c, nullptr, &raw), KVEVICT_INVALID_ARGUMENT);
   EXPECT_EQ(raw, nullptr);
   EXPECT_NE(std::string(kvevict_last_error()).find("unknown policy 'lru'"), std::string::npos);
-  EXPECT_EQ(kvevict_pipeline_create("window", "recent=abc", 1, 1, 8, nullptr, &raw),
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=x", &c, nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvevict_last_error()).find("malformed"), std::string::npos);
-  EXPECT_EQ(kvevict_pipeline_create("streaming_llm", "sinks=4 recent=0", 1, 1, 8, nullptr, &raw),
+  EXPECT_NE(std::string(kvevict_last_error()).find("malformed value"), std::string::npos);
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4 recnt=2", &c, nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_create("window", "recent=4", 1, 1, 8, "sideways", &raw),
+  EXPECT_NE(std::string(kvevict_last_error()).find("unknown parameter 'recnt'"), std::string::npos);
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4", nullptr, nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_create("window", "recent=4", 1, 1, 0, nullptr, &raw),
+  EXPECT_EQ(kvevict_sequence_create(nullptr, "", &c, nullptr, &raw), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4", &c, nullptr, nullptr),
             KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_create(nullptr, nullptr, 1, 1, 8, nullptr, &raw),
+  kvevict_config bad = c;
+  bad.kv_heads = 0;
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4", &bad, nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_create("window", "recent=4", 1, 1, 8, nullptr, nullptr),
+  bad = c;
+  bad.kv_heads = std::numeric_limits<int>::max();
+  bad.layers = std::numeric_limits<int>::max();
+  bad.q_heads = std::numeric_limits<int>::max();
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4", &bad, nullptr, &raw),
+            KVEVICT_INVALID_ARGUMENT);  // layers * kv_heads would overflow: refused
+  bad = c;
+  bad.position_mode = "sideways";
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4", &bad, nullptr, &raw),
+            KVEVICT_INVALID_ARGUMENT);
+  // Budgets whose sums leave int range are refused, not wrapped.
+  EXPECT_EQ(kvevict_sequence_create("h2o", "heavy=2147483647 recent=2147483647", &c, nullptr, &raw),
+            KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(kvevict_sequence_create("streaming_llm", "sinks=268435456 recent=268435456", &c,
+                                    nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
 
-  Pipeline pipeline = create("h2o", "heavy=2 recent=2", 1, 2, 4);
-  const std::int32_t ids[5] = {1, 2, 3, 4, 5};
-  // More tokens than the capacity: an error, not an overflow.
-  EXPECT_EQ(kvevict_pipeline_append_chunk(pipeline.get(), ids, 5), KVEVICT_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvevict_last_error()).find("do not fit"), std::string::npos);
-  ASSERT_EQ(kvevict_pipeline_append_chunk(pipeline.get(), ids, 2), KVEVICT_OK);
-  // NaN attention is reported, not ranked.
-  std::vector<float> rows(2 * 2 * 2, 0.25f);
-  rows[1] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_EQ(kvevict_pipeline_observe_attention(pipeline.get(), 0, rows.data(), 2, 2, 2),
-            KVEVICT_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvevict_last_error()).find("NaN"), std::string::npos);
-  // Query heads that do not divide into the KV heads, a stride shorter than the cache, bad heads.
-  EXPECT_EQ(kvevict_pipeline_observe_attention(pipeline.get(), 0, rows.data(), 3, 1, 2),
-            KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_observe_attention(pipeline.get(), 0, rows.data(), 2, 1, 1),
-            KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_observe_attention(pipeline.get(), 3, rows.data(), 2, 1, 2),
-            KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_plan(pipeline.get(), 0, 9, nullptr, nullptr, nullptr, nullptr),
-            KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_live(pipeline.get(), 0, 9), -1);
-  EXPECT_EQ(kvevict_pipeline_end_catalyst(pipeline.get(), nullptr), KVEVICT_INVALID_ARGUMENT);
-  EXPECT_EQ(kvevict_pipeline_end_forward(nullptr, nullptr), KVEVICT_INVALID_ARGUMENT);
-  // A successful call clears the message.
-  EXPECT_EQ(kvevict_pipeline_reserve(pipeline.get(), 8), KVEVICT_OK);
+  // NULL handles: sentinels, never a crash.
+  EXPECT_EQ(kvevict_sequence_signals(nullptr), 0u);
+  EXPECT_EQ(kvevict_sequence_retained_limit(nullptr), -1);
+  EXPECT_EQ(kvevict_sequence_capacity(nullptr), -1);
+  EXPECT_EQ(kvevict_sequence_live(nullptr, 0, 0), -1);
+  EXPECT_EQ(kvevict_sequence_slot_limit(nullptr, 0, 0), -1);
+  EXPECT_EQ(kvevict_sequence_tokens_fed(nullptr), -1);
+  EXPECT_EQ(kvevict_sequence_pot_room(nullptr), -1);
+  EXPECT_EQ(kvevict_sequence_catalyst_pending(nullptr), 0);
+  EXPECT_EQ(kvevict_sequence_end_forward(nullptr), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(kvevict_decision_rotation_count(nullptr, 0, 0), -1);
+  kvevict_sequence_destroy(nullptr);
+
+  CSequence s = create("sirllm", "entropy=8", c);
+  EXPECT_EQ(kvevict_sequence_live(s.get(), 1, 0), -1);
+  const std::int32_t ids[] = {1, 2};
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), nullptr, 2, 1), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 0, 1), KVEVICT_INVALID_ARGUMENT);
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 2, 1), KVEVICT_OK);
+  const float surprisal[] = {1.0f, 2.0f};
+  EXPECT_EQ(kvevict_sequence_observe_surprisal(s.get(), surprisal, -1), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("count must be >= 0, got -1"), std::string::npos)
+      << kvevict_last_error();
+  EXPECT_EQ(kvevict_sequence_observe_surprisal(s.get(), nullptr, 2), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("surprisal is NULL"), std::string::npos);
+  // The signal contract: SirLLM needs surprisal before the forward ends.
+  EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("needs the surprisal"), std::string::npos);
+  ASSERT_EQ(kvevict_sequence_observe_surprisal(s.get(), surprisal, 2), KVEVICT_OK);
+  ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK);
   EXPECT_STREQ(kvevict_last_error(), "");
+}
+
+TEST(CApi, ABackendFailureIsReportedAndFinal) {
+  Engine engine(1, 1);
+  engine.fail_apply = 7;
+  const kvevict_backend backend = engine.backend();
+  CSequence s = create("window", "recent=2", config(1, 1, 1, 1), &backend);
+  std::int64_t fed = 0;
+  for (int t = 0; t < 2; ++t) feed(s.get(), engine, fed, 1);  // nothing evicted yet
+  const std::int32_t id = 1;
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_OK);
+  EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_BACKEND_ERROR);
+  EXPECT_NE(std::string(kvevict_last_error()).find("apply() returned 7"), std::string::npos);
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("unusable"), std::string::npos);
+}
+
+// Without a reserve callback the engine sized its buffers for kvevict_sequence_capacity(): an
+// unbounded policy that outgrows it is an error naming the fix.
+TEST(CApi, NoReserveCallbackMeansAFixedCapacity) {
+  kvevict_backend backend{nullptr, nullptr, nullptr};
+  CSequence s = create("full", nullptr, config(1, 1, 1, 1), &backend);
+  const int capacity = kvevict_sequence_capacity(s.get());
+  const std::int32_t id = 1;
+  for (int t = 0; t < capacity; ++t) {
+    ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_OK);
+    ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK);
+  }
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("reserve callback"), std::string::npos);
 }
 
 }  // namespace

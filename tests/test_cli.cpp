@@ -33,7 +33,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using kvevict::Error;
-using kvevict::cli::ParamValues;
+using kvevict::PolicyParams;
 using kvevict::cli::PolicyOptions;
 using nlohmann::json;
 
@@ -72,8 +72,8 @@ std::string sample_text(std::size_t bytes) {
 
 // --- Policy options ---------------------------------------------------------------------------
 
-ParamValues budget(const std::string& policy, int n, int sinks = 4) {
-  return kvevict::cli::budget_params(policy, n, sinks);
+PolicyParams budget(const std::string& policy, int n, int sinks = 4) {
+  return kvevict::budget_params(policy, n, sinks);
 }
 
 TEST(PolicyOptions, BudgetMapsToEachPolicysParameters) {
@@ -90,9 +90,9 @@ TEST(PolicyOptions, BudgetMapsToEachPolicysParameters) {
   // Every mapping gives a policy make_policy accepts (anllm also needs its anchor ids).
   for (std::string_view name : kvevict::policy_names()) {
     if (name == "full") continue;
-    ParamValues values = budget(std::string(name), 64);
+    PolicyParams values = budget(std::string(name), 64);
     if (name == "anllm") values.set_list("anchor_ids", {258});
-    EXPECT_NO_THROW((void)kvevict::make_policy(name, values.to_policy_params())) << name;
+    EXPECT_NO_THROW((void)kvevict::make_policy(name, values)) << name;
   }
 }
 
@@ -108,16 +108,20 @@ TEST(PolicyOptions, BudgetErrors) {
 }
 
 TEST(PolicyOptions, ParamsParseNumbersAndLists) {
-  ParamValues values;
-  kvevict::cli::apply_param(values, "recent=28");
-  kvevict::cli::apply_param(values, "decay=0.5");
-  kvevict::cli::apply_param(values, "anchor_ids=258");
-  kvevict::cli::apply_param(values, "ids=1, 2,3");
+  PolicyParams values;
+  values.parse_pair("recent=28");
+  values.parse_pair("decay=0.5");
+  values.parse_pair("anchor_ids=258");
+  values.parse_pair("ids=1, 2,3");
   EXPECT_EQ(values.to_string(), "anchor_ids=258 decay=0.5 ids=1,2,3 recent=28");
-  EXPECT_EQ(values.to_json().dump(),
-            R"({"anchor_ids":[258],"decay":0.5,"ids":[1,2,3],"recent":28})");
+  EXPECT_EQ(kvevict::cli::params_json(values).dump(),
+            R"({"anchor_ids":258,"decay":0.5,"ids":[1,2,3],"recent":28})");
+  // The policy's spec types them: one anchor id is a list of one (the C API could not say so).
+  const PolicyParams typed =
+      kvevict::policy_spec("anllm").resolve(PolicyParams::parse("anchor_ids=258"));
+  EXPECT_EQ(kvevict::cli::params_json(typed).dump(), R"({"anchor_ids":[258],"max_slots":0})");
   for (const char* bad : {"recent", "=3", "recent=", "recent=abc", "recent=1e999", "ids=1,x"}) {
-    EXPECT_THROW(kvevict::cli::apply_param(values, bad), Error) << bad;
+    EXPECT_THROW(values.parse_pair(bad), Error) << bad;
   }
 }
 
@@ -150,7 +154,8 @@ TEST(PolicyOptions, ValidationNamesTheProblem) {
   options.budget = 16;
   EXPECT_EQ(message(options), "");
   options.params = {"recnt=3"};
-  EXPECT_NE(message(options).find("has no parameter 'recnt' (it takes recent)"), std::string::npos);
+  EXPECT_NE(message(options).find("unknown parameter 'recnt' for policy 'window' (known: recent)"),
+            std::string::npos);
   options.params.clear();
   options.chunk = 0;
   EXPECT_NE(message(options).find("--chunk"), std::string::npos);
@@ -520,7 +525,7 @@ TEST_F(Cli, StreamWithTurnsAndCatalyst) {
                                 "64", "--chunk", "16", "--limit-bytes", "3000"});
   EXPECT_GT(sirllm["turns"].get<int>(), 1);
   EXPECT_EQ(sirllm["input_bytes"], 3000);
-  EXPECT_GT(sirllm["cache"]["compactions"].get<int>(), 0);
+  EXPECT_GT(sirllm["cache"]["decisions"].get<int>(), 0);
   const json infinipot =
       run_json({"stream", "--model", *model_, "--input", file("text2k.txt"), "--policy",
                 "infinipot", "--budget", "64", "--catalyst", "Summarize the key points."});
@@ -551,7 +556,7 @@ TEST_F(Cli, BadOptionsExitWithCode2AndSayWhy) {
        "--budget"},
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "window", "--param",
         "recnt=3"},
-       "no parameter 'recnt'"},
+       "unknown parameter 'recnt'"},
       {{"stream", "--model", *model_, "--input", file("missing.txt")}, "missing.txt"},
       {{"stream", "--model", *model_, "--input", text, "--window", "0"}, "--window"},
       {{"stream", "--model", *model_, "--input", text, "--chunk", "-1"}, "--chunk"},
@@ -713,7 +718,7 @@ TEST_F(Cli, StreamInsertAnchorsFeedsAnLLMAndScoresTheTextOnly) {
       run_json({"stream", "--model", *model_, "--input", file("text4k.txt"), "--insert-anchors",
                 "--policy", "anllm", "--budget", "48", "--window", "512"});
   EXPECT_EQ(anchored["policy"]["params"]["anchor_ids"], json::array({258}));
-  EXPECT_GT(anchored["cache"]["compactions"].get<int>(), 0);
+  EXPECT_GT(anchored["cache"]["decisions"].get<int>(), 0);
   // The anchors the command inserted are the inserter's on the same text.
   const std::string expected = with_anchors(text);
   std::size_t count = 0;

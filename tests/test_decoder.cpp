@@ -25,6 +25,7 @@
 #include "model/half.hpp"
 #include "model/matmul.hpp"
 #include "support/expect_error.hpp"
+#include "support/policy_harness.hpp"
 
 namespace {
 
@@ -450,7 +451,7 @@ TEST(DecoderPolicies, EveryPolicyWithoutEvictionEqualsFullBitwise) {
       }
       EXPECT_EQ(mismatches, 0u) << "max relative difference "
                                 << max_relative_difference(logits, expected, kVocab);
-      EXPECT_EQ(decoder.cache().pipeline().stats().compactions, 0);
+      EXPECT_EQ(decoder.cache().sequence().stats().decisions, 0);
       EXPECT_EQ(decoder.stats().catalyst_runs, 0);
 
       Decoder last(model, kvevict::make_policy(policy.name, policy.params), options);
@@ -515,11 +516,11 @@ TEST(DecoderRope, PreAndPostRopeAgreeUnderEviction) {
           const ForwardResult r = decoder.forward(std::span(tokens).subspan(t, 1));
           logits[s].insert(logits[s].end(), r.logits.begin(), r.logits.end());
         }
-        compactions[s] = decoder.cache().pipeline().stats().compactions;
+        compactions[s] = decoder.cache().sequence().stats().decisions;
         catalysts[s] = decoder.stats().catalyst_runs;
       }
       const double error = max_relative_difference(logits[0], logits[1], kVocab);
-      std::printf("  %-13s %-16s %s: pre vs post RoPE %.2e over %lld compactions\n", c.name,
+      std::printf("  %-13s %-16s %s: pre vs post RoPE %.2e over %lld decisions\n", c.name,
                   std::string(kvevict::to_string(c.mode)).c_str(), model_case.name, error,
                   static_cast<long long>(compactions[0]));
       EXPECT_LT(error, 1e-4);
@@ -563,7 +564,7 @@ TEST(DecoderMemory, BoundedPolicyKeepsPeakConstantOnALongStream) {
   EXPECT_EQ(decoder.stats().peak_kv_bytes, bound);
   EXPECT_EQ(decoder.cache().memory().reserved_bytes, reserved);
   EXPECT_EQ(decoder.stats().tokens_fed, 2000);
-  EXPECT_GT(decoder.stats().eviction_seconds, 0.0);
+  EXPECT_GT(decoder.cache().sequence().stats().evicted_slots, 0);
 }
 
 TEST(DecoderMemory, InfiniPotPrefillStaysWithinPotPlusCatalyst) {
@@ -586,14 +587,10 @@ TEST(DecoderMemory, InfiniPotPrefillStaysWithinPotPlusCatalyst) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Stage timing (DecoderStats): no thresholds on durations, only the structure of the split
+// Stage timing (DecoderOptions::observer): no thresholds on durations, only the structure
 // ---------------------------------------------------------------------------------------------
 
-// Seconds converted from integer clock ticks field by field: a sum of converted parts may exceed
-// the converted total by a few ulps, far below one tick (1 ns).
-constexpr double kRounding = 1e-12;
-
-TEST(DecoderStats, StagesSplitForwardAndEvictionTime) {
+TEST(DecoderTiming, StagesPartitionTheTimedWallTime) {
   const Model model = model_for(kModelCases[0]);
   const std::vector<std::int32_t> tokens = tokens_for(160, 53);
   struct Case {
@@ -607,101 +604,52 @@ TEST(DecoderStats, StagesSplitForwardAndEvictionTime) {
       {"tova", PolicyParams().set("budget", 32)},
       {"infinipot", PolicyParams().set("pot", 48).set("keep", 24)},
   };
+  using kvevict::Stage;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
+    kvevict::StageClock clock;
     DecoderOptions options;
     options.max_chunk = 8;
+    options.observer = &clock;
     Decoder decoder(model, kvevict::make_policy(c.name, c.params), options);
     const bool catalyst = std::string(c.name) == "infinipot";
     if (catalyst) decoder.set_catalyst({1, 2, 3, 4, 5});
     const auto wall_start = std::chrono::steady_clock::now();
     (void)decoder.feed(std::span(tokens).first(100), {}, 8);
-    kvevict::model::DecoderStats before = decoder.stats();
+    const kvevict::StageClock before = clock;
     for (std::size_t i = 100; i < tokens.size(); ++i)
       (void)decoder.forward(std::span(tokens).subspan(i, 1));
     const double wall =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
-    const kvevict::model::DecoderStats& s = decoder.stats();
 
-    // Every part is a sum of non-negative durations; the model's stages all ran.
-    for (double part : {s.head_seconds, s.attention_seconds, s.mlp_seconds, s.policy_seconds,
-                        s.reposition_seconds, s.catalyst_seconds}) {
-      EXPECT_GE(part, 0.0);
-    }
-    EXPECT_GT(s.head_seconds, 0.0);
-    EXPECT_GT(s.attention_seconds, 0.0);
-    EXPECT_GT(s.mlp_seconds, 0.0);
-    // The parts are disjoint sub-intervals of their totals, and the two totals of the forward()
-    // calls, which the wall time measured around them contains.
-    EXPECT_LE(s.head_seconds + s.attention_seconds + s.mlp_seconds, s.forward_seconds + kRounding);
-    EXPECT_LE(s.policy_seconds + s.reposition_seconds + s.catalyst_seconds,
-              s.eviction_seconds + kRounding);
-    EXPECT_LE(s.forward_seconds + s.eviction_seconds, wall + kRounding);
+    // The model's stages all ran; the stages are disjoint, so their sum is within the wall time.
+    EXPECT_GT(clock.seconds(Stage::head), 0.0);
+    EXPECT_GT(clock.seconds(Stage::attention), 0.0);
+    EXPECT_GT(clock.seconds(Stage::mlp), 0.0);
+    EXPECT_LE(clock.seconds(), wall);
     // Totals accumulate: the 60 single-token forwards only add.
-    EXPECT_GE(s.attention_seconds, before.attention_seconds);
-    EXPECT_GE(s.policy_seconds, before.policy_seconds);
-    EXPECT_GE(s.reposition_seconds, before.reposition_seconds);
-    EXPECT_GE(s.eviction_seconds, before.eviction_seconds);
-
-    const kvevict::PipelineStats& pipeline = decoder.cache().pipeline().stats();
+    for (int stage = 0; stage < static_cast<int>(Stage::count); ++stage) {
+      EXPECT_GE(clock.total(static_cast<Stage>(stage)), before.total(static_cast<Stage>(stage)));
+    }
     if (std::string(c.name) == "full") {
-      // No signal, no trigger: the policy is never consulted and nothing is compacted.
-      EXPECT_EQ(pipeline.compactions, 0);
-      EXPECT_EQ(s.policy_seconds, 0.0);
-      EXPECT_EQ(s.reposition_seconds, 0.0);
+      // No signal, no trigger: the policy is never consulted and nothing is applied.
+      EXPECT_EQ(decoder.cache().sequence().stats().decisions, 0);
+      EXPECT_EQ(clock.seconds(Stage::policy), 0.0);
+      EXPECT_EQ(clock.seconds(Stage::reposition), 0.0);
     } else {
-      // Every bounded policy here evicted, so it selected and applied plans.
-      EXPECT_GT(pipeline.compactions, 0);
-      EXPECT_GT(s.policy_seconds, 0.0);
-      EXPECT_GT(s.reposition_seconds, 0.0);
+      // Every bounded policy here evicted, so it decided and its decisions were applied.
+      EXPECT_GT(decoder.cache().sequence().stats().decisions, 0);
+      EXPECT_GT(clock.seconds(Stage::policy), 0.0);
+      EXPECT_GT(clock.seconds(Stage::reposition), 0.0);
     }
     // Only a catalyst run has catalyst time (pot 48, keep 24: runs at 48, 72, 96, ...).
-    EXPECT_EQ(s.catalyst_runs > 0, catalyst);
+    EXPECT_EQ(decoder.stats().catalyst_runs > 0, catalyst);
     if (catalyst) {
-      EXPECT_GT(s.catalyst_seconds, 0.0);
+      EXPECT_GT(clock.seconds(Stage::catalyst), 0.0);
     } else {
-      EXPECT_EQ(s.catalyst_seconds, 0.0);
+      EXPECT_EQ(clock.seconds(Stage::catalyst), 0.0);
     }
-    // The cache's own totals cover at least what the decoder attributes to them.
-    EXPECT_LE(s.policy_seconds, decoder.cache().timing().policy_seconds() + kRounding);
-    EXPECT_LE(s.reposition_seconds, decoder.cache().timing().reposition_seconds() + kRounding);
   }
-}
-
-TEST(DecoderStats, CacheDrivenOutsideForwardIsNotCounted) {
-  // An engine may drive the cache directly (bench_decoder streams random K/V that way): that
-  // eviction shows in the cache's timing but not in the decoder's stats, which cover forward().
-  const Model model = model_for(kModelCases[0]);
-  DecoderOptions options;
-  options.max_chunk = 8;
-  Decoder decoder(
-      model, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 2).set("recent", 6)),
-      options);
-  kvevict::EvictingCache<float>& cache = decoder.cache();
-  const kvevict::model::RowMatrix rows = kvevict::model::RowMatrix::Ones(8, 16);
-  const std::vector<std::int32_t> ids = tokens_for(8, 59);
-  for (int chunk = 0; chunk < 3; ++chunk) {
-    cache.begin_chunk(ids);
-    for (int l = 0; l < 2; ++l) {
-      for (int g = 0; g < 2; ++g) cache.write_chunk(l, g, rows, rows);
-    }
-    cache.end_forward();
-  }
-  EXPECT_GT(cache.pipeline().stats().compactions, 0);
-  EXPECT_GT(cache.timing().reposition.count(), 0);
-  EXPECT_EQ(decoder.stats().policy_seconds, 0.0);
-  EXPECT_EQ(decoder.stats().reposition_seconds, 0.0);
-  EXPECT_EQ(decoder.stats().eviction_seconds, 0.0);
-  // A timing switched off reads no clock and adds nothing.
-  cache.set_timing(false);
-  const kvevict::EvictionTiming frozen = cache.timing();
-  cache.begin_chunk(ids);
-  for (int l = 0; l < 2; ++l) {
-    for (int g = 0; g < 2; ++g) cache.write_chunk(l, g, rows, rows);
-  }
-  cache.end_forward();
-  EXPECT_EQ(cache.timing().policy, frozen.policy);
-  EXPECT_EQ(cache.timing().reposition, frozen.reposition);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -719,9 +667,6 @@ class RecordingPolicy final : public kvevict::Policy {
   [[nodiscard]] kvevict::TriggerSet triggers() const override {
     if (pot_ > 0) return {kvevict::Trigger::pot_full};
     return {};
-  }
-  [[nodiscard]] bool pot_full(const kvevict::SlotTable& slots) const override {
-    return pot_ > 0 && slots.max_live() >= pot_;
   }
   [[nodiscard]] std::optional<int> pot_room(const kvevict::SlotTable& slots) const override {
     if (pot_ == 0) return std::nullopt;
@@ -746,17 +691,13 @@ class RecordingPolicy final : public kvevict::Policy {
                          std::span<const float> values) override {
     surprisal.insert(surprisal.end(), values.begin(), values.end());
   }
-  bool select(const kvevict::EvictionContext& context, kvevict::CompactionPlan& plan) override {
-    if (context.trigger != kvevict::Trigger::pot_full) return false;
-    for (int l = 0; l < context.slots.layers(); ++l) {
-      for (int g = 0; g < context.slots.kv_heads(); ++g) {
-        const int live = context.slots.live(l, g);
-        const std::span<std::int32_t> keep = plan.keep_buffer(l, g);
-        for (int i = 0; i < keep_; ++i) keep[static_cast<std::size_t>(i)] = live - keep_ + i;
-        plan.set_keep_count(l, g, keep_);
-      }
+  void select(const kvevict::EvictionContext& context, kvevict::Decision& decision) override {
+    if (context.trigger != kvevict::Trigger::pot_full) return;
+    for (int unit = 0; unit < context.slots.units(); ++unit) {
+      keep_set_.begin(context.slots, unit, context.protection);
+      keep_set_.keep_newest(keep_);
+      keep_set_.evict_rest(decision);
     }
-    return true;
   }
 
   std::vector<bool> turn_starts;
@@ -777,22 +718,29 @@ class RecordingPolicy final : public kvevict::Policy {
     };
     const int n = catalyst ? rows.queries() : chunk_size;
     if (rows.queries() != (last_only ? 1 : n)) fail("query count");
-    if (rows.kv_heads() != slots.kv_heads()) fail("kv heads");
+    if (rows.kv_heads() != slots.layout().kv_heads()) fail("kv heads");
     if (!catalyst && rows.first_query_position() != chunk_first + (last_only ? n - 1 : 0)) {
       fail("first query position");
     }
     for (int h = 0; h < rows.q_heads(); ++h) {
-      const int live = slots.live(layer, h / rows.group_size());
-      if (rows.keys(h) != live) fail("key count");
+      const int unit = slots.layout().unit_of(layer, h / rows.group_size());
+      if (rows.keys(h) != slots.slot_limit(unit)) fail("key count");
+      // Stream order: the queries are the newest rows.queries() tokens (the chunk or catalyst).
+      const auto order = slots.stream_order(unit);
       for (int i = 0; i < rows.queries(); ++i) {
-        const int query_slot = live - rows.queries() + i;  // the query's own slot
+        const std::size_t query_index = order.size() - static_cast<std::size_t>(rows.queries() - i);
         const std::span<const float> row = rows.row(h, i);
         double sum = 0.0;
-        for (int s = 0; s < live; ++s) {
-          const float p = row[static_cast<std::size_t>(s)];
-          if (s > query_slot && p != 0.0f) fail("causally masked entry is not zero");
-          if (s <= query_slot && !(p > 0.0f)) fail("visible entry is not positive");
+        std::vector<bool> live(row.size(), false);
+        for (std::size_t k = 0; k < order.size(); ++k) {
+          const float p = row[static_cast<std::size_t>(order[k])];
+          live[static_cast<std::size_t>(order[k])] = true;
+          if (k > query_index && p != 0.0f) fail("causally masked entry is not zero");
+          if (k <= query_index && !(p > 0.0f)) fail("visible entry is not positive");
           sum += p;
+        }
+        for (std::size_t slot = 0; slot < row.size(); ++slot) {
+          if (!live[slot] && row[slot] != 0.0f) fail("free slot is not zero");
         }
         if (std::fabs(sum - 1.0) > 1e-5) fail("row does not sum to 1");
       }
@@ -802,6 +750,7 @@ class RecordingPolicy final : public kvevict::Policy {
   kvevict::SignalSet signals_;
   int pot_;
   int keep_;
+  kvevict::KeepSet keep_set_;
 };
 
 TEST(DecoderSignals, AttentionRowsSurprisalAndTurns) {
@@ -882,8 +831,10 @@ TEST(DecoderSignals, CatalystRowsCoverPotAndCatalyst) {
   EXPECT_EQ(recording.failures, 0);
   EXPECT_EQ(decoder.cache().live(0, 0), 10 + 10);
   // The catalyst is rolled back: no catalyst-flagged slot remains.
-  for (std::uint8_t flags : decoder.cache().store().slots().flags(1, 1)) {
-    EXPECT_EQ(flags & kvevict::slot_flag::catalyst, 0);
+  const kvevict::SlotTable& slots = decoder.cache().slots();
+  const int unit = decoder.cache().sequence().unit_of(1, 1);
+  for (const std::int32_t slot : slots.stream_order(unit)) {
+    EXPECT_EQ(slots.flags(unit)[static_cast<std::size_t>(slot)] & kvevict::slot_flag::catalyst, 0);
   }
 }
 
@@ -902,9 +853,8 @@ TEST(DecoderSignals, AnchorsReachThePolicy) {
   (void)decoder.feed(tokens, {}, 4);
   // After the forward holding the second anchor (tokens 12..15): both anchors remain; then 16..19.
   EXPECT_EQ(decoder.cache().live(1, 0), 2 + 4);
-  const std::span<const std::int64_t> kept =
-      decoder.cache().store().slots().original_positions(1, 0);
-  EXPECT_EQ(std::vector<std::int64_t>(kept.begin(), kept.end()),
+  EXPECT_EQ(kvevict::test::kept_positions(decoder.cache().slots(),
+                                          decoder.cache().sequence().unit_of(1, 0)),
             (std::vector<std::int64_t>{7, 15, 16, 17, 18, 19}));
 }
 

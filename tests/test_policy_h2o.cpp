@@ -187,7 +187,7 @@ TEST(H2oPolicy, InvalidConfigurationsAreErrors) {
       "h2o: recent must be >= 0, got -1");
   expect_error([] { (void)kvevict::make_h2o(H2oConfig{0, 0}); }, "heavy + recent must be positive");
   expect_error([] { (void)kvevict::make_policy("h2o", PolicyParams().set("heavy", 2)); },
-               "policy 'h2o' needs parameter 'recent'");
+               "policy 'h2o': missing parameter 'recent'");
   expect_error(
       [] {
         (void)kvevict::make_policy("h2o",

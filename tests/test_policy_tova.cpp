@@ -198,7 +198,7 @@ TEST(TovaPolicy, InvalidConfigurationsAreErrors) {
       },
       "not larger than the protected set");
   expect_error([] { (void)kvevict::make_policy("tova", PolicyParams().set("sinks", 1)); },
-               "policy 'tova' needs parameter 'budget'");
+               "policy 'tova': missing parameter 'budget'");
   expect_error(
       [] {
         (void)kvevict::make_policy("tova", PolicyParams().set("budget", 4).set("head_wise", 2));

@@ -139,7 +139,7 @@ TEST(PolicyRegistry, ClearErrorsForBadConfigurations) {
     }
   };
   expect_error("window", PolicyParams().set("recent", 0), "parameter 'recent' must be in [1, ");
-  expect_error("window", PolicyParams(), "policy 'window' needs parameter 'recent'");
+  expect_error("window", PolicyParams(), "policy 'window': missing parameter 'recent'");
   expect_error("window", PolicyParams().set("recent", 2.5), "must be an integer");
   expect_error("window", PolicyParams().set("recent", 4).set("recnet", 4),
                "unknown parameter 'recnet'");

@@ -12,11 +12,15 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kvevict/kv_store.hpp"
 #include "kvevict/policy.hpp"
@@ -168,6 +172,38 @@ class EvictingCache {
   template <class Fn>
   void for_each_key_run(int layer, int kv_head, Fn&& fn) const {
     sequence_.for_each_key_run(layer, kv_head, std::forward<Fn>(fn));
+  }
+
+  /// Reference q . k of one pre-RoPE query at RoPE position `query_position` against every slot of
+  /// head (layer, kv_head): out[s] for live slots, -infinity for free ones (out holds slot_limit
+  /// values). With post-RoPE keys the query is rotated once per run (to its position minus the
+  /// run's pending rotation); with pre-RoPE keys every key is rotated to its position. Unscaled.
+  void dot_products(int layer, int kv_head, std::span<const Scalar> query,
+                    std::int64_t query_position, std::span<float> out) const {
+    const int limit = slot_limit(layer, kv_head);
+    KVEVICT_REQUIRE(static_cast<int>(query.size()) == config_.shape.head_dim &&
+                        static_cast<int>(out.size()) >= limit,
+                    "dot_products: need head_dim query values and slot_limit outputs");
+    std::fill(out.begin(), out.begin() + limit, -std::numeric_limits<float>::infinity());
+    std::vector<Scalar> rotated(query.begin(), query.end());
+    const bool post_rope = config_.key_storage == KeyStorage::post_rope;
+    Matrix pre_rope_keys;
+    const Eigen::Map<const Matrix> keys =
+        post_rope ? this->keys(layer, kv_head) : rotated_keys(layer, kv_head, pre_rope_keys);
+    const auto score = [&](int begin, int end, std::int64_t rotation) {
+      std::copy(query.begin(), query.end(), rotated.begin());
+      rope_.rotate(rotated.data(), query_position - (post_rope ? rotation : 0));
+      const Eigen::Map<const Eigen::Matrix<Scalar, Eigen::Dynamic, 1>> q(rotated.data(),
+                                                                         config_.shape.head_dim);
+      for (int s = begin; s < end; ++s) {
+        out[static_cast<std::size_t>(s)] = static_cast<float>(keys.row(s).dot(q.transpose()));
+      }
+    };
+    if (post_rope) {
+      sequence_.for_each_key_run(layer, kv_head, score);
+    } else {
+      sequence_.for_each_position_run(layer, kv_head, score);
+    }
   }
 
   void observe_attention(int layer, const AttentionRows& rows) {

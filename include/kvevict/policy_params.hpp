@@ -138,8 +138,10 @@ class PolicyParams {
     return it->second;
   }
   static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
-  // A finite decimal number, the whole of `text`.
+  // A finite decimal number, the whole of `text` but surrounding blanks.
   static std::optional<double> parse_number(std::string_view text) {
+    while (!text.empty() && is_space(text.front())) text.remove_prefix(1);
+    while (!text.empty() && is_space(text.back())) text.remove_suffix(1);
     if (text.empty() || text.size() > 64) return std::nullopt;
     const std::string copy(text);
     char* end = nullptr;
@@ -226,7 +228,7 @@ struct PolicySpec {
           resolved.set(key, *param.default_value);
         }
       } else if (!param.optional) {
-        throw Error("policy '" + std::string(name) + "' needs parameter '" + key + "' (" +
+        throw Error("policy '" + std::string(name) + "': missing parameter '" + key + "' (" +
                     std::string(param.help) + ")");
       }
     }

@@ -13,8 +13,10 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -177,6 +179,8 @@ class WorstCandidates {
       return count;
     }
     const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    if (count == 1 && protection.flags == 0)
+      return evict_one(unit, order, first, last, scores, originals, decision);
     // worse(a, b): a ranks below b. A strict total order (originals are unique), so the evicted
     // set is the complement of "the `keep` best" whatever the method.
     const auto worse = [&](std::int32_t a, std::int32_t b) {
@@ -212,6 +216,37 @@ class WorstCandidates {
 
  private:
   static constexpr int kSmall = 16;  // up to this many evictions: one pass with a sorted buffer
+
+  // The steady state of a per-token budget rule: the single worst candidate, one branch-light pass.
+  // Candidates come oldest first, so among equal scores the later one is the worse (ties keep the
+  // lower original position): `<=` picks it without reading positions.
+  static int evict_one(int unit, std::span<const std::int32_t> order, int first, int last,
+                       std::span<const float> scores, std::span<const std::int64_t> originals,
+                       Decision& decision) {
+    std::int32_t worst = order[static_cast<std::size_t>(first)];
+    float worst_score = std::numeric_limits<float>::infinity();
+    std::uint32_t nan = 0;
+    for (int i = first; i < last; ++i) {
+      const std::int32_t slot = order[static_cast<std::size_t>(i)];
+      const float score = scores[static_cast<std::size_t>(slot)];
+      nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
+                                        0x7f800000u);
+      if (score <= worst_score) {
+        worst_score = score;
+        worst = slot;
+      }
+    }
+    if (nan != 0) {  // name the first NaN
+      for (int i = first; i < last; ++i) {
+        const std::int32_t slot = order[static_cast<std::size_t>(i)];
+        require_number(scores[static_cast<std::size_t>(slot)],
+                       originals[static_cast<std::size_t>(slot)]);
+      }
+    }
+    decision.evict(unit, worst);
+    return 1;
+  }
+
   std::vector<std::int32_t> worst_;
 };
 

@@ -181,8 +181,8 @@ class Sequence {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_attention: no forward is open (call begin_chunk first)");
-    mark_layer(layer, "observe_attention");
     check_rows(rows);
+    mark_layer(layer, "observe_attention");
     const StageScope scope(observer_, Stage::policy);
     policy_->observe_attention(slots_, layer, rows);
   }
@@ -222,6 +222,31 @@ class Sequence {
     }
   }
 
+  /// Removes the newest `count` stream tokens from every unit (those a policy has not evicted
+  /// already), and feeds continue from their positions: a speculative draft rejected, or a
+  /// benchmark that holds the cache at one size. The engine discards its own K/V for them; the
+  /// policy's internal state (a running RNG, SirLLM's last surprisal) is not rolled back.
+  void roll_back(int count) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::idle, "roll_back: end the forward first");
+    KVEVICT_REQUIRE(count >= 0 && count <= stats_.tokens_fed,
+                    "roll_back: count " + std::to_string(count) + " outside [0, " +
+                        std::to_string(stats_.tokens_fed) + "]");
+    const std::int64_t first = stats_.tokens_fed - count;
+    for (int unit = 0; unit < layout_.units(); ++unit) {
+      const std::span<const std::int32_t> order = slots_.stream_order(unit);
+      const std::span<const std::int64_t> originals = slots_.original_positions(unit);
+      int newest = 0;
+      while (newest < static_cast<int>(order.size()) &&
+             originals[static_cast<std::size_t>(
+                 order[order.size() - 1 - static_cast<std::size_t>(newest)])] >= first) {
+        ++newest;
+      }
+      slots_.truncate(unit, newest);
+    }
+    stats_.tokens_fed = first;
+  }
+
   // --- catalyst (InfiniPot) --------------------------------------------------------------------
 
   /// Tokens that fit before the policy's pot is full (feed at most this many per forward), or
@@ -251,8 +276,8 @@ class Sequence {
   void observe_catalyst(int layer, const AttentionRows& rows) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
-    mark_layer(layer, "observe_catalyst");
     check_rows(rows);
+    mark_layer(layer, "observe_catalyst");
     const StageScope scope(observer_, Stage::policy);
     policy_->observe_catalyst(slots_, layer, rows);
   }

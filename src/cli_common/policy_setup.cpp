@@ -22,7 +22,7 @@ PolicyParams resolved(const PolicySpec& spec, const PolicyParams& given) {
     return spec.resolve(given);
   } catch (const Error& error) {
     const std::string message = error.what();
-    const bool missing = message.find("needs parameter") != std::string::npos;
+    const bool missing = message.find("missing parameter") != std::string::npos;
     throw Error(message + (missing ? " (give --budget N, or --param KEY=VALUE)" : ""));
   }
 }

@@ -44,17 +44,26 @@ void attend(const HeadAttention& head, QueryAngles& angles,
     probabilities.middleCols(run.begin, run.end - run.begin).noalias() =
         rotated.topRows(n) * keys.middleRows(run.begin, run.end - run.begin).transpose();
   }
-  // Causal mask inside the chunk: query i does not see the tokens after it.
-  for (Eigen::Index i = 0; i < n; ++i) {
-    for (std::size_t j = static_cast<std::size_t>(i) + 1; j < head.query_slots.size(); ++j) {
-      probabilities(i, head.query_slots[j]) = -std::numeric_limits<float>::infinity();
-    }
-  }
-  // Softmax of (q . k) / sqrt(head_dim) over each row; free and masked slots get 0.
+  // Softmax of (q . k) / sqrt(head_dim) over each row's live, visible slots.
   for (Eigen::Index i = 0; i < n; ++i) {
     auto row = probabilities.row(i);
+    // Causal mask inside the chunk: query i does not see the tokens after it.
+    for (std::size_t j = static_cast<std::size_t>(i) + 1; j < head.query_slots.size(); ++j) {
+      row(head.query_slots[j]) = -std::numeric_limits<float>::infinity();
+    }
     const float max = row.maxCoeff();
     row = ((row.array() - max) * scale).exp().matrix();
+    // Exact zeros where the score was -inf (a vectorised exp may leave a denormal there): the
+    // free slots between runs and the masked chunk tokens.
+    int next = 0;
+    for (const KeyRun& run : head.runs) {
+      row.segment(next, run.begin - next).setZero();
+      next = run.end;
+    }
+    row.tail(head.slot_limit - next).setZero();
+    for (std::size_t j = static_cast<std::size_t>(i) + 1; j < head.query_slots.size(); ++j) {
+      row(head.query_slots[j]) = 0.0f;
+    }
     row /= row.sum();
   }
   // Weighted sum of the values.                                                   // [n, head_dim]

@@ -58,8 +58,12 @@ class HeavyHitterPolicy final : public Policy {
     const int group = rows.group_size();
     for (int g = 0; g < layout.kv_heads(); ++g) {
       const std::span<float> accumulated = slots.scores(layout.unit_of(layer, g), kScore);
-      add_attention(rows, g * group, (g + 1) * group, 1.0f, accumulated);
-      require_no_nan(accumulated, "h2o", layer);
+      // A NaN would sit in the sum for ever and surface only when its slot is ranked: report it
+      // at the forward that produced it instead.
+      if (!add_attention(rows, g * group, (g + 1) * group, 1.0f, accumulated)) {
+        throw Error("h2o: attention rows of layer " + std::to_string(layer) + ", KV head " +
+                    std::to_string(g) + " contain NaN or an infinity");
+      }
     }
   }
 

@@ -136,7 +136,8 @@ class InfiniPotPolicy final : public Policy {
       const int unit = layout.unit_of(layer, g);
       // The column spans the catalyst's own slots too; what lands there is rolled back with them
       // before select, and the slots' scores are reset when they are reused.
-      add_attention(rows, g * group, (g + 1) * group, 1.0f, slots.scores(unit, kCapColumn));
+      // A NaN lands in the CaP column and is reported when the pot is ranked (keep_top_k).
+      (void)add_attention(rows, g * group, (g + 1) * group, 1.0f, slots.scores(unit, kCapColumn));
       if (catalyst_seen_.size() < static_cast<std::size_t>(slots.units())) {
         catalyst_seen_.resize(static_cast<std::size_t>(slots.units()), 0);
       }

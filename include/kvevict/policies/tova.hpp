@@ -74,8 +74,10 @@ class TovaPolicy final : public Policy {
     const AttentionRows last = rows.last_query();
     for (int g = 0; g < layout.kv_heads(); ++g) {
       const std::span<float> score = slots.scores(layout.unit_of(layer, g), kScore);
-      add_attention(last, g * group, (g + 1) * group, weight, score);
-      require_no_nan(score, "tova", layer);
+      if (!add_attention(last, g * group, (g + 1) * group, weight, score)) {
+        throw Error("tova: attention rows of layer " + std::to_string(layer) +
+                    " contain NaN or an infinity");
+      }
     }
   }
 

@@ -1,0 +1,669 @@
+// Sequence, SlotTable, KvStore and EvictingCache: eviction by metadata (slots reused, nothing
+// moved), position groups, folds and the bound on key re-rotations, the order of events and the
+// signal contract, the engine's KvBackend, capacity, the catalyst and before_turn triggers,
+// granularity, stage timing, and clear errors for misuse.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <kvevict/kvevict.hpp>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/expect_error.hpp"
+#include "support/policy_harness.hpp"
+
+namespace {
+
+using kvevict::CacheConfig;
+using kvevict::CacheShape;
+using kvevict::EvictingCache;
+using kvevict::PolicyParams;
+using kvevict::PositionMode;
+using kvevict::Sequence;
+using kvevict::SequenceConfig;
+using kvevict::SlotTable;
+using kvevict::test::expect_error;
+using Matrix = EvictingCache<float>::Matrix;
+using Positions = std::vector<std::int64_t>;
+
+SequenceConfig config(int layers, int q_heads, int kv_heads, int max_chunk = 8) {
+  SequenceConfig c;
+  c.layers = layers;
+  c.q_heads = q_heads;
+  c.kv_heads = kv_heads;
+  c.max_chunk = max_chunk;
+  return c;
+}
+
+std::vector<std::int32_t> ids(int n, std::int32_t id = 0) {
+  return std::vector<std::int32_t>(static_cast<std::size_t>(n), id);
+}
+
+void feed(Sequence& sequence, int n) {
+  sequence.begin_chunk(ids(n));
+  sequence.end_forward();
+}
+
+// Records what the sequence asks of the engine.
+class RecordingBackend final : public kvevict::KvBackend {
+ public:
+  void reserve(int capacity) override { reserved.push_back(capacity); }
+  void apply(const kvevict::AppliedDecision& decision) override {
+    ++applies;
+    evicted += static_cast<std::int64_t>(decision.evicted_count());
+    for (const kvevict::KeyRotation& rotation : decision.rotations()) {
+      rotated += static_cast<std::int64_t>(rotation.slots.size());
+      deltas.push_back(rotation.delta);
+    }
+    if (fail) throw kvevict::Error("backend failed");
+  }
+  std::vector<int> reserved;
+  int applies = 0;
+  std::int64_t evicted = 0;
+  std::int64_t rotated = 0;
+  std::vector<std::int64_t> deltas;
+  bool fail = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Eviction by metadata
+// ---------------------------------------------------------------------------------------------
+
+// A steady sliding window frees one slot and the next token takes it: the slot limit never passes
+// the window plus one chunk, and no key or value row is ever rotated or copied.
+TEST(EvictionByMetadata, SlidingWindowReusesTheSlotItFrees) {
+  CacheConfig c;
+  c.shape = CacheShape{2, 2, 2, 8};
+  c.key_storage = kvevict::KeyStorage::post_rope;
+  c.max_chunk = 1;
+  EvictingCache<float> cache(
+      c, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 4).set("recent", 12)));
+  const Matrix rows = Matrix::Ones(1, 8);
+  for (int t = 0; t < 500; ++t) {
+    cache.begin_chunk(ids(1));
+    for (int g = 0; g < 2; ++g) {
+      for (int l = 0; l < 2; ++l) cache.write_chunk(l, g, rows, rows);
+    }
+    cache.end_forward();
+    ASSERT_LE(cache.slot_limit(0, 0), 4 + 12 + 1);
+  }
+  EXPECT_EQ(cache.store().bytes_rotated(), 0u);
+  EXPECT_EQ(cache.store().bytes_copied(), 0u);  // reserved once, at construction
+  EXPECT_EQ(cache.sequence().stats().rotated_keys, 0);
+  EXPECT_EQ(cache.sequence().stats().folds, 0);
+  // Sinks and window: two position groups, whatever the stream length.
+  EXPECT_EQ(cache.slots().group_count(0), 2);
+}
+
+// The evicted slot's token is gone from the metadata and the next token takes that very slot.
+TEST(EvictionByMetadata, EvictedSlotsAreReusedNewestFreedFirst) {
+  Sequence s(config(1, 1, 1), kvevict::make_policy("window", PolicyParams().set("recent", 3)));
+  for (int t = 0; t < 3; ++t) feed(s, 1);
+  EXPECT_EQ(s.slot_limit(0, 0), 3);
+  s.begin_chunk(ids(1));  // token 3 into slot 3, evicted at end_forward: token 0 (slot 0)
+  EXPECT_EQ(s.chunk_slots(0, 0)[0], 3);
+  s.end_forward();
+  EXPECT_FALSE(s.slots().is_live(0, 0));
+  s.begin_chunk(ids(1));  // token 4 takes slot 0
+  EXPECT_EQ(s.chunk_slots(0, 0)[0], 0);
+  s.end_forward();
+  EXPECT_EQ(kvevict::test::kept_positions(s.slots(), 0), (Positions{2, 3, 4}));
+  EXPECT_EQ(kvevict::test::rope_positions(s.slots(), 0), (Positions{0, 1, 2}));
+  EXPECT_EQ(s.slot_limit(0, 0), 4);
+}
+
+// Under cache_index every eviction lowers the positions of the newer tokens; the table keeps that
+// as offsets of a few groups. A random pattern of evictions checked against ranks recomputed from
+// scratch.
+TEST(PositionGroups, RankPositionsMatchARecountAfterRandomEvictions) {
+  const kvevict::UnitLayout layout(1, 1, kvevict::Granularity::head);
+  SlotTable slots(layout, PositionMode::cache_index, 64, 0);
+  std::mt19937 rng(3);
+  std::int64_t next = 0;
+  std::vector<std::int32_t> out(4);
+  for (int step = 0; step < 3000; ++step) {
+    if (slots.live(0) < 40) {
+      const int n = 1 + static_cast<int>(rng() % 4);
+      std::vector<std::int64_t> originals;
+      for (int i = 0; i < n; ++i) originals.push_back(next++);
+      slots.append(0, originals, std::vector<std::int32_t>(static_cast<std::size_t>(n), 0),
+                   std::vector<std::uint8_t>(static_cast<std::size_t>(n), 0), out);
+    }
+    // Evict 1-3 random live tokens.
+    const auto order = slots.stream_order(0);
+    std::set<std::int32_t> evict;
+    const int k = 1 + static_cast<int>(rng() % 3);
+    for (int i = 0; i < k && !order.empty(); ++i) evict.insert(order[rng() % order.size()]);
+    slots.evict(0, std::vector<std::int32_t>(evict.begin(), evict.end()));
+    const auto now = slots.stream_order(0);
+    for (std::size_t i = 0; i < now.size(); ++i) {
+      ASSERT_EQ(slots.position(0, now[i]), static_cast<std::int64_t>(i)) << "step " << step;
+    }
+  }
+  // Groups are merged back as they empty: never more than one per gap between live tokens.
+  EXPECT_LE(slots.group_count(0), slots.live(0));
+}
+
+// The bound on re-rotations. A stored key is rotated once when written and then only by folds, each
+// moving it to its current position; under cache_index positions only fall, so a fold's delta is
+// negative and a key is re-rotated at most (its position at its first fold) + 1 <= capacity times.
+// With max_pending_rotations = 0 (engines that cannot rotate queries per run) every decision folds.
+TEST(PositionGroups, FoldsRotateKeysBackwardsAndAtMostCapacityTimes) {
+  for (const int limit : {0, 2, 32}) {
+    SCOPED_TRACE("max_pending_rotations " + std::to_string(limit));
+    RecordingBackend backend;
+    SequenceConfig c = config(1, 2, 1, 4);
+    c.position_mode = PositionMode::cache_index;
+    c.max_pending_rotations = limit;
+    Sequence s(c, kvevict::make_policy("h2o", PolicyParams().set("heavy", 8).set("recent", 8)),
+               &backend);
+    std::mt19937 rng(11);
+    for (int step = 0; step < 2000; ++step) {
+      s.begin_chunk(ids(1));
+      // Random attention: evictions land anywhere among the non-recent tokens.
+      kvevict::test::LayerRows rows(2);
+      for (auto& head : rows) {
+        std::vector<float> row(static_cast<std::size_t>(s.live(0, 0)));
+        for (float& p : row) p = static_cast<float>(rng() % 1000) / 1000.0f;
+        head.push_back(row);
+      }
+      kvevict::test::SlotRows slot_rows;
+      s.observe_attention(0, slot_rows.make(s, 0, rows, step));
+      const std::size_t rotations_before = backend.deltas.size();
+      s.end_forward();
+      for (std::size_t r = rotations_before; r < backend.deltas.size(); ++r) {
+        EXPECT_LT(backend.deltas[r], 0);  // positions only fall under cache_index
+      }
+      // After a fold every key sits at its position.
+      if (backend.deltas.size() > rotations_before || limit == 0) {
+        for (const std::int32_t slot : s.slots().stream_order(0)) {
+          ASSERT_EQ(s.slots().key_position(0, slot), s.slots().position(0, slot));
+        }
+      }
+      ASSERT_LE(s.slots().pending_rotation_bound(0), std::max(limit, 1));
+    }
+    if (limit == 0) {
+      EXPECT_EQ(s.stats().folds, s.stats().decisions);
+    } else if (limit == 32) {
+      EXPECT_LT(s.stats().folds, s.stats().decisions / 10);
+    }
+    EXPECT_EQ(backend.rotated, s.stats().rotated_keys);
+  }
+}
+
+// Per-key count of re-rotations over a long H2O stream under cache_index, with the tightest fold
+// limit: it stays within the stated bound (1 + capacity), far below the number of evictions.
+TEST(PositionGroups, NoKeyIsReRotatedMoreThanTheBound) {
+  class CountingBackend final : public kvevict::KvBackend {
+   public:
+    void reserve(int) override {}
+    void apply(const kvevict::AppliedDecision& decision) override {
+      for (const kvevict::KeyRotation& rotation : decision.rotations()) {
+        for (const std::int32_t slot : rotation.slots) ++count[slot];
+      }
+    }
+    std::map<std::int32_t, int> count;
+  } backend;
+  SequenceConfig c = config(1, 1, 1, 1);
+  c.position_mode = PositionMode::cache_index;
+  c.max_pending_rotations = 0;
+  Sequence s(c, kvevict::make_policy("h2o", PolicyParams().set("heavy", 6).set("recent", 6)),
+             &backend);
+  std::mt19937 rng(5);
+  int worst = 0;
+  for (int step = 0; step < 3000; ++step) {
+    s.begin_chunk(ids(1));
+    const std::int32_t slot = s.chunk_slots(0, 0)[0];
+    worst = std::max(worst, backend.count[slot]);
+    backend.count[slot] = 0;  // a new token in the slot
+    kvevict::test::LayerRows rows(1);
+    std::vector<float> row(static_cast<std::size_t>(s.live(0, 0)));
+    for (float& p : row) p = static_cast<float>(rng() % 1000) / 1000.0f;
+    rows[0].push_back(row);
+    kvevict::test::SlotRows slot_rows;
+    s.observe_attention(0, slot_rows.make(s, 0, rows, step));
+    s.end_forward();
+  }
+  for (const auto& [slot, count] : backend.count) worst = std::max(worst, count);
+  EXPECT_GT(worst, 0);
+  EXPECT_LE(worst, 1 + s.capacity());
+  EXPECT_GT(s.stats().decisions, 2000);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine's side: KvBackend, order of events, the signal contract
+// ---------------------------------------------------------------------------------------------
+
+TEST(Sequence, EveryDecisionReachesTheBackendInOneCall) {
+  RecordingBackend backend;
+  Sequence s(config(2, 2, 2), kvevict::make_policy("window", PolicyParams().set("recent", 4)),
+             &backend);
+  EXPECT_EQ(backend.reserved, (std::vector<int>{4 + 8}));  // retained limit + max_chunk
+  for (int t = 0; t < 10; ++t) feed(s, 1);
+  EXPECT_EQ(backend.applies, 6);  // one per forward that evicted
+  EXPECT_EQ(backend.evicted, 6);  // one token per decision, one unit (token granularity)
+  EXPECT_EQ(s.stats().evicted_slots, 6 * 4);  // summed over the 2 x 2 heads
+  EXPECT_EQ(backend.rotated, 0);              // two groups at most: never folded
+}
+
+TEST(Sequence, AppliedDecisionsListTheEvictedTokensWithTheirPositions) {
+  struct Capture final : kvevict::KvBackend {
+    void reserve(int) override {}
+    void apply(const kvevict::AppliedDecision& d) override {
+      for (const kvevict::EvictedSlot& e : d.evicted(0, 0)) {
+        evicted.push_back({e.original_position, e.position});
+      }
+      trigger = d.trigger;
+    }
+    std::vector<std::pair<std::int64_t, std::int64_t>> evicted;
+    kvevict::Trigger trigger = kvevict::Trigger::before_turn;
+  } backend;
+  Sequence s(config(1, 1, 1),
+             kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 1).set("recent", 2)),
+             &backend);
+  feed(s, 5);  // 0..4: keep 0, 3, 4; evict 1, 2 at positions 1, 2
+  EXPECT_EQ(backend.evicted, (std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {2, 2}}));
+  EXPECT_EQ(backend.trigger, kvevict::Trigger::after_forward);
+  feed(s, 1);  // 0 3 4 5 at positions 0 1 2 3: evict 3 at position 1
+  EXPECT_EQ(backend.evicted.back(), (std::pair<std::int64_t, std::int64_t>{3, 1}));
+}
+
+TEST(Sequence, AFailingBackendLeavesTheSequenceUnusable) {
+  RecordingBackend backend;
+  Sequence s(config(1, 1, 1), kvevict::make_policy("window", PolicyParams().set("recent", 2)),
+             &backend);
+  feed(s, 2);
+  backend.fail = true;
+  s.begin_chunk(ids(1));
+  expect_error([&] { s.end_forward(); }, "backend failed");
+  expect_error([&] { s.begin_chunk(ids(1)); }, "unusable");
+}
+
+TEST(Sequence, EventsOutOfOrderAreErrors) {
+  Sequence s(config(1, 1, 1), kvevict::make_policy("full"));
+  expect_error([&] { s.end_forward(); }, "no forward is open");
+  expect_error([&] { s.observe_surprisal(std::vector<float>{1.0f}); }, "no forward is open");
+  expect_error([&] { s.begin_chunk({}); }, "at least one token");
+  s.begin_chunk(ids(3));
+  expect_error([&] { s.begin_chunk(ids(1)); }, "call end_forward");
+  expect_error([&] { s.observe_surprisal(std::vector<float>{1.0f}); }, "one value per token");
+  expect_error([&] { s.begin_catalyst(ids(1)); }, "end the forward first");
+  s.end_forward();
+  expect_error([&] { s.end_catalyst(); }, "no catalyst prompt is open");
+  expect_error([&] { (void)s.live(1, 0); }, "outside the sequence");
+}
+
+// A policy that needs attention rows and reaches a decision without them is an error, not a
+// silent keep-the-oldest (H2O) or keep-the-first (TOVA).
+TEST(Sequence, AMissingSignalIsAnErrorAtTheDecision) {
+  for (const std::string name : {"h2o", "tova"}) {
+    SCOPED_TRACE(name);
+    Sequence s(config(2, 2, 1), kvevict::make_policy(name, kvevict::budget_params(name, 4)));
+    s.begin_chunk(ids(2));
+    kvevict::test::SlotRows rows;
+    s.observe_attention(
+        0, rows.make(s, 0, kvevict::test::every_head(2, {{1.0f, 0.0f}, {0.5f, 0.5f}}), 0));
+    expect_error([&] { s.end_forward(); },
+                 "needs the attention rows of every layer: layer 1 was not observed");
+  }
+  Sequence sirllm(config(1, 1, 1),
+                  kvevict::make_policy("sirllm", PolicyParams().set("entropy", 8)));
+  sirllm.begin_chunk(ids(2), true);
+  expect_error([&] { sirllm.end_forward(); }, "needs the surprisal of every token");
+}
+
+TEST(Sequence, ALayerObservedTwiceOrRowsOfTheWrongShapeAreErrors) {
+  Sequence s(config(1, 2, 1), kvevict::make_policy("h2o", kvevict::budget_params("h2o", 4)));
+  s.begin_chunk(ids(1));
+  kvevict::test::SlotRows rows;
+  const kvevict::test::LayerRows layer = kvevict::test::every_head(2, {{1.0f}});
+  s.observe_attention(0, rows.make(s, 0, layer, 0));
+  expect_error([&] { s.observe_attention(0, rows.make(s, 0, layer, 0)); }, "already observed");
+  expect_error([&] { s.observe_attention(3, rows.make(s, 0, layer, 0)); }, "layer 3 outside");
+  const std::vector<float> one{1.0f};
+  const std::vector<int> keys{1};
+  expect_error(
+      [&] { s.observe_attention(0, kvevict::AttentionRows(one.data(), 1, 1, 1, 1, keys, 0)); },
+      "attention rows have 1 query heads, the sequence has 2");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capacity
+// ---------------------------------------------------------------------------------------------
+
+TEST(EvictingCache, BoundedPolicyNeverReallocates) {
+  CacheConfig c;
+  c.shape = CacheShape{1, 2, 1, 8};
+  c.max_chunk = 4;
+  EvictingCache<float> cache(
+      c, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 4).set("recent", 12)));
+  EXPECT_EQ(cache.store().capacity(), 4 + 12 + 4);
+  const std::size_t reserved = cache.memory().reserved_bytes;
+  std::mt19937 rng(1);
+  for (int step = 0; step < 1000; ++step) {
+    const int n = 1 + step % 4;
+    cache.begin_chunk(ids(n));
+    cache.write_chunk(0, 0, Matrix::Random(n, 8), Matrix::Random(n, 8));
+    cache.end_forward();
+  }
+  EXPECT_EQ(cache.memory().reserved_bytes, reserved);
+  EXPECT_EQ(cache.live(0, 0), 16);
+  // Peak: 16 cached + a chunk of 4, with one metadata row (token granularity) per slot.
+  EXPECT_EQ(cache.memory().peak_kv_bytes, 20 * cache.store().kv_bytes_per_slot());
+  EXPECT_EQ(cache.memory().peak_live_bytes,
+            20 * (cache.store().kv_bytes_per_slot() + cache.slots().bytes_per_slot()));
+}
+
+TEST(EvictingCache, UnboundedPolicyGrowsAndKeepsContents) {
+  CacheConfig c;
+  c.shape = CacheShape{1, 1, 1, 4};
+  EvictingCache<float> cache(c, kvevict::make_policy("full"));
+  std::vector<float> first_key;
+  for (int step = 0; step < 700; ++step) {
+    cache.begin_chunk(ids(1));
+    const Matrix k = Matrix::Random(1, 4);
+    if (step == 0) first_key.assign(k.data(), k.data() + 4);
+    cache.write_chunk(0, 0, k, k);
+    cache.end_forward();
+  }
+  EXPECT_EQ(cache.live(0, 0), 700);
+  EXPECT_GE(cache.store().capacity(), 700);
+  EXPECT_GT(cache.store().bytes_copied(), 0u);  // grown geometrically: 256, 512, 1024
+  // Pre-RoPE storage: the first token's key is stored as written, in slot 0.
+  for (int col = 0; col < 4; ++col) {
+    EXPECT_EQ(cache.keys(0, 0)(0, col), first_key[static_cast<std::size_t>(col)]);
+  }
+}
+
+// Exact byte accounting: keys + values = 2 * head_dim * 4 per head; metadata = original position
+// (8), token id (4), group id (4), flags (1) and 4 per score column, once per unit.
+TEST(EvictingCache, MemoryAccountingIsExact) {
+  CacheConfig c;
+  c.shape = CacheShape{2, 4, 2, 16};
+  c.max_chunk = 8;
+  EvictingCache<float> cache(c, kvevict::make_policy("h2o", kvevict::budget_params("h2o", 8)));
+  EXPECT_EQ(cache.store().kv_bytes_per_slot(), 2u * 16 * 4);
+  EXPECT_EQ(cache.slots().bytes_per_slot(), 8u + 4 + 4 + 1 + 4);
+  cache.begin_chunk(ids(5));
+  // 5 tokens x 4 heads (per-head units: 4 metadata rows each).
+  EXPECT_EQ(cache.memory().live_kv_bytes, 5u * 4 * 128);
+  EXPECT_EQ(cache.memory().live_metadata_bytes, 5u * 4 * 21);
+  EXPECT_EQ(cache.memory().reserved_bytes, 16u * 4 * 128 + 16u * 4 * 21);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Triggers
+// ---------------------------------------------------------------------------------------------
+
+// A test policy with a pot: when M tokens are cached it asks for a catalyst, then keeps the C pot
+// tokens the catalyst attended to most.
+class TestPotPolicy final : public kvevict::Policy {
+ public:
+  TestPotPolicy(int pot, int keep) : pot_(pot), keep_(keep) {}
+  std::string_view name() const override { return "test_pot"; }
+  kvevict::SignalSet signals() const override { return {kvevict::Signal::catalyst_attention}; }
+  kvevict::TriggerSet triggers() const override { return {kvevict::Trigger::pot_full}; }
+  int score_columns() const override { return 1; }
+  PositionMode default_position_mode() const override { return PositionMode::reset_on_compact; }
+  std::optional<int> pot_room(const SlotTable& slots) const override {
+    return pot_ - slots.max_live();
+  }
+  void observe_catalyst(SlotTable& slots, int layer, const kvevict::AttentionRows& rows) override {
+    (void)kvevict::add_attention(rows, 0, rows.q_heads(), 1.0f, slots.scores(layer, 0));
+  }
+  void select(const kvevict::EvictionContext& context, kvevict::Decision& decision) override {
+    last_trigger = context.trigger;
+    keep_set_.begin(context.slots, 0, context.protection);
+    keep_set_.keep_top_k(context.slots.scores(0, 0), keep_);
+    keep_set_.evict_rest(decision);
+  }
+  kvevict::Trigger last_trigger = kvevict::Trigger::after_forward;
+
+ private:
+  int pot_, keep_;
+  kvevict::KeepSet keep_set_;
+};
+
+TEST(Sequence, CatalystIsAttendedRolledBackAndDistilled) {
+  RecordingBackend backend;
+  auto owned = std::make_unique<TestPotPolicy>(6, 3);
+  TestPotPolicy* policy = owned.get();
+  Sequence s(config(1, 1, 1), std::move(owned), &backend);
+  EXPECT_EQ(s.position_mode(), PositionMode::reset_on_compact);
+  s.begin_chunk(std::vector<std::int32_t>{10, 11, 12, 13, 14, 15}, true);
+  s.end_forward();
+  EXPECT_EQ(backend.applies, 0);  // no after_forward trigger
+  ASSERT_TRUE(s.catalyst_pending());
+
+  s.begin_catalyst(std::vector<std::int32_t>{90, 91});
+  EXPECT_EQ(s.live(0, 0), 8);
+  const std::int32_t first_catalyst_slot = s.chunk_slots(0, 0)[0];
+  EXPECT_NE(s.slots().flags(0)[static_cast<std::size_t>(first_catalyst_slot)] &
+                kvevict::slot_flag::catalyst,
+            0);
+  EXPECT_EQ(s.position(0, 0, s.chunk_slots(0, 0)[1]), 7);  // the catalyst continues the positions
+  // Two catalyst queries over the 6 pot tokens and 2 catalyst tokens (stream order). Mass on pot
+  // tokens 1, 4, 5 sums to 0.9, 0.5 + 0.2, 0.3: those three win.
+  const kvevict::test::LayerRows rows{{{0.0f, 0.5f, 0.0f, 0.0f, 0.2f, 0.3f, 0.0f, 0.0f},
+                                       {0.0f, 0.4f, 0.0f, 0.0f, 0.0f, 0.0f, 0.3f, 0.3f}}};
+  kvevict::test::SlotRows slot_rows;
+  s.observe_catalyst(0, slot_rows.make(s, 0, rows, 6));
+  s.end_catalyst();
+  EXPECT_EQ(policy->last_trigger, kvevict::Trigger::pot_full);
+  EXPECT_EQ(backend.applies, 1);  // the roll back and the distillation in one call
+  EXPECT_EQ(backend.evicted, 2 + 3);
+  EXPECT_EQ(kvevict::test::kept_positions(s.slots(), 0), (Positions{1, 4, 5}));
+  EXPECT_EQ(kvevict::test::rope_positions(s.slots(), 0), (Positions{0, 1, 2}));
+  // New tokens continue from C = 3, original positions from 6 (the catalyst never counted).
+  s.begin_chunk(std::vector<std::int32_t>{16});
+  EXPECT_EQ(s.position(0, 0, s.chunk_slots(0, 0)[0]), 3);
+  EXPECT_EQ(s.slots().original_positions(0)[static_cast<std::size_t>(s.chunk_slots(0, 0)[0])], 6);
+  EXPECT_EQ(*s.pot_room(), 2);
+  EXPECT_EQ(s.stats().catalyst_runs, 1);
+  EXPECT_EQ(s.stats().evicted_slots, 3);  // rolled-back catalyst slots are not evictions
+}
+
+// before_turn fires only at a turn start, and knows the incoming size.
+class MakeRoomPolicy final : public kvevict::Policy {
+ public:
+  explicit MakeRoomPolicy(int capacity) : capacity_(capacity) {}
+  std::string_view name() const override { return "make_room"; }
+  kvevict::TriggerSet triggers() const override { return {kvevict::Trigger::before_turn}; }
+  void select(const kvevict::EvictionContext& context, kvevict::Decision& decision) override {
+    seen_incoming.push_back(context.incoming);
+    keep_set_.begin(context.slots, 0, context.protection);
+    keep_set_.keep_newest(capacity_ - context.incoming);
+    keep_set_.evict_rest(decision);
+  }
+  std::vector<int> seen_incoming;
+
+ private:
+  int capacity_;
+  kvevict::KeepSet keep_set_;
+};
+
+TEST(Sequence, BeforeTurnMakesRoomForTheIncomingTurn) {
+  auto owned = std::make_unique<MakeRoomPolicy>(10);
+  MakeRoomPolicy* policy = owned.get();
+  SequenceConfig c = config(1, 1, 1, 8);
+  c.position_mode = PositionMode::original;
+  Sequence s(c, std::move(owned));
+  for (int n : {6, 3}) {
+    s.begin_chunk(ids(n), true);  // 0 + 6 and 6 + 3 fit in 10
+    s.end_forward();
+  }
+  EXPECT_EQ(s.stats().decisions, 0);
+  s.begin_chunk(ids(2), false);  // not a turn start: no trigger
+  s.end_forward();
+  EXPECT_EQ(s.live(0, 0), 11);
+  s.begin_chunk(ids(4), true);  // keep the last 10 - 4, then the turn
+  EXPECT_EQ(s.stats().decisions, 1);
+  EXPECT_EQ(kvevict::test::kept_positions(s.slots(), 0).front(), 5);
+  EXPECT_EQ(s.live(0, 0), 6 + 4);
+  EXPECT_EQ(policy->seen_incoming, (std::vector<int>{6, 3, 4}));
+  EXPECT_EQ(s.stats().turns, 3);
+}
+
+// cache_index and reset_on_compact assign the same positions: checked on an irregular pattern.
+TEST(Sequence, CacheIndexAndResetOnCompactAgree) {
+  const PolicyParams params = PolicyParams().set("sinks", 3).set("recent", 7);
+  SequenceConfig a = config(1, 1, 1, 16);
+  a.position_mode = PositionMode::cache_index;
+  SequenceConfig b = a;
+  b.position_mode = PositionMode::reset_on_compact;
+  Sequence sa(a, kvevict::make_policy("streaming_llm", params));
+  Sequence sb(b, kvevict::make_policy("streaming_llm", params));
+  for (int n : {5, 1, 9, 1, 1, 13, 2, 1}) {
+    feed(sa, n);
+    feed(sb, n);
+    EXPECT_EQ(kvevict::test::rope_positions(sa.slots(), 0),
+              kvevict::test::rope_positions(sb.slots(), 0));
+  }
+}
+
+// Policies are per-sequence objects: interleaving two sequences changes nothing.
+TEST(Sequence, SequencesAreIndependent) {
+  const PolicyParams params = PolicyParams().set("sinks", 1).set("recent", 4);
+  Sequence alone(config(1, 1, 1), kvevict::make_policy("streaming_llm", params));
+  Sequence x(config(1, 1, 1), kvevict::make_policy("streaming_llm", params));
+  Sequence y(config(1, 1, 1), kvevict::make_policy("streaming_llm", params));
+  for (int step = 0; step < 20; ++step) {
+    for (Sequence* s : {&alone, &x, &y, &y}) feed(*s, 1);
+  }
+  EXPECT_EQ(kvevict::test::kept_positions(alone.slots(), 0),
+            kvevict::test::kept_positions(x.slots(), 0));
+  EXPECT_EQ(kvevict::test::kept_positions(y.slots(), 0).back(), 39);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Granularity
+// ---------------------------------------------------------------------------------------------
+
+TEST(Granularity, UnitsAndTheirHeads) {
+  const kvevict::UnitLayout head(3, 2, kvevict::Granularity::head);
+  const kvevict::UnitLayout layer(3, 2, kvevict::Granularity::layer);
+  const kvevict::UnitLayout token(3, 2, kvevict::Granularity::token);
+  EXPECT_EQ(head.units(), 6);
+  EXPECT_EQ(layer.units(), 3);
+  EXPECT_EQ(token.units(), 1);
+  EXPECT_EQ(head.unit_of(2, 1), 5);
+  EXPECT_EQ(layer.unit_of(2, 1), 2);
+  EXPECT_EQ(token.unit_of(2, 1), 0);
+  EXPECT_EQ(layer.heads_per_unit(), 2);
+  EXPECT_EQ(token.heads_per_unit(), 6);
+  EXPECT_EQ(kvevict::parse_granularity("layer"), kvevict::Granularity::layer);
+  expect_error([] { (void)kvevict::parse_granularity("block"); }, "unknown granularity 'block'");
+  expect_error([] { kvevict::UnitLayout(1 << 11, 1 << 10, kvevict::Granularity::head); },
+               "layers * kv_heads exceeds");
+}
+
+// The policy's granularity is the default; an engine whose cells are shared by every head asks
+// for token granularity and gets one keep-set (H2O then sums its scores over every head).
+TEST(Granularity, AnEngineMayAskForOneKeepSetPerSequence) {
+  SequenceConfig c = config(2, 2, 2);
+  c.granularity = kvevict::Granularity::token;
+  Sequence s(c, kvevict::make_policy("h2o", PolicyParams().set("heavy", 1).set("recent", 1)));
+  EXPECT_EQ(s.layout().units(), 1);
+  s.begin_chunk(ids(3));
+  // Token 0 gets .9 in layer 0, token 1 gets .9 in layer 1, from both KV heads: summed over the
+  // model, 0 has 1.8 + .2 * 2, 1 has .1 * 2 + 1.8 -> equal; ties go to the lower position.
+  kvevict::test::SlotRows rows;
+  const kvevict::test::LayerRows first =
+      kvevict::test::every_head(2, {{1.0f}, {0.5f, 0.5f}, {0.9f, 0.1f, 0.0f}});
+  const kvevict::test::LayerRows second =
+      kvevict::test::every_head(2, {{1.0f}, {0.5f, 0.5f}, {0.1f, 0.9f, 0.0f}});
+  s.observe_attention(0, rows.make(s, 0, first, 0));
+  s.observe_attention(1, rows.make(s, 1, second, 0));
+  s.end_forward();
+  for (int l = 0; l < 2; ++l) {
+    for (int g = 0; g < 2; ++g)
+      EXPECT_EQ(kvevict::test::kept_positions(s.slots(), s.unit_of(l, g)), (Positions{0, 2}));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stage timing
+// ---------------------------------------------------------------------------------------------
+
+TEST(StageClock, NestedStagesAreChargedToTheInnermost) {
+  kvevict::StageClock clock;
+  {
+    const kvevict::StageScope attention(&clock, kvevict::Stage::attention);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    {
+      const kvevict::StageScope policy(&clock, kvevict::Stage::policy);
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    }
+  }
+  // Attention holds only its own ~20 ms; the 40 ms inside went to policy.
+  EXPECT_GE(clock.seconds(kvevict::Stage::policy), 0.035);
+  EXPECT_GE(clock.seconds(kvevict::Stage::attention), 0.015);
+  EXPECT_LT(clock.seconds(kvevict::Stage::attention), 0.035);
+  EXPECT_DOUBLE_EQ(clock.seconds(), clock.seconds(kvevict::Stage::attention) +
+                                        clock.seconds(kvevict::Stage::policy));
+  const kvevict::StageScope nothing(nullptr, kvevict::Stage::head);  // no observer: no effect
+}
+
+// ---------------------------------------------------------------------------------------------
+// Misuse
+// ---------------------------------------------------------------------------------------------
+
+TEST(Sequence, ClearErrorsForBadConfigurations) {
+  expect_error([] { Sequence(config(0, 1, 1), kvevict::make_policy("full")); },
+               "layers must be positive");
+  expect_error([] { Sequence(config(1, 4, 3), kvevict::make_policy("full")); },
+               "must be a positive multiple of kv_heads");
+  expect_error([] { Sequence(config(1, 1, 1), nullptr); }, "policy is null");
+  SequenceConfig c = config(1, 1, 1);
+  c.max_chunk = 0;
+  expect_error([&] { Sequence(c, kvevict::make_policy("full")); }, "max_chunk must be in [1, ");
+  // A budget near INT_MAX plus a chunk does not wrap around: it is refused.
+  c.max_chunk = 64;
+  expect_error(
+      [&] { Sequence(c, kvevict::make_policy("window", PolicyParams().set("recent", 268435450))); },
+      "retained limit + max_chunk exceeds");
+  CacheConfig cache;
+  cache.shape = CacheShape{1, 4, 2, 8};
+  cache.rope.head_dim = 16;
+  expect_error([&] { EvictingCache<float>(cache, kvevict::make_policy("full")); },
+               "rope.head_dim (16) differs");
+}
+
+TEST(SlotTable, RejectsBadChanges) {
+  SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 4,
+                  0);
+  std::vector<std::int32_t> out(4);
+  slots.append(0, Positions{0, 1, 2}, std::vector<std::int32_t>(3, 0),
+               std::vector<std::uint8_t>(3, 0), out);
+  expect_error(
+      [&] {
+        slots.append(0, Positions{3, 4}, std::vector<std::int32_t>(2, 0),
+                     std::vector<std::uint8_t>(2, 0), out);
+      },
+      "would exceed its capacity");
+  expect_error(
+      [&] {
+        slots.append(0, Positions{1}, std::vector<std::int32_t>(1, 0),
+                     std::vector<std::uint8_t>(1, 0), out);
+      },
+      "original positions must increase");
+  slots.evict(0, std::vector<std::int32_t>{1});
+  expect_error([&] { slots.evict(0, std::vector<std::int32_t>{1}); }, "not live");
+  expect_error([&] { slots.truncate(0, 3); }, "outside [0, 2]");
+  expect_error(
+      [] {
+        SlotTable(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 0,
+                  0);
+      },
+      "capacity must be positive");
+}
+
+}  // namespace
