@@ -3,6 +3,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <kvevict/policy_registry.hpp>
 #include <string>
 
 #include "cli_common/policy_setup.hpp"
@@ -18,8 +19,19 @@ inline void add_model_option(CLI::App& app, std::string& path) {
       ->required();
 }
 
-/// --policy, --budget, --sinks, --param, --positions, --keys, --chunk, --catalyst (group
-/// "Policy" in --help).
+/// What --budget N stands for in every policy, from the policies' own specs, at N = 64.
+inline std::string budget_mapping_help() {
+  std::string help = "at --budget 64:";
+  for (const PolicySpec* spec : policy_specs()) {
+    if (spec->budget == nullptr) continue;
+    help += " " + std::string(spec->name) + " " + spec->budget(64, kDefaultSinks).to_string() + ";";
+  }
+  help.pop_back();
+  return help;
+}
+
+/// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --chunk, --catalyst
+/// (group "Policy" in --help).
 inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
   const std::string group = "Policy";
   app.add_option("--policy", options.policy, "eviction policy: " + policy_list())
@@ -27,10 +39,8 @@ inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
       ->capture_default_str();
   app.add_option_function<int>(
          "--budget", [&options](const int& budget) { options.budget = budget; },
-         "cache budget in tokens, mapped to the policy's parameters: window recent=N; "
-         "streaming_llm sinks=S recent=N-S; h2o heavy=N/2 recent=N-N/2; tova budget=N; sirllm "
-         "entropy=N-S; random_llm/interval_llm budget=N-S; infinipot pot=N keep=N/2 novel=N/4; "
-         "anllm max_slots=N (not for full)")
+         "cache budget in tokens, mapped to the policy's parameters (" + budget_mapping_help() +
+             "; not for full)")
       ->group(group);
   app.add_option_function<int>(
          "--sinks",
@@ -48,6 +58,10 @@ inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
   app.add_option("--positions", options.positions,
                  "RoPE positions: original, cache_index or reset_on_compact (default: the "
                  "policy's own)")
+      ->group(group);
+  app.add_option("--granularity", options.granularity,
+                 "keep-sets: head (one per KV head), layer (one per layer) or token (one for the "
+                 "whole model, as engines whose cells all heads share); default: the policy's own")
       ->group(group);
   app.add_option("--keys", options.keys,
                  "store keys before or after RoPE: pre_rope or post_rope (same results; "
