@@ -1,4 +1,4 @@
-// H2O: keep-sets derived by hand from policy-notes.md ("H2O") and the paper's rule: per KV head,
+// H2O: keep-sets derived by hand from docs/policies.md ("H2O") and the paper's rule: per KV head,
 // score = running sum of attention columns (GQA: summed over the group's query heads); once a head
 // holds more than heavy + recent slots, keep the last `recent` plus the top `heavy` of the rest.
 // Every expected value below is worked out in the comments from the attention rows the test feeds.

@@ -1,5 +1,5 @@
 // SirLLM and its baselines RandomLLM / IntervalLLM: keep-sets derived by hand from the paper and
-// policy-notes.md (the arithmetic is in the comments), decay, the shifted scores, and errors.
+// docs/policies.md (the arithmetic is in the comments), decay, the shifted scores, and errors.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,5 +1,5 @@
 // TOVA: keep-sets derived by hand from the paper (Oren et al. 2024, §3.4; App. A) and
-// policy-notes.md ("TOVA"): score = mean over all query heads of the layer of the forward's LAST
+// docs/policies.md ("TOVA"): score = mean over all query heads of the layer of the forward's LAST
 // query row, current step only; when a head holds more than `budget` slots keep the first `sinks`
 // plus the top scores of the rest; nothing else is protected. Every expected value below is worked
 // out in the comments from the attention rows the test feeds.

@@ -1,4 +1,4 @@
-// Window, StreamingLLM and Full: hand-computed keep-sets (policy-notes.md), the S + R + 1
+// Window, StreamingLLM and Full: hand-computed keep-sets (docs/policies.md), the S + R + 1
 // attention span of the per-token path, positions, and configuration errors.
 #include <gtest/gtest.h>
 

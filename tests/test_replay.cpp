@@ -1,4 +1,4 @@
-// The replay tool (shared/replay-format.md): every conformance fixture in tests/data/replay against
+// The replay tool (docs/replay-format.md): every conformance fixture in tests/data/replay against
 // its `expected`, hostile input of every kind, hand-checked keep-sets and attention rows, the
 // catalyst / pot-splitting path through a test policy, and the `kvevict replay` CLI.
 #include <gtest/gtest.h>
@@ -105,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReplayFixture, ::testing::ValuesIn(fixture_fi
                          fixture_test_name);
 
 TEST(ReplayFixtures, DirectoryHoldsEveryPublishedFixture) {
-  // 15 files in shared/fixtures; a missing copy must not silently shrink the suite.
+  // The 15 conformance files; a missing one must not silently shrink the suite.
   EXPECT_GE(fixture_files().size(), 15u) << replay_data_dir();
 }
 

@@ -53,8 +53,8 @@ kvevict_status kvevict_budget_params(const char* policy, int budget, int sinks, 
 typedef struct kvevict_config {
   int layers;
   int q_heads;
-  int kv_heads;   /* q_heads % kv_heads == 0 */
-  int max_chunk;  /* largest chunk (and catalyst prompt) the engine feeds */
+  int kv_heads;              /* q_heads % kv_heads == 0 */
+  int max_chunk;             /* largest chunk (and catalyst prompt) the engine feeds */
   const char* position_mode; /* NULL: the policy's; "original", "cache_index", "reset_on_compact" */
   const char* granularity;   /* NULL: the policy's; "head", "layer", "token" */
   int post_rope_keys;        /* 1: keys stored rotated (folds may rotate them); 0: before RoPE */
@@ -148,8 +148,8 @@ kvevict_status kvevict_sequence_end_forward(kvevict_sequence* sequence);
  * a catalyst prompt (its slots from chunk_slots) and end it. */
 int kvevict_sequence_pot_room(const kvevict_sequence* sequence);
 int kvevict_sequence_catalyst_pending(const kvevict_sequence* sequence);
-kvevict_status kvevict_sequence_begin_catalyst(kvevict_sequence* sequence,
-                                               const int32_t* token_ids, int count);
+kvevict_status kvevict_sequence_begin_catalyst(kvevict_sequence* sequence, const int32_t* token_ids,
+                                               int count);
 kvevict_status kvevict_sequence_observe_catalyst(kvevict_sequence* sequence, int layer,
                                                  const float* rows, int queries,
                                                  ptrdiff_t row_stride);

@@ -1,5 +1,5 @@
 // Replay: drive one eviction policy through kvevict's own EvictionPipeline with a synthetic
-// attention oracle (shared/replay-format.md, `kvevict-replay/1`), and compare its keep decisions
+// attention oracle (docs/replay-format.md, `kvevict-replay/1`), and compare its keep decisions
 // with a reference result (`kvevict-replay-result/1`).
 //
 // Everything read from a file is validated before any buffer is sized from it: a hostile file gives

@@ -1,6 +1,6 @@
 // InfiniPot: continual context distillation in a fixed memory pot (Kim et al., EMNLP 2024,
 // "InfiniPot: Infinite Context Processing on Memory-Constrained LLMs"). No public code exists; the
-// reference is the paper (shared/papers/infinipot-kim2024.txt): Sec. 3.2 (CCD), 3.3.1 (CaP, Eq. 2),
+// reference is the paper: Sec. 3.2 (CCD), 3.3.1 (CaP, Eq. 2),
 // 3.3.2 (NuC, Eq. 3-4), 3.3.3 (combining both), 3.5 (CR-RoPE) and the Appendix B pseudo-code.
 //
 // Scores, per slot: NuC = -log p(x_t | retained context), the surprisal the engine measured when

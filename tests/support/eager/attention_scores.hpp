@@ -2,9 +2,9 @@
 #pragma once
 
 #include <cstddef>
+#include <kvevict/error.hpp>
 #include <span>
 
-#include <kvevict/error.hpp>
 #include "eager/signals.hpp"
 
 namespace kvevict::eager {

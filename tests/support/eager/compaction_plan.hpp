@@ -9,10 +9,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <span>
 #include <vector>
 
-#include <kvevict/error.hpp>
 #include "eager/signals.hpp"
 
 namespace kvevict::eager {

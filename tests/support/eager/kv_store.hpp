@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "eager/compaction_plan.hpp"
 #include "eager/detail/gather.hpp"
-#include <kvevict/error.hpp>
 #include "eager/rope.hpp"
 #include "eager/shape.hpp"
 #include "eager/slot_table.hpp"

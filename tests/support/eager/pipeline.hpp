@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <memory>
 #include <optional>
 #include <span>
@@ -27,7 +28,6 @@
 #include <vector>
 
 #include "eager/compaction_plan.hpp"
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/positions.hpp"
 #include "eager/reposition.hpp"

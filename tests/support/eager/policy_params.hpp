@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <limits>
 #include <map>
 #include <optional>
@@ -11,8 +12,6 @@
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <kvevict/error.hpp>
 
 namespace kvevict::eager {
 

@@ -2,13 +2,13 @@
 #pragma once
 
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <kvevict/error.hpp>
 #include "eager/policies/anllm.hpp"
 #include "eager/policies/full.hpp"
 #include "eager/policies/h2o.hpp"

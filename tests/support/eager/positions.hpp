@@ -1,10 +1,9 @@
 // Position modes (which RoPE position a cached key has) and key storage (before or after RoPE).
 #pragma once
 
+#include <kvevict/error.hpp>
 #include <string>
 #include <string_view>
-
-#include <kvevict/error.hpp>
 
 namespace kvevict::eager {
 

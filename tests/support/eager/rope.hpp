@@ -14,11 +14,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <span>
 #include <string>
 #include <vector>
-
-#include <kvevict/error.hpp>
 
 namespace kvevict::eager {
 

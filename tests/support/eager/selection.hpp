@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "eager/compaction_plan.hpp"
-#include <kvevict/error.hpp>
 #include "eager/slot_table.hpp"
 
 namespace kvevict::eager {

@@ -1,9 +1,8 @@
 // CacheShape: the geometry of one sequence's KV cache (layers x KV heads x head_dim).
 #pragma once
 
-#include <string>
-
 #include <kvevict/error.hpp>
+#include <string>
 
 namespace kvevict::eager {
 

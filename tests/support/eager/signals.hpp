@@ -4,10 +4,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <kvevict/error.hpp>
 #include <span>
 #include <string>
-
-#include <kvevict/error.hpp>
 
 namespace kvevict::eager {
 

@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "eager/compaction_plan.hpp"
 #include "eager/detail/gather.hpp"
-#include <kvevict/error.hpp>
 
 namespace kvevict::eager {
 

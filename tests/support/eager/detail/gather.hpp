@@ -4,10 +4,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <kvevict/error.hpp>
 #include <span>
 #include <string>
-
-#include <kvevict/error.hpp>
 
 namespace kvevict::eager::detail {
 

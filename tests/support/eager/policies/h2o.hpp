@@ -18,13 +18,13 @@
 #pragma once
 
 #include <cmath>
+#include <kvevict/error.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
 #include "eager/attention_scores.hpp"
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"
 

@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <limits>
 #include <optional>
 #include <span>
@@ -49,7 +50,6 @@
 #include <vector>
 
 #include "eager/attention_scores.hpp"
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"
 

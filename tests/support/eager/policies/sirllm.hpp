@@ -37,13 +37,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <limits>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
-#include <kvevict/error.hpp>
 #include "eager/policies/detail/turn_eviction.hpp"
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"

@@ -9,11 +9,11 @@
 // max_new_tokens; an engine gets that by feeding the prompt as one chunk with max_chunk set.
 #pragma once
 
+#include <kvevict/error.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"
 

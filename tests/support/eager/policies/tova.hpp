@@ -18,12 +18,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <kvevict/error.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"
 

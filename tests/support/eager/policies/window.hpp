@@ -8,11 +8,11 @@
 // variant (streaming_llm.hpp) fixes exactly that.
 #pragma once
 
+#include <kvevict/error.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
 
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"
 

@@ -7,12 +7,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 
-#include <kvevict/error.hpp>
 #include "eager/policy.hpp"
 #include "eager/selection.hpp"
 
