@@ -51,8 +51,18 @@ void WindowedLoss::add(std::int64_t position, double bits, std::size_t bytes) {
 
 StreamScorer::StreamScorer(model::Decoder& decoder, std::int64_t window,
                            std::vector<std::uint32_t> token_bytes, std::int32_t unscored)
-    : decoder_(decoder),
-      vocab_(static_cast<std::size_t>(decoder.model().config.vocab_size)),
+    : StreamScorer(
+          [&decoder](std::span<const std::int32_t> tokens, bool turn_start) {
+            return decoder
+                .feed(tokens, model::ForwardRequest{.turn_start = turn_start, .all_logits = true})
+                .logits;
+          },
+          decoder.model().config.vocab_size, window, std::move(token_bytes), unscored) {}
+
+StreamScorer::StreamScorer(Forward forward, int vocab, std::int64_t window,
+                           std::vector<std::uint32_t> token_bytes, std::int32_t unscored)
+    : forward_(std::move(forward)),
+      vocab_(static_cast<std::size_t>(vocab)),
       token_bytes_(std::move(token_bytes)),
       unscored_(unscored),
       loss_(window),
@@ -62,19 +72,18 @@ StreamScorer::StreamScorer(model::Decoder& decoder, std::int64_t window,
 
 void StreamScorer::feed(std::span<const std::int32_t> tokens, bool turn_start) {
   if (tokens.empty()) return;
-  const model::ForwardResult result =
-      decoder_.feed(tokens, model::ForwardRequest{.turn_start = turn_start, .all_logits = true});
+  const std::span<const float> logits = forward_(tokens, turn_start);
   for (std::size_t k = 0; k < tokens.size(); ++k) {
     const std::int64_t position = next_position_ + static_cast<std::int64_t>(k);
     const std::int32_t token = tokens[k];
     bytes_fed_ += token_bytes_[static_cast<std::size_t>(token)];
     if (position == 0 || token == unscored_) continue;
-    const std::span<const float> logits = k == 0 ? std::span<const float>(previous_logits_)
-                                                 : result.logits.subspan((k - 1) * vocab_, vocab_);
-    loss_.add(position, surprisal_bits(logits, token),
+    const std::span<const float> predicted = k == 0 ? std::span<const float>(previous_logits_)
+                                                    : logits.subspan((k - 1) * vocab_, vocab_);
+    loss_.add(position, surprisal_bits(predicted, token),
               token_bytes_[static_cast<std::size_t>(token)]);
   }
-  const std::span<const float> last = result.logits.subspan((tokens.size() - 1) * vocab_, vocab_);
+  const std::span<const float> last = logits.subspan((tokens.size() - 1) * vocab_, vocab_);
   std::copy(last.begin(), last.end(), previous_logits_.begin());
   next_position_ += static_cast<std::int64_t>(tokens.size());
 }

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <kvevict/model/decoder.hpp>
 #include <span>
 #include <vector>
@@ -56,9 +57,17 @@ class WindowedLoss {
 /// scored, nor is any `unscored` token (an inserted anchor: fed and given a position, not scored).
 class StreamScorer {
  public:
+  /// Feeds any number of tokens (the first starting a turn or not) to a model and returns the
+  /// logits of every one, [tokens, vocab] row-major: the engine a StreamScorer scores.
+  using Forward =
+      std::function<std::span<const float>(std::span<const std::int32_t> tokens, bool turn_start)>;
+
   /// `token_bytes[id]`: the bytes of token id's text. `unscored` = -1 for none.
   StreamScorer(model::Decoder& decoder, std::int64_t window, std::vector<std::uint32_t> token_bytes,
                std::int32_t unscored);
+  /// The same over another engine (kvevict-llama's llama.cpp) with `vocab` tokens.
+  StreamScorer(Forward forward, int vocab, std::int64_t window,
+               std::vector<std::uint32_t> token_bytes, std::int32_t unscored);
 
   /// Feeds `tokens` (any number: Decoder::feed splits them) and scores them.
   void feed(std::span<const std::int32_t> tokens, bool turn_start);
@@ -70,7 +79,7 @@ class StreamScorer {
   [[nodiscard]] std::uint64_t bytes_fed() const { return bytes_fed_; }
 
  private:
-  model::Decoder& decoder_;
+  Forward forward_;
   std::size_t vocab_;
   std::vector<std::uint32_t> token_bytes_;
   std::int32_t unscored_;
