@@ -13,8 +13,10 @@
 #include <fstream>
 #include <iterator>
 #include <kvevict/model/random_model.hpp>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -497,6 +499,235 @@ TEST_F(Grid, TurnSeparatorStartsTurnsInPasskeyPrompts) {
             full.at("metrics").at("live_kv_bytes").get<double>());
 }
 
+// --- Shards and merge ---------------------------------------------------------------------------
+
+TEST_F(Grid, ShardSpecParsesAndRefuses) {
+  const ShardSpec shard = parse_shard("2/8");
+  EXPECT_EQ(shard.index, 2);
+  EXPECT_EQ(shard.count, 8);
+  EXPECT_EQ(shard.text(), "2/8");
+  EXPECT_EQ(parse_shard("1/1").count, 1);
+  for (const char* bad : {"0/3", "4/3", "1/0", "3", "", "/3", "1/", "a/b", "-1/3", "1/3x", " 1/3",
+                          "1//3", "99999999999/99999999999"}) {
+    expect_error([&] { (void)parse_shard(bad); }, "--shard: expected I/N");
+  }
+}
+
+TEST_F(Grid, ShardsPartitionTheGrid) {
+  const std::vector<CellSpec> cells = enumerate_cells(parse(tiny_config()));
+  ASSERT_EQ(cells.size(), 16u);
+  for (const int count : {1, 2, 3, 5, 16, 20}) {
+    std::map<std::string, int> owners;
+    std::size_t smallest = cells.size();
+    std::size_t largest = 0;
+    for (int index = 1; index <= count; ++index) {
+      const std::vector<CellSpec> slice = shard_cells(cells, ShardSpec{index, count});
+      smallest = std::min(smallest, slice.size());
+      largest = std::max(largest, slice.size());
+      for (std::size_t k = 0; k < slice.size(); ++k) {
+        ++owners[slice[k].id];
+        // Round robin: the slice's k-th cell is the grid's cell (index - 1) + k * count.
+        EXPECT_EQ(slice[k].id, cells[static_cast<std::size_t>(index - 1 + k * count)].id);
+      }
+    }
+    EXPECT_EQ(owners.size(), cells.size()) << count << " shards";
+    for (const auto& [id, times] : owners) EXPECT_EQ(times, 1) << id << " in " << count;
+    EXPECT_LE(largest - smallest, 1u) << count << " shards";
+  }
+}
+
+// Drops what depends on the machine and the moment (times, speeds, RSS) from a cell or results.
+json deterministic(json value) {
+  if (value.is_object()) {
+    json kept = json::object();
+    for (auto& [key, item] : value.items()) {
+      if (key.find("seconds") != std::string::npos || key.find("per_second") != std::string::npos ||
+          key.find("rss") != std::string::npos) {
+        continue;
+      }
+      kept[key] = deterministic(item);
+    }
+    return kept;
+  }
+  if (value.is_array()) {
+    for (json& item : value) item = deterministic(item);
+  }
+  return value;
+}
+
+// The CSV's rows without the timing columns (named as deterministic() names them).
+std::vector<std::vector<std::string>> deterministic_csv(const std::string& text) {
+  std::istringstream csv(text);
+  std::string line;
+  std::vector<std::vector<std::string>> rows;
+  std::vector<bool> keep;
+  while (std::getline(csv, line)) {
+    const std::vector<std::string> fields = split_csv_line(line);
+    if (keep.empty()) {
+      for (const std::string& column : fields) {
+        keep.push_back(deterministic(json{{column, 0}}).contains(column));
+      }
+    }
+    std::vector<std::string> row;
+    for (std::size_t i = 0; i < fields.size() && i < keep.size(); ++i) {
+      if (keep[i]) row.push_back(fields[i]);
+    }
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+TEST_F(Grid, ThreeShardsMergedEqualOneRun) {
+  const GridContext grid = prepare_grid(parse(tiny_config()));
+  ASSERT_TRUE(run(grid, out("whole")).failures.empty());
+  std::vector<fs::path> shard_dirs;
+  for (int index = 1; index <= 3; ++index) {
+    GridOptions options;
+    options.out = out(fmt::format("shard{}", index));
+    options.jobs = 2;
+    options.shard = ShardSpec{index, 3};
+    const GridSummary summary = run_grid(grid, options);
+    EXPECT_TRUE(summary.failures.empty());
+    EXPECT_EQ(summary.cells, index == 1 ? 6u : 5u);  // 16 cells: 6 + 5 + 5
+    const json results = json::parse(read_text(options.out / "results.json"));
+    EXPECT_EQ(results.at("shard").at("index"), index);
+    EXPECT_EQ(results.at("shard").at("count"), 3);
+    EXPECT_EQ(results.at("cells").size(), summary.cells);
+    EXPECT_TRUE(results.at("missing").empty());
+    shard_dirs.push_back(options.out);
+  }
+  MergeOptions merge;
+  merge.shards = {shard_dirs[2], shard_dirs[0], shard_dirs[1]};  // any order
+  merge.out = out("merged");
+  const MergeSummary summary = merge_shards(merge);
+  EXPECT_EQ(summary.cells, 16u);
+  EXPECT_TRUE(summary.notes.empty());
+
+  const json whole = json::parse(read_text(out("whole") / "results.json"));
+  const json merged = json::parse(read_text(out("merged") / "results.json"));
+  for (const char* key : {"name", "config", "config_sha256", "model", "text", "missing"}) {
+    EXPECT_EQ(merged.at(key), whole.at(key)) << key;
+  }
+  EXPECT_FALSE(merged.contains("shard"));
+  ASSERT_EQ(merged.at("shards").size(), 3u);
+  EXPECT_EQ(merged.at("shards")[0].at("shard"), "3/3");
+  EXPECT_EQ(merged.at("shards")[0].at("cells"), 5);
+  ASSERT_EQ(merged.at("cells").size(), 16u);
+  EXPECT_EQ(deterministic(merged.at("cells")), deterministic(whole.at("cells")));
+  EXPECT_EQ(deterministic_csv(read_text(out("merged") / "results.csv")),
+            deterministic_csv(read_text(out("whole") / "results.csv")));
+  // results.md: every table but the cost task's (tokens/s, RSS) is deterministic.
+  const auto before_cost = [](const std::string& markdown) {
+    return markdown.substr(0, markdown.find("### Task 3: cost"));
+  };
+  EXPECT_EQ(before_cost(read_text(out("merged") / "results.md")),
+            before_cost(read_text(out("whole") / "results.md")));
+  // The merged directory is a run's: resuming it runs nothing.
+  const GridSummary resumed = run(grid, out("merged"));
+  EXPECT_EQ(resumed.run, 0u);
+  EXPECT_EQ(resumed.resumed, 16u);
+}
+
+TEST_F(Grid, MergeRefusesShardsOfAnotherGridOrIncompleteShards) {
+  json config = tiny_config();
+  config["tasks"] = json::parse(R"([{"task": "stream_bpb", "tokens": 40, "window": 16}])");
+  const auto run_shard = [&](const json& grid_config, int index, const std::string& name) {
+    const GridContext grid = prepare_grid(parse(grid_config));
+    GridOptions options;
+    options.out = out(name);
+    options.jobs = 2;
+    options.shard = ShardSpec{index, 2};
+    EXPECT_TRUE(run_grid(grid, options).failures.empty());
+    return options.out;
+  };
+  const fs::path first = run_shard(config, 1, "refuse1");
+  const fs::path second = run_shard(config, 2, "refuse2");
+  const auto merge = [&](std::vector<fs::path> shards, const std::string& name,
+                         bool fresh = false) {
+    MergeOptions options;
+    options.shards = std::move(shards);
+    options.out = out(name);
+    options.fresh = fresh;
+    return merge_shards(options);
+  };
+  expect_error([&] { (void)merge({first}, "refused"); },
+               "2 of the 4 cells of grid 'tiny' have no result");
+  expect_error([&] { (void)merge({first}, "refused"); }, "no directory holds shard 2/2");
+  expect_error([&] { (void)merge({first, second, first}, "refused"); }, "is given twice");
+  fs::copy(second, out("copy2"), fs::copy_options::recursive);
+  expect_error(
+      [&] {
+        (void)merge({first, second, out("copy2")}, "refused");
+      },
+      "is in both '" + second.string() + "' (shard 2/2) and '" + out("copy2").string());
+
+  json reseeded = config;
+  reseeded["seed"] = 4;
+  expect_error(
+      [&] {
+        (void)merge({first, run_shard(reseeded, 2, "seed4")}, "refused");
+      },
+      "the configs differ at \"seed\" (3 vs 4");
+  json other_model = config;
+  kvevict::model::ModelConfig model_config;
+  model_config.dim = 32;
+  model_config.hidden_dim = 64;
+  model_config.layers = 1;
+  model_config.heads = 2;
+  model_config.kv_heads = 1;
+  model_config.vocab_size = 259;
+  model_config.context_length = 256;
+  kvevict::model::write_gguf(kvevict::model::make_random_model(model_config, 2), out("other.gguf"));
+  other_model["model"] = out("other.gguf").string();
+  expect_error(
+      [&] {
+        (void)merge({first, run_shard(other_model, 2, "other_model")}, "refused");
+      },
+      "model sha256");
+  json renamed = config;
+  renamed["name"] = "tiny2";
+  expect_error(
+      [&] {
+        (void)merge({first, run_shard(renamed, 2, "renamed")}, "refused");
+      },
+      "grid name 'tiny' vs 'tiny2'");
+  expect_error([&] { (void)merge({first, out("absent")}, "refused"); }, "holds no results.json");
+  EXPECT_FALSE(fs::exists(out("refused")));  // nothing written by a refused merge
+
+  // A shard written before the rename of "compactions" (the decision count) merges as
+  // "decisions".
+  std::string old_cell;
+  for (const fs::directory_entry& entry : fs::directory_iterator(second / "cells")) {
+    if (entry.path().filename().string().find("streaming_llm") != std::string::npos) {
+      old_cell = entry.path().filename().string();
+    }
+  }
+  ASSERT_FALSE(old_cell.empty());
+  json cell = json::parse(read_text(second / "cells" / old_cell));
+  const json decisions = cell.at("metrics").at("decisions");
+  EXPECT_GT(decisions.get<int>(), 0);  // 40 tokens through 32 slots: it had to evict
+  cell["metrics"].erase("decisions");
+  cell["metrics"]["compactions"] = decisions;
+  write_text(second / "cells" / old_cell, cell.dump());
+  EXPECT_EQ(merge({first, second}, "merged2").cells, 4u);
+  const json merged = json::parse(read_text(out("merged2") / "results.json"));
+  for (const json& merged_cell : merged.at("cells")) {
+    EXPECT_FALSE(merged_cell.at("metrics").contains("compactions"));
+    if (merged_cell.at("id").get<std::string>() + ".json" == old_cell) {
+      EXPECT_EQ(merged_cell.at("metrics").at("decisions"), decisions);
+    }
+  }
+  EXPECT_EQ(read_text(out("merged2") / "results.csv").find("compactions"), std::string::npos);
+
+  expect_error([&] { (void)merge({first, second}, "merged2"); }, "already holds cells");
+  EXPECT_EQ(merge({first, second}, "merged2", /*fresh=*/true).cells, 4u);
+  expect_error(
+      [&] {
+        (void)merge({first, second}, "refuse1", /*fresh=*/true);
+      },
+      "is one of the shard directories");
+}
+
 // --- Bad input ----------------------------------------------------------------------------------
 
 TEST_F(Grid, BadConfigsAreClearErrors) {
@@ -583,6 +814,43 @@ TEST_F(Grid, CommandLineRunsAndResumes) {
   ASSERT_EQ(second.code, 0) << second.err;
   EXPECT_NE(second.out.find("(run 0, resumed 16, failed 0)"), std::string::npos) << second.out;
   EXPECT_EQ(read_text(out("cli") / "results.json"), aggregate);
+}
+
+TEST_F(Grid, CommandLineShardsAndMerge) {
+  json config = tiny_config();
+  config["tasks"] = json::parse(R"([{"task": "stream_bpb", "tokens": 40, "window": 16}])");
+  write_text(*dir_ / "small.json", config.dump());
+  const std::string small = (*dir_ / "small.json").string();
+  const CommandResult listed = run_cli(*dir_, fmt::format("eval '{}' --list --shard 2/3", small));
+  ASSERT_EQ(listed.code, 0) << listed.err;
+  EXPECT_NE(listed.out.find("\n1 cells\n"), std::string::npos) << listed.out;  // of 4: 2, 1, 1
+  for (const int index : {1, 2}) {
+    const CommandResult shard =
+        run_cli(*dir_, fmt::format("eval '{}' --shard {}/2 --out '{}' --jobs 1", small, index,
+                                   out(fmt::format("cli-shard{}", index)).string()));
+    ASSERT_EQ(shard.code, 0) << shard.err;
+    EXPECT_NE(shard.out.find("cells    2 (run 2, resumed 0, failed 0)"), std::string::npos)
+        << shard.out;
+  }
+  const CommandResult merged =
+      run_cli(*dir_, fmt::format("eval merge '{}' '{}' -o '{}'", out("cli-shard2").string(),
+                                 out("cli-shard1").string(), out("cli-merged").string()));
+  ASSERT_EQ(merged.code, 0) << merged.err;
+  EXPECT_NE(merged.out.find("cells    4 from 2 shard directories"), std::string::npos)
+      << merged.out;
+  expect_parsable_results(out("cli-merged"), 4);
+
+  for (const auto& [arguments, message] : std::vector<std::pair<std::string, std::string>>{
+           {fmt::format("eval '{}' --shard 3/2", small), "--shard: expected I/N"},
+           {fmt::format("eval '{}' --shard 0/2 --list", small), "--shard: expected I/N"},
+           {fmt::format("eval merge '{}'", out("cli-shard1").string()), "have no result"},
+           {fmt::format("eval merge '{}'", out("nowhere").string()), "holds no results.json"},
+           {"eval merge", "shard_dirs is required"}}) {
+    const CommandResult result = run_cli(*dir_, arguments);
+    EXPECT_EQ(result.code, 2) << arguments;
+    EXPECT_NE(result.err.find("kvevict: error: "), std::string::npos) << result.err;
+    EXPECT_NE(result.err.find(message), std::string::npos) << arguments << ": " << result.err;
+  }
 }
 
 TEST_F(Grid, CommandLineBadInputExitsTwo) {

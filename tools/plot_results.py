@@ -5,11 +5,14 @@
 
 One figure per task found in a results file, named <grid name>-<task>.png:
   stream_bpb  bits/byte per window of positions (a panel per budget) and overall bits/byte vs
-              budget; the full cache is the dashed reference
-  passkey     per-digit accuracy vs stream length (a panel per budget, mean over depths) and
-              exact match; the full cache is dashed
+              budget; an unbounded row (the full cache) is a level line
+  passkey     per-digit accuracy vs stream length (a panel per budget, mean over depths)
   grocery     item recall vs budget (a panel per turn count)
   cost        tokens/s and process RSS vs tokens streamed (log x), a line per policy @ budget
+
+Styles: every policy has one colour and one marker in every figure (POLICY_STYLES); rows of the
+same policy in one figure (labels, or budgets in the cost figure) differ by line style and then
+by hollow markers, so no two series look alike. The legend sits right of the panels.
 
 Reads only what docs/eval.md documents; plotting is the only thing Python does here.
 """
@@ -27,8 +30,46 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-# Grids have up to ~16 policy rows: 20 distinct colours instead of the default 10.
-plt.rcParams["axes.prop_cycle"] = plt.cycler(color=plt.cm.tab20.colors)
+# One colour and marker per policy, the same in every figure. The full cache is the black
+# reference; the others take tab10 colours.
+POLICY_STYLES = {
+    "full": ("black", "s"),
+    "window": ("tab:gray", "x"),
+    "streaming_llm": ("tab:blue", "o"),
+    "h2o": ("tab:orange", "^"),
+    "tova": ("tab:green", "v"),
+    "sirllm": ("tab:red", "D"),
+    "random_llm": ("tab:pink", "P"),
+    "interval_llm": ("tab:olive", "*"),
+    "anllm": ("tab:purple", "p"),
+    "infinipot": ("tab:brown", "X"),
+}
+UNKNOWN_POLICY_STYLE = ("tab:cyan", "d")
+# Rows of one policy in a figure: line style first, then hollow markers (8 distinct variants).
+VARIANT_LINESTYLES = ["-", "--", ":", "-."]
+
+
+class Styles:
+    """Matplotlib keyword arguments for each series of one figure, by (policy, series key)."""
+
+    def __init__(self) -> None:
+        self.variants: dict[str, list] = defaultdict(list)
+
+    def __call__(self, policy: str, key, with_marker: bool = True) -> dict:
+        variants = self.variants[policy]
+        if key not in variants:
+            variants.append(key)
+        variant = variants.index(key)
+        if variant >= 2 * len(VARIANT_LINESTYLES):
+            print(f"plot_results.py: more than {2 * len(VARIANT_LINESTYLES)} rows of policy "
+                  f"{policy} in one figure: some look alike", file=sys.stderr)
+        colour, marker = POLICY_STYLES.get(policy, UNKNOWN_POLICY_STYLE)
+        hollow = (variant // len(VARIANT_LINESTYLES)) % 2 == 1
+        style = {"color": colour, "linestyle": VARIANT_LINESTYLES[variant % len(VARIANT_LINESTYLES)]}
+        if with_marker:
+            style.update(marker=marker, markersize=4,
+                         markerfacecolor="white" if hollow else colour)
+        return style
 
 
 def budget_text(budget) -> str:
@@ -46,9 +87,8 @@ def labels_in_order(cells) -> list[str]:
     return sorted(seen, key=seen.get)
 
 
-def line_style(cells, label: str) -> dict:
-    unbounded = all(c["budget"] is None for c in cells if c["label"] == label)
-    return {"linestyle": "--", "color": "black"} if unbounded else {"marker": "o", "markersize": 3}
+def policy_of(cells, label: str) -> str:
+    return next(c["policy"] for c in cells if c["label"] == label)
 
 
 def mean(values) -> float:
@@ -61,17 +101,19 @@ def panels(count: int, width: float = 5.0, height: float = 3.6):
     return fig, list(axes[0])
 
 
-def plot_vs_budget(ax, cells, metric: str) -> None:
-    """`metric` against the budget, a line per label; an unbounded label is a dashed level."""
+def plot_vs_budget(ax, cells, metric: str, styles: Styles) -> None:
+    """`metric` against the budget, a line per label; an unbounded label is a level line."""
     for label in labels_in_order(cells):
+        style = styles(policy_of(cells, label), label)
         chosen = sorted((c for c in cells if c["label"] == label and c["budget"] is not None),
                         key=lambda c: c["budget"])
         if chosen:
             ax.plot([c["budget"] for c in chosen], [c["metrics"][metric] for c in chosen],
-                    label=label, marker="o")
+                    label=label, **style)
         else:
             unbounded = next(c for c in cells if c["label"] == label)
-            ax.axhline(unbounded["metrics"][metric], label=label, linestyle="--", color="black")
+            style.pop("marker", None)
+            ax.axhline(unbounded["metrics"][metric], label=label, **style)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("budget (KV slots per head)")
     ax.grid(alpha=0.3)
@@ -80,6 +122,7 @@ def plot_vs_budget(ax, cells, metric: str) -> None:
 def plot_stream_bpb(name: str, cells, out: Path) -> Path:
     budgets = bounded_budgets(cells) or [None]
     fig, axes = panels(len(budgets) + 1)
+    styles = Styles()
     for ax, budget in zip(axes, budgets):
         for label in labels_in_order(cells):
             chosen = [c for c in cells if c["label"] == label and c["budget"] in (budget, None)]
@@ -88,22 +131,22 @@ def plot_stream_bpb(name: str, cells, out: Path) -> Path:
             windows = chosen[0]["details"]["windows"]
             xs = [w["first_position"] for w in windows if w["bytes"] > 0]
             ys = [w["bits_per_byte"] for w in windows if w["bytes"] > 0]
-            ax.plot(xs, ys, label=label, **line_style(cells, label))
+            ax.plot(xs, ys, label=label, **styles(chosen[0]["policy"], label))
         ax.set_title(f"{name}: budget {budget_text(budget)}")
         ax.set_xlabel("first position of the window")
         ax.set_ylabel("bits per byte")
         ax.grid(alpha=0.3)
     ax = axes[-1]
-    plot_vs_budget(ax, cells, "bits_per_byte")
+    plot_vs_budget(ax, cells, "bits_per_byte", styles)
     ax.set_title("overall bits per byte vs budget")
     ax.set_ylabel("bits per byte")
-    axes[0].legend(fontsize=7)
     return save(fig, out / f"{name}-stream_bpb.png")
 
 
 def plot_passkey(name: str, cells, out: Path) -> Path:
     budgets = bounded_budgets(cells) or [None]
     fig, axes = panels(len(budgets))
+    styles = Styles()
     for ax, budget in zip(axes, budgets):
         for label in labels_in_order(cells):
             chosen = [c for c in cells if c["label"] == label and c["budget"] in (budget, None)]
@@ -114,40 +157,40 @@ def plot_passkey(name: str, cells, out: Path) -> Path:
                 continue
             lengths = sorted(by_length)
             ax.plot(lengths, [mean(by_length[n]) for n in lengths], label=label,
-                    **line_style(cells, label))
+                    **styles(chosen[0]["policy"], label))
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
-        ax.axhline(0.1, color="grey", linewidth=0.8, linestyle=":")
+        ax.axhline(0.1, color="grey", linewidth=0.8, linestyle=(0, (1, 3)))
         ax.set_title(f"{name}: budget {budget_text(budget)} (mean over depths)")
         ax.set_xlabel("stream length (tokens)")
         ax.set_ylabel("passkey per-digit accuracy (chance 0.1)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
     return save(fig, out / f"{name}-passkey.png")
 
 
 def plot_grocery(name: str, cells, out: Path) -> Path:
     turn_counts = sorted({c["variant"]["turns"] for c in cells})
     fig, axes = panels(len(turn_counts))
+    styles = Styles()
     for ax, turns in zip(axes, turn_counts):
-        plot_vs_budget(ax, [c for c in cells if c["variant"]["turns"] == turns], "item_recall")
+        plot_vs_budget(ax, [c for c in cells if c["variant"]["turns"] == turns], "item_recall",
+                       styles)
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(f"{name}: {turns} turns")
         ax.set_ylabel("grocery item recall")
-    axes[0].legend(fontsize=7)
     return save(fig, out / f"{name}-grocery.png")
 
 
 def plot_cost(name: str, cells, out: Path) -> Path:
     fig, axes = panels(2)
+    styles = Styles()
     for c in cells:
         points = c["details"]["checkpoints"]
         label = f"{c['label']} @ {budget_text(c['budget'])}"
+        style = styles(c["policy"], label)
         xs = [p["tokens"] for p in points]
-        axes[0].plot(xs, [p["interval_tokens_per_second"] for p in points], marker="o",
-                     markersize=3, label=label)
-        axes[1].plot(xs, [p["rss_bytes"] / 2**20 for p in points], marker="o", markersize=3,
-                     label=label)
+        axes[0].plot(xs, [p["interval_tokens_per_second"] for p in points], label=label, **style)
+        axes[1].plot(xs, [p["rss_bytes"] / 2**20 for p in points], label=label, **style)
     for ax, what in zip(axes, ("tokens/s since the previous checkpoint", "process RSS (MiB)")):
         ax.set_xscale("log")
         ax.set_xlabel("tokens streamed")
@@ -156,13 +199,20 @@ def plot_cost(name: str, cells, out: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_title(f"{name}: speed")
     axes[1].set_title(f"{name}: memory")
-    axes[0].legend(fontsize=6, ncol=2)
     return save(fig, out / f"{name}-cost.png")
 
 
 def save(fig, path: Path) -> Path:
+    """One legend for the figure, right of the panels (never over the data)."""
+    handles = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center left",
+                   bbox_to_anchor=(1.0, 0.5), fontsize=7, frameon=False)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -1,12 +1,16 @@
-// `kvevict eval CONFIG [--out DIR] [--jobs N] [--fresh]`: the benchmark harness. Runs the grid a
-// JSON config describes (policies x budgets x tasks over one model; docs/eval.md), each cell in
-// its own child process, resumable, and writes results.json, results.csv and results.md.
+// `kvevict eval CONFIG [--out DIR] [--jobs N] [--shard I/N] [--fresh]`: the benchmark harness.
+// Runs the grid a JSON config describes (policies x budgets x tasks over one model; docs/eval.md),
+// or one shard of it, each cell in its own child process, resumable, and writes results.json,
+// results.csv and results.md. `kvevict eval merge SHARD_DIR... [--out DIR]` combines shards.
 #include <fmt/format.h>
 
+#include <functional>
 #include <iostream>
 #include <kvevict/error.hpp>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "command.hpp"
 #include "eval/config.hpp"
@@ -19,19 +23,32 @@ struct EvalOptions {
   std::string config;
   std::string out;
   int jobs = 2;
+  std::string shard;
   bool fresh = false;
   bool list = false;
   std::string model;
   std::string text;
 };
 
+struct MergeCommandOptions {
+  std::vector<std::string> shards;
+  std::string out;
+  bool fresh = false;
+};
+
 int run_eval(const EvalOptions& options) {
+  // A subcommand-less `eval` needs its config; CLI11 cannot require it without requiring it of
+  // `eval merge` too.
+  if (options.config.empty()) throw Error("config is required (kvevict eval CONFIG; see --help)");
   if (options.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", options.jobs));
+  std::optional<eval::ShardSpec> shard;
+  if (!options.shard.empty()) shard = eval::parse_shard(options.shard);
   eval::EvalConfig config = eval::load_eval_config(options.config);
   if (!options.model.empty()) config.model = options.model;
   if (!options.text.empty()) config.text = options.text;
   if (options.list) {
-    const std::vector<eval::CellSpec> cells = eval::enumerate_cells(config);
+    std::vector<eval::CellSpec> cells = eval::enumerate_cells(config);
+    if (shard) cells = eval::shard_cells(cells, *shard);
     for (const eval::CellSpec& cell : cells) {
       std::cout << cell.id << "  " << cell.describe(config) << "\n";
     }
@@ -43,6 +60,7 @@ int run_eval(const EvalOptions& options) {
   grid_options.out = options.out.empty() ? "eval/results/" + grid.config.name : options.out;
   grid_options.jobs = options.jobs;
   grid_options.fresh = options.fresh;
+  grid_options.shard = shard;
   grid_options.progress = &std::cerr;
   const eval::GridSummary summary = eval::run_grid(grid, grid_options);
   std::string report = fmt::format("cells    {} (run {}, resumed {}, failed {})\n", summary.cells,
@@ -55,18 +73,67 @@ int run_eval(const EvalOptions& options) {
   return summary.failures.empty() ? kExitOk : kExitMismatch;
 }
 
+int run_merge(const MergeCommandOptions& options) {
+  eval::MergeOptions merge;
+  merge.shards.assign(options.shards.begin(), options.shards.end());
+  merge.out = options.out;
+  merge.fresh = options.fresh;
+  const eval::MergeSummary summary = eval::merge_shards(merge);
+  for (const std::string& note : summary.notes) std::cerr << "kvevict: note: " << note << "\n";
+  const std::string out = summary.out.string();
+  std::cout << fmt::format("cells    {} from {} shard directories\n", summary.cells,
+                           options.shards.size())
+            << fmt::format("results  {}/results.json, {}/results.csv, {}/results.md\n", out, out,
+                           out)
+            << std::flush;
+  if (!std::cout) throw Error("error while writing to stdout");
+  return kExitOk;
+}
+
+// `eval merge` runs instead of `eval` when given; main runs the command whose app was parsed.
+void add_merge_subcommand(CLI::App& eval_app, std::function<int()>& run_chosen,
+                          const std::shared_ptr<EvalOptions>& eval_options) {
+  auto options = std::make_shared<MergeCommandOptions>();
+  CLI::App* app = eval_app.add_subcommand(
+      "merge", "Combine the output directories of `eval --shard` runs into one grid's results");
+  app->add_option("shard_dirs", options->shards, "output directories of the shards (any order)")
+      ->required();
+  app->add_option("-o,--out", options->out,
+                  "output directory (default: eval/results/<grid name>); receives cells/ and the "
+                  "results a single run writes");
+  app->add_flag("--fresh", options->fresh,
+                "discard the output directory's cells and results first");
+  app->footer(
+      "Reads each directory's results.json and cells/, checks that all ran the same grid (name,\n"
+      "config apart from the model and text paths, model and text sha256; the message names what\n"
+      "differs) and that every cell of the grid is in exactly one shard's slice, then writes\n"
+      "<out>/cells and results.json (with \"shards\": where each came from), results.csv and\n"
+      "results.md as `kvevict eval` does. Nothing is written when a check fails (exit status 2).\n"
+      "\n"
+      "Example:\n"
+      "  for i in 1 2 3; do kvevict eval eval/configs/tiny.json --shard $i/3 --out /tmp/s$i; done\n"
+      "  kvevict eval merge /tmp/s1 /tmp/s2 /tmp/s3 --out /tmp/tiny");
+  run_chosen = [app, options, eval_options] {
+    if (app->parsed()) return run_merge(*options);
+    return run_eval(*eval_options);
+  };
+}
+
 }  // namespace
 
 Command add_eval_command(CLI::App& parent) {
   auto options = std::make_shared<EvalOptions>();
   CLI::App* app = parent.add_subcommand(
       "eval", "Run a benchmark grid (policies x budgets x tasks) from a JSON config, resumable");
-  app->add_option("config", options->config, "grid config (JSON; see docs/eval.md)")->required();
+  app->add_option("config", options->config, "grid config (JSON; see docs/eval.md)");
   app->add_option("-o,--out", options->out,
                   "output directory (default: eval/results/<config name>); cells/<id>.json holds "
                   "each finished cell");
   app->add_option("-j,--jobs", options->jobs, "cells run at once, each in its own process")
       ->capture_default_str();
+  app->add_option("--shard", options->shard,
+                  "run only shard I of N (1 <= I <= N): the cells at positions I-1, I-1+N, ... of "
+                  "the grid; combine the shards' outputs with `eval merge`");
   app->add_flag("--fresh", options->fresh,
                 "discard the output directory's cells and results and run every cell again");
   app->add_flag("--list", options->list, "print the grid's cells and exit (nothing is loaded)");
@@ -84,11 +151,18 @@ Command add_eval_command(CLI::App& parent) {
       "results.csv\n"
       "(one row per cell), results.md (a table per task).\n"
       "\n"
+      "--shard I/N runs a deterministic slice, for N machines or array jobs: cell k (0-based,\n"
+      "in --list order) belongs to shard k mod N + 1. `kvevict eval merge DIR...` combines the\n"
+      "shards' output directories into the results one run writes (docs/eval.md).\n"
+      "\n"
       "Examples:\n"
       "  kvevict eval eval/configs/toy-base-passkey.json\n"
+      "  kvevict eval eval/configs/toy-base-passkey.json --shard 2/8 --out /scratch/passkey-2\n"
       "  kvevict eval eval/configs/toy-base-stream.json --out /tmp/stream --jobs 2 --fresh\n"
       "  kvevict eval eval/configs/tiny.json --out /tmp/tiny --fresh");
-  return Command{app, [options] { return run_eval(*options); }};
+  Command command{app, {}};
+  add_merge_subcommand(*app, command.run, options);
+  return command;
 }
 
 }  // namespace kvevict::cli

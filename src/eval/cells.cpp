@@ -116,7 +116,7 @@ class CacheTotals {
     for (const auto& [name, seconds] : split_seconds(clock)) split_[name] += seconds;
     peak_kv_bytes_ = std::max(peak_kv_bytes_, stats.peak_kv_bytes);
     evicted_slots_ += sequence.evicted_slots;
-    compactions_ += sequence.decisions;
+    decisions_ += sequence.decisions;
     live_kv_bytes_sum_ += static_cast<double>(live_kv_bytes);
     ++decoders_;
   }
@@ -131,7 +131,7 @@ class CacheTotals {
     metrics["live_kv_bytes"] = decoders_ > 0 ? live_kv_bytes_sum_ / decoders_ : 0.0;
     metrics["peak_kv_bytes"] = peak_kv_bytes_;
     metrics["evicted_slots"] = evicted_slots_;
-    metrics["compactions"] = compactions_;  // eviction decisions (runner.cpp's column name)
+    metrics["decisions"] = decisions_;
     metrics["catalyst_runs"] = catalyst_runs_;
     metrics["forwards"] = forwards_;
     metrics["forward_seconds"] = forward_seconds_;
@@ -149,7 +149,7 @@ class CacheTotals {
   double eviction_seconds_ = 0;
   std::size_t peak_kv_bytes_ = 0;
   std::int64_t evicted_slots_ = 0;
-  std::int64_t compactions_ = 0;
+  std::int64_t decisions_ = 0;
   double live_kv_bytes_sum_ = 0;
   int decoders_ = 0;
   std::map<std::string, double> split_;
@@ -692,13 +692,13 @@ GridContext prepare_grid(EvalConfig config) {
                      std::move(*filler), std::move(config_sha256), std::move(cells)};
 }
 
-OrderedJson cell_config_json(const GridContext& grid, const CellSpec& cell) {
-  const EvalConfig& config = grid.config;
+OrderedJson cell_config_json(const EvalConfig& config, std::string_view model_sha256,
+                             std::string_view text_sha256, const CellSpec& cell) {
   OrderedJson json;
   json["grid"] = config.name;
   // Paths are left out on purpose: the checksums say what was run, wherever it lies.
-  json["model_sha256"] = grid.model_checksum.sha256;
-  json["text_sha256"] = grid.text_sha256;
+  json["model_sha256"] = model_sha256;
+  json["text_sha256"] = text_sha256;
   json["seed"] = config.seed;
   json["chunk"] = config.chunk;
   json["anchors"] = config.anchors;
@@ -707,6 +707,10 @@ OrderedJson cell_config_json(const GridContext& grid, const CellSpec& cell) {
   json["task"] = task_hash_json(config.tasks[cell.task_index]);
   json["variant"] = cell.variant_json();
   return json;
+}
+
+OrderedJson cell_config_json(const GridContext& grid, const CellSpec& cell) {
+  return cell_config_json(grid.config, grid.model_checksum.sha256, grid.text_sha256, cell);
 }
 
 OrderedJson run_cell(const GridContext& grid, const CellSpec& cell) {

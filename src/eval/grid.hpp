@@ -1,7 +1,8 @@
 // The eval grid: policies x budgets x task variants over one model, each cell run in its own
 // fork()ed child (per-cell RSS, a crash is reported and the grid goes on), written to
 // <out>/cells/<id>.json atomically, and aggregated into results.json / results.csv / results.md.
-// docs/eval.md describes the outputs.
+// A grid may run as shards (deterministic slices) on several machines, whose outputs merge into
+// what one run writes (shards.cpp). docs/eval.md describes the outputs.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "eval/config.hpp"
@@ -67,8 +69,47 @@ struct GridContext {
 
 /// What a cell's result is recorded against: the model and text checksums, seed, chunk, anchors,
 /// the policy entry, budget, task and variant. Its SHA-256 is the cell's config hash.
+[[nodiscard]] nlohmann::ordered_json cell_config_json(const EvalConfig& config,
+                                                      std::string_view model_sha256,
+                                                      std::string_view text_sha256,
+                                                      const CellSpec& cell);
 [[nodiscard]] nlohmann::ordered_json cell_config_json(const GridContext& grid,
                                                       const CellSpec& cell);
+
+/// A deterministic slice of the grid for one of `count` machines or jobs: the cell at position k
+/// (0-based, grid order) belongs to shard k mod count + 1, so shards differ by at most one cell
+/// and each mixes the grid's cheap and dear cells. `index` is 1-based: shards 1/N .. N/N.
+struct ShardSpec {
+  int index = 1;
+  int count = 1;
+
+  [[nodiscard]] bool holds(std::size_t cell_position) const {
+    return static_cast<int>(cell_position % static_cast<std::size_t>(count)) + 1 == index;
+  }
+  [[nodiscard]] std::string text() const;  ///< "2/8"
+};
+/// Parses "I/N" (1 <= I <= N). Throws kvevict::Error naming --shard.
+[[nodiscard]] ShardSpec parse_shard(std::string_view text);
+/// The cells of `cells` (a whole grid, in grid order) that `shard` holds, in grid order.
+[[nodiscard]] std::vector<CellSpec> shard_cells(const std::vector<CellSpec>& cells,
+                                                const ShardSpec& shard);
+
+/// What an output directory's results describe besides the cells' own files: the config, the
+/// model and text as recorded, and which cells belong there. A run builds it from its GridContext;
+/// `eval merge` reads it back from the shards' results.json, so neither needs the model.
+struct GridRecord {
+  EvalConfig config;
+  std::string config_sha256;
+  nlohmann::ordered_json model;  ///< {path, sha256, files, format, context_length}
+  nlohmann::ordered_json text;   ///< {path, sha256, bytes}
+  std::vector<CellSpec> cells;   ///< the cells of this output, in grid order (a shard's slice)
+  std::optional<ShardSpec> shard;
+};
+/// The record of `grid`, or of its slice `shard`.
+[[nodiscard]] GridRecord grid_record(const GridContext& grid,
+                                     std::optional<ShardSpec> shard = std::nullopt);
+/// The SHA-256 of cell_config_json: what a cell file must record as its "cell_hash".
+[[nodiscard]] std::string cell_hash(const GridRecord& record, const CellSpec& cell);
 
 /// Runs one cell in this process and returns its result (see docs/eval.md: id, grid, cell_hash,
 /// task, policy, label, budget, variant, config, policy_setup, metrics, details).
@@ -85,6 +126,7 @@ struct Headline {
 struct GridOptions {
   std::filesystem::path out;
   int jobs = 2;
+  std::optional<ShardSpec> shard;    ///< run only this slice of the grid; nullopt: every cell
   bool fresh = false;                ///< discard the output directory's cells and results first
   std::ostream* progress = nullptr;  ///< progress lines; nullptr = none
   /// Called in the child before the cell runs (tests make a cell crash here).
@@ -98,19 +140,43 @@ struct GridSummary {
   std::vector<std::string> failures;  ///< "<id>: <why>"
 };
 
-/// Runs the grid's missing cells with up to `jobs` children at once, then writes the aggregate.
-/// Throws kvevict::Error for bad options and for an output directory holding another grid's cells
-/// or cells computed with a different configuration (unless `fresh`).
+/// Runs the grid's (or its shard's) missing cells with up to `jobs` children at once, then writes
+/// the aggregate. Throws kvevict::Error for bad options and for an output directory holding
+/// another grid's cells or cells computed with a different configuration (unless `fresh`).
 GridSummary run_grid(const GridContext& grid, const GridOptions& options);
 
-/// Reads every cell present in <out>/cells and writes results.json, results.csv, results.md.
-void write_results(const GridContext& grid, const std::filesystem::path& out);
+/// Reads the record's cells present in <out>/cells and writes results.json, results.csv and
+/// results.md (`extra` keys, e.g. a merge's "shards", are added to results.json).
+void write_results(const GridRecord& record, const std::filesystem::path& out,
+                   const nlohmann::ordered_json& extra = nlohmann::ordered_json::object());
 
 /// The aggregate's parts, for tests and tools: all cells found, with the derived columns.
-[[nodiscard]] nlohmann::ordered_json aggregate_json(const GridContext& grid,
+[[nodiscard]] nlohmann::ordered_json aggregate_json(const GridRecord& record,
                                                     const std::filesystem::path& out);
 [[nodiscard]] std::string results_csv(const nlohmann::ordered_json& aggregate);
-[[nodiscard]] std::string results_markdown(const GridContext& grid,
+[[nodiscard]] std::string results_markdown(const GridRecord& record,
                                            const nlohmann::ordered_json& aggregate);
+
+/// A cell file's JSON as the current version names it: results written before the core stopped
+/// compacting call the eviction-decision count "compactions"; it is read as "decisions".
+[[nodiscard]] nlohmann::ordered_json read_cell_file(const std::filesystem::path& path);
+/// Writes `text` to `path` through `path`.tmp and a rename: readers see the whole file or none.
+void write_file_atomically(const std::filesystem::path& path, const std::string& text);
+
+struct MergeOptions {
+  std::vector<std::filesystem::path> shards;  ///< output directories of `eval --shard` runs
+  std::filesystem::path out;                  ///< empty: eval/results/<grid name>
+  bool fresh = false;                         ///< discard what `out` holds first
+};
+struct MergeSummary {
+  std::filesystem::path out;
+  std::size_t cells = 0;
+  std::vector<std::string> notes;  ///< e.g. shards built from different git revisions
+};
+/// Combines shard outputs into `out` (cells/ and the results a single run writes, plus "shards":
+/// where each came from). Throws kvevict::Error, before writing anything, when the shards record
+/// different grids, configs, models or texts (naming what differs), when two shards hold the same
+/// cell, when a cell of the grid is in none of them, or when `out` already holds cells.
+MergeSummary merge_shards(const MergeOptions& options);
 
 }  // namespace kvevict::eval

@@ -42,28 +42,14 @@ std::string read_file(const fs::path& path) {
   return common::read_regular_file(path, "cell file", kMaxCellFileBytes);
 }
 
-OrderedJson read_cell(const fs::path& path) {
-  return common::parse_json_bounded<OrderedJson>(read_file(path),
-                                                 fmt::format("cell file '{}'", path.string()));
-}
-
-// Writes `text` to `path` through `path`.tmp and a rename: a reader (or a resumed run) sees the
-// whole file or none.
-void write_atomically(const fs::path& path, const std::string& text) {
-  fs::path temporary = path;
-  temporary += ".tmp";
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out) throw Error(fmt::format("cannot write '{}'", temporary.string()));
+// "compactions" named the decision count before the core stopped compacting (docs/eval.md).
+void upgrade_metric_names(OrderedJson& cell) {
+  if (!cell.is_object() || !cell.contains("metrics") || !cell.at("metrics").is_object()) return;
+  OrderedJson& metrics = cell.at("metrics");
+  if (metrics.contains("compactions") && !metrics.contains("decisions")) {
+    metrics["decisions"] = metrics.at("compactions");
   }
-  std::error_code error;
-  fs::rename(temporary, path, error);
-  if (error) {
-    fs::remove(temporary, error);
-    throw Error(fmt::format("cannot move '{}' into place", path.string()));
-  }
+  metrics.erase("compactions");
 }
 
 // "45s", "2m10s", "1h02m".
@@ -94,10 +80,10 @@ std::string describe_status(int status, const fs::path& failed_file) {
     (void)reset_peak_rss();
     if (options.before_cell) options.before_cell(cell);
     const OrderedJson result = run_cell(grid, cell);
-    write_atomically(cells_dir / (cell.id + ".json"), cli::dump_json(result) + "\n");
+    write_file_atomically(cells_dir / (cell.id + ".json"), cli::dump_json(result) + "\n");
   } catch (const std::exception& error) {
     try {
-      write_atomically(cells_dir / (cell.id + ".failed"), std::string(error.what()) + "\n");
+      write_file_atomically(cells_dir / (cell.id + ".failed"), std::string(error.what()) + "\n");
     } catch (...) {
     }
     code = kChildFailed;
@@ -109,10 +95,10 @@ std::string describe_status(int status, const fs::path& failed_file) {
 }
 
 // The cells already done in `cells_dir`; throws for another grid's cells or a changed config.
-std::set<std::string> done_cells(const GridContext& grid, const fs::path& cells_dir,
+std::set<std::string> done_cells(const GridRecord& record, const fs::path& cells_dir,
                                  std::size_t& foreign_ignored) {
   std::map<std::string, const CellSpec*> by_id;
-  for (const CellSpec& cell : grid.cells) by_id[cell.id] = &cell;
+  for (const CellSpec& cell : record.cells) by_id[cell.id] = &cell;
   std::set<std::string> done;
   foreign_ignored = 0;
   for (const fs::directory_entry& entry : fs::directory_iterator(cells_dir)) {
@@ -125,25 +111,26 @@ std::set<std::string> done_cells(const GridContext& grid, const fs::path& cells_
     if (path.extension() != ".json") continue;
     OrderedJson cell;
     try {
-      cell = read_cell(path);
+      cell = read_cell_file(path);
     } catch (const OrderedJson::exception& error) {
       throw Error(fmt::format("cell file '{}' is not valid JSON ({}): delete it or pass --fresh",
                               path.string(), error.what()));
     }
     const std::string cell_grid = cell.is_object() ? cell.value("grid", "") : "";
-    if (cell_grid != grid.config.name) {
+    if (cell_grid != record.config.name) {
       throw Error(fmt::format(
           "output directory '{}' holds cells of another grid ('{}' in {}), not of '{}': choose "
           "another --out or pass --fresh to discard them",
-          cells_dir.parent_path().string(), cell_grid, path.filename().string(), grid.config.name));
+          cells_dir.parent_path().string(), cell_grid, path.filename().string(),
+          record.config.name));
     }
     const std::string id = path.stem().string();
     const auto found = by_id.find(id);
     if (found == by_id.end()) {
-      ++foreign_ignored;  // a cell of this grid's name no longer in the config
+      ++foreign_ignored;  // a cell of this grid's name no longer in the config, or another shard's
       continue;
     }
-    const std::string expected = sha256_hex(cell_config_json(grid, *found->second).dump());
+    const std::string expected = cell_hash(record, *found->second);
     if (cell.value("cell_hash", "") != expected) {
       throw Error(fmt::format(
           "cell '{}' in '{}' was computed with a different configuration (model, text, seed, "
@@ -216,7 +203,7 @@ const std::vector<std::string>& known_metric_columns() {
                                                    "kv_reduction_vs_full",
                                                    "peak_kv_reduction_vs_full",
                                                    "evicted_slots",
-                                                   "compactions",
+                                                   "decisions",
                                                    "catalyst_runs",
                                                    "forwards",
                                                    "forward_seconds",
@@ -298,6 +285,30 @@ double metric(const OrderedJson& cell, const char* name) {
 
 }  // namespace
 
+OrderedJson read_cell_file(const fs::path& path) {
+  OrderedJson cell = common::parse_json_bounded<OrderedJson>(
+      read_file(path), fmt::format("cell file '{}'", path.string()));
+  upgrade_metric_names(cell);
+  return cell;
+}
+
+void write_file_atomically(const fs::path& path, const std::string& text) {
+  fs::path temporary = path;
+  temporary += ".tmp";
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) throw Error(fmt::format("cannot write '{}'", temporary.string()));
+  }
+  std::error_code error;
+  fs::rename(temporary, path, error);
+  if (error) {
+    fs::remove(temporary, error);
+    throw Error(fmt::format("cannot move '{}' into place", path.string()));
+  }
+}
+
 GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
   if (options.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", options.jobs));
   if (options.out.empty()) throw Error("no output directory given");
@@ -314,12 +325,13 @@ GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
     throw Error(fmt::format("cannot create the output directory '{}'", cells_dir.string()));
   }
   std::size_t foreign = 0;
-  const std::set<std::string> done = done_cells(grid, cells_dir, foreign);
+  const GridRecord record = grid_record(grid, options.shard);
+  const std::set<std::string> done = done_cells(record, cells_dir, foreign);
 
   GridSummary summary;
-  summary.cells = grid.cells.size();
+  summary.cells = record.cells.size();
   std::vector<const CellSpec*> pending;
-  for (const CellSpec& cell : grid.cells) {
+  for (const CellSpec& cell : record.cells) {
     if (done.count(cell.id) != 0) {
       ++summary.resumed;
     } else {
@@ -328,9 +340,13 @@ GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
   }
   std::ostream* progress = options.progress;
   if (progress != nullptr) {
-    *progress << fmt::format("eval {}: {} cells, {} done already, {} to run with {} job{}{}\n",
-                             grid.config.name, summary.cells, summary.resumed, pending.size(),
-                             options.jobs, options.jobs == 1 ? "" : "s",
+    *progress << fmt::format("eval {}{}: {} cells, {} done already, {} to run with {} job{}{}\n",
+                             grid.config.name,
+                             options.shard ? fmt::format(" shard {} of {} cells",
+                                                         options.shard->text(), grid.cells.size())
+                                           : std::string(),
+                             summary.cells, summary.resumed, pending.size(), options.jobs,
+                             options.jobs == 1 ? "" : "s",
                              foreign > 0
                                  ? fmt::format(" ({} cells of an older config ignored)", foreign)
                                  : std::string())
@@ -376,7 +392,7 @@ GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && fs::exists(result_file)) {
       ++summary.run;
       try {
-        outcome = headline(read_cell(result_file)).text;
+        outcome = headline(read_cell_file(result_file)).text;
       } catch (const std::exception& parse_error) {
         outcome = fmt::format("(unreadable result: {})", parse_error.what());
       }
@@ -397,27 +413,26 @@ GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
                 << std::flush;
     }
   }
-  write_results(grid, options.out);
+  write_results(record, options.out);
   return summary;
 }
 
-OrderedJson aggregate_json(const GridContext& grid, const fs::path& out) {
-  const EvalConfig& config = grid.config;
+OrderedJson aggregate_json(const GridRecord& record, const fs::path& out) {
+  const EvalConfig& config = record.config;
   OrderedJson json;
   json["name"] = config.name;
   json["config"] = to_json(config);
-  json["config_sha256"] = grid.config_sha256;
-  json["model"] = {{"path", config.model},
-                   {"sha256", grid.model_checksum.sha256},
-                   {"files", grid.model_checksum.files},
-                   {"format", grid.model.format},
-                   {"context_length", grid.model.config.context_length}};
-  json["text"] = {{"path", config.text}, {"sha256", grid.text_sha256}, {"bytes", grid.text.size()}};
+  json["config_sha256"] = record.config_sha256;
+  if (record.shard) {
+    json["shard"] = {{"index", record.shard->index}, {"count", record.shard->count}};
+  }
+  json["model"] = record.model;
+  json["text"] = record.text;
   json["git_revision"] = git_revision();
   json["machine"] = machine_json();
   OrderedJson cells = OrderedJson::array();
   OrderedJson missing = OrderedJson::array();
-  for (const CellSpec& cell : grid.cells) {
+  for (const CellSpec& cell : record.cells) {
     const fs::path file = out / "cells" / (cell.id + ".json");
     std::error_code error;
     if (!fs::exists(file, error)) {
@@ -427,7 +442,7 @@ OrderedJson aggregate_json(const GridContext& grid, const fs::path& out) {
           {{"id", cell.id}, {"failed", why.empty() ? OrderedJson(nullptr) : OrderedJson(why)}});
       continue;
     }
-    OrderedJson result = read_cell(file);
+    OrderedJson result = read_cell_file(file);
     result["label"] = config.policies[cell.policy_index].label;  // labels are not hashed
     cells.push_back(std::move(result));
   }
@@ -474,14 +489,14 @@ std::string results_csv(const OrderedJson& aggregate) {
   return out;
 }
 
-std::string results_markdown(const GridContext& grid, const OrderedJson& aggregate) {
-  const EvalConfig& config = grid.config;
+std::string results_markdown(const GridRecord& record, const OrderedJson& aggregate) {
+  const EvalConfig& config = record.config;
   std::string out = fmt::format(
       "# {}\n\nModel `{}` (sha256 `{}`), text `{}`, seed {}, chunk {}{}, "
       "git `{}`. Generated by `kvevict eval`; every cell's details are in "
       "results.json.\n\n",
-      config.name, config.model, grid.model_checksum.sha256.substr(0, 16), config.text, config.seed,
-      config.chunk, config.anchors ? ", <AC> anchors inserted" : "", git_revision());
+      config.name, config.model, record.model.value("sha256", "").substr(0, 16), config.text,
+      config.seed, config.chunk, config.anchors ? ", <AC> anchors inserted" : "", git_revision());
   const auto budget_column = [](const OrderedJson& cell) {
     return cell.at("budget").is_null()
                ? std::pair<std::string, double>{"-", -1.0}
@@ -565,11 +580,20 @@ std::string results_markdown(const GridContext& grid, const OrderedJson& aggrega
   return out;
 }
 
-void write_results(const GridContext& grid, const fs::path& out) {
-  const OrderedJson aggregate = aggregate_json(grid, out);
-  write_atomically(out / "results.json", cli::dump_json(aggregate) + "\n");
-  write_atomically(out / "results.csv", results_csv(aggregate));
-  write_atomically(out / "results.md", results_markdown(grid, aggregate));
+void write_results(const GridRecord& record, const fs::path& out, const OrderedJson& extra) {
+  OrderedJson aggregate = aggregate_json(record, out);
+  if (!extra.empty()) {
+    // Before the cells, which make the bulk of the file.
+    OrderedJson ordered;
+    for (const auto& [key, value] : aggregate.items()) {
+      if (key == "cells") ordered.update(extra);
+      ordered[key] = value;
+    }
+    aggregate = std::move(ordered);
+  }
+  write_file_atomically(out / "results.json", cli::dump_json(aggregate) + "\n");
+  write_file_atomically(out / "results.csv", results_csv(aggregate));
+  write_file_atomically(out / "results.md", results_markdown(record, aggregate));
 }
 
 }  // namespace kvevict::eval
