@@ -253,6 +253,11 @@ class Grid : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new fs::path(fs::temp_directory_path() / fmt::format("kvevict_test_eval_{}", getpid()));
     fs::create_directories(*dir_);
+    write_tiny_model(*dir_ / "tiny.gguf", /*seed=*/1);
+    write_text(*dir_ / "text.txt", sample_text());
+    write_text(*dir_ / "empty.txt", "");
+  }
+  static void write_tiny_model(const fs::path& path, std::uint64_t seed) {
     kvevict::model::ModelConfig config;
     config.dim = 32;
     config.hidden_dim = 64;
@@ -261,9 +266,7 @@ class Grid : public ::testing::Test {
     config.kv_heads = 1;
     config.vocab_size = 259;  // bytes, BOS, EOS, <AC>
     config.context_length = 256;
-    kvevict::model::write_gguf(kvevict::model::make_random_model(config, 1), *dir_ / "tiny.gguf");
-    write_text(*dir_ / "text.txt", sample_text());
-    write_text(*dir_ / "empty.txt", "");
+    kvevict::model::write_gguf(kvevict::model::make_random_model(config, seed), path);
   }
   static void TearDownTestSuite() {
     fs::remove_all(*dir_);
@@ -669,15 +672,7 @@ TEST_F(Grid, MergeRefusesShardsOfAnotherGridOrIncompleteShards) {
       },
       "the configs differ at \"seed\" (3 vs 4");
   json other_model = config;
-  kvevict::model::ModelConfig model_config;
-  model_config.dim = 32;
-  model_config.hidden_dim = 64;
-  model_config.layers = 1;
-  model_config.heads = 2;
-  model_config.kv_heads = 1;
-  model_config.vocab_size = 259;
-  model_config.context_length = 256;
-  kvevict::model::write_gguf(kvevict::model::make_random_model(model_config, 2), out("other.gguf"));
+  write_tiny_model(out("other.gguf"), /*seed=*/2);
   other_model["model"] = out("other.gguf").string();
   expect_error(
       [&] {

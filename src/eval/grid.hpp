@@ -158,10 +158,14 @@ void write_results(const GridRecord& record, const std::filesystem::path& out,
                                            const nlohmann::ordered_json& aggregate);
 
 /// A cell file's JSON as the current version names it: results written before the core stopped
-/// compacting call the eviction-decision count "compactions"; it is read as "decisions".
+/// compacting call the eviction-decision count "compactions"; it is read as "decisions". Throws
+/// kvevict::Error for a file that is not JSON.
 [[nodiscard]] nlohmann::ordered_json read_cell_file(const std::filesystem::path& path);
 /// Writes `text` to `path` through `path`.tmp and a rename: readers see the whole file or none.
 void write_file_atomically(const std::filesystem::path& path, const std::string& text);
+/// <out>/cells, created if need be; with `fresh`, the cells and results `out` held are deleted
+/// first.
+std::filesystem::path prepare_cells_directory(const std::filesystem::path& out, bool fresh);
 
 struct MergeOptions {
   std::vector<std::filesystem::path> shards;  ///< output directories of `eval --shard` runs

@@ -109,13 +109,7 @@ std::set<std::string> done_cells(const GridRecord& record, const fs::path& cells
       continue;
     }
     if (path.extension() != ".json") continue;
-    OrderedJson cell;
-    try {
-      cell = read_cell_file(path);
-    } catch (const OrderedJson::exception& error) {
-      throw Error(fmt::format("cell file '{}' is not valid JSON ({}): delete it or pass --fresh",
-                              path.string(), error.what()));
-    }
+    const OrderedJson cell = read_cell_file(path);
     const std::string cell_grid = cell.is_object() ? cell.value("grid", "") : "";
     if (cell_grid != record.config.name) {
       throw Error(fmt::format(
@@ -286,10 +280,34 @@ double metric(const OrderedJson& cell, const char* name) {
 }  // namespace
 
 OrderedJson read_cell_file(const fs::path& path) {
-  OrderedJson cell = common::parse_json_bounded<OrderedJson>(
-      read_file(path), fmt::format("cell file '{}'", path.string()));
+  OrderedJson cell;
+  try {
+    cell = common::parse_json_bounded<OrderedJson>(read_file(path),
+                                                   fmt::format("cell file '{}'", path.string()));
+  } catch (const OrderedJson::exception& error) {
+    throw Error(
+        fmt::format("cell file '{}' is not valid JSON ({}): delete it, or run again with "
+                    "--fresh",
+                    path.string(), error.what()));
+  }
   upgrade_metric_names(cell);
   return cell;
+}
+
+fs::path prepare_cells_directory(const fs::path& out, bool fresh) {
+  const fs::path cells_dir = out / "cells";
+  std::error_code error;
+  if (fresh) {
+    fs::remove_all(cells_dir, error);
+    for (const char* name : {"results.json", "results.csv", "results.md"}) {
+      fs::remove(out / name, error);
+    }
+  }
+  fs::create_directories(cells_dir, error);
+  if (error || !fs::is_directory(cells_dir)) {
+    throw Error(fmt::format("cannot create the output directory '{}'", cells_dir.string()));
+  }
+  return cells_dir;
 }
 
 void write_file_atomically(const fs::path& path, const std::string& text) {
@@ -312,18 +330,8 @@ void write_file_atomically(const fs::path& path, const std::string& text) {
 GridSummary run_grid(const GridContext& grid, const GridOptions& options) {
   if (options.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", options.jobs));
   if (options.out.empty()) throw Error("no output directory given");
-  const fs::path cells_dir = options.out / "cells";
+  const fs::path cells_dir = prepare_cells_directory(options.out, options.fresh);
   std::error_code error;
-  if (options.fresh) {
-    fs::remove_all(cells_dir, error);
-    for (const char* name : {"results.json", "results.csv", "results.md"}) {
-      fs::remove(options.out / name, error);
-    }
-  }
-  fs::create_directories(cells_dir, error);
-  if (error || !fs::is_directory(cells_dir)) {
-    throw Error(fmt::format("cannot create the output directory '{}'", cells_dir.string()));
-  }
   std::size_t foreign = 0;
   const GridRecord record = grid_record(grid, options.shard);
   const std::set<std::string> done = done_cells(record, cells_dir, foreign);

@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 
+#include "cli_common/report.hpp"
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
 #include "eval/grid.hpp"
@@ -22,8 +23,6 @@ using OrderedJson = nlohmann::ordered_json;
 
 // results.json holds every cell's details: megabytes for the committed grids, far less than this.
 constexpr std::uintmax_t kMaxResultsBytes = std::uintmax_t{1} << 30;
-// A cell file is a few kilobytes (runner.cpp reads them with the same bound).
-constexpr std::uintmax_t kMaxCellFileBytes = std::uintmax_t{1} << 28;
 // Missing or duplicate cells named in one message at most.
 constexpr std::size_t kListedCells = 5;
 
@@ -291,26 +290,20 @@ MergeSummary merge_shards(const MergeOptions& options) {
   merged.cells = enumerate_cells(merged.config);
   const std::string& grid_name = merged.config.name;
 
-  // Where each cell's result is: exactly one shard's slice must hold it.
-  std::map<std::string, std::pair<fs::path, const ShardOutput*>> found;
+  // Each cell's result and the shard it came from: exactly one shard's slice must hold it.
+  std::map<std::string, std::pair<OrderedJson, const ShardOutput*>> found;
   std::set<std::string> revisions;
   for (const ShardOutput& shard : shards) {
     for (const CellSpec& cell : shard.record.cells) {
       const fs::path file = shard.dir / "cells" / (cell.id + ".json");
       std::error_code error;
       if (!fs::exists(file, error)) continue;
-      const auto [previous, inserted] = found.emplace(cell.id, std::pair{file, &shard});
-      if (!inserted) {
+      const auto previous = found.find(cell.id);
+      if (previous != found.end()) {
         throw Error(fmt::format("cell '{}' is in both {} and {}: give each shard once", cell.id,
                                 shard_name(*previous->second.second), shard_name(shard)));
       }
-      OrderedJson result;
-      try {
-        result = read_cell_file(file);
-      } catch (const OrderedJson::exception& parse_error) {
-        throw Error(fmt::format("cell file '{}' is not valid JSON ({}): run its shard again",
-                                file.string(), parse_error.what()));
-      }
+      OrderedJson result = read_cell_file(file);
       const std::string expected = cell_hash(merged, cell);
       if (!result.is_object() || result.value("grid", "") != grid_name ||
           result.value("cell_hash", "") != expected) {
@@ -321,6 +314,7 @@ MergeSummary merge_shards(const MergeOptions& options) {
                         file.string(), grid_name, expected));
       }
       revisions.insert(result.value("git_revision", "unknown"));
+      found.emplace(cell.id, std::pair{std::move(result), &shard});
     }
   }
   std::vector<std::string> missing;
@@ -347,26 +341,18 @@ MergeSummary merge_shards(const MergeOptions& options) {
                               summary.out.string()));
     }
   }
-  const fs::path cells_dir = summary.out / "cells";
-  if (options.fresh) {
-    fs::remove_all(cells_dir, error);
-    for (const char* name : {"results.json", "results.csv", "results.md"}) {
-      fs::remove(summary.out / name, error);
-    }
-  } else if (fs::exists(cells_dir, error) && !fs::is_empty(cells_dir, error)) {
+  if (!options.fresh && fs::exists(summary.out / "cells", error) &&
+      !fs::is_empty(summary.out / "cells", error)) {
     throw Error(
         fmt::format("output directory '{}' already holds cells: choose another --out or "
                     "pass --fresh to discard them",
                     summary.out.string()));
   }
-  fs::create_directories(cells_dir, error);
-  if (error || !fs::is_directory(cells_dir)) {
-    throw Error(fmt::format("cannot create the output directory '{}'", cells_dir.string()));
-  }
-  // The cell files as the shards wrote them: the merged directory resumes like a run's.
+  const fs::path cells_dir = prepare_cells_directory(summary.out, options.fresh);
+  // Written as a run writes them (upgraded names included): the merged directory resumes as a
+  // run's does.
   for (const auto& [id, source] : found) {
-    write_file_atomically(cells_dir / (id + ".json"),
-                          common::read_regular_file(source.first, "cell file", kMaxCellFileBytes));
+    write_file_atomically(cells_dir / (id + ".json"), cli::dump_json(source.first) + "\n");
   }
   OrderedJson sources = OrderedJson::array();
   for (const ShardOutput& shard : shards) {
