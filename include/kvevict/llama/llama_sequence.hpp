@@ -1,0 +1,160 @@
+// LlamaSequence: a kvevict policy over one llama.cpp sequence (kvevict::llama, src/llama/).
+//
+// It creates the llama_context itself (so that it can install its graph callback and check the
+// parameters before anything runs) and drives it one forward at a time: kvevict gives the chunk
+// its positions, llama_decode computes it, the policy gets its signals (token ids; surprisal from
+// the logits; the softmax rows of every layer, read from the graph's kq_soft_max-<layer> tensors,
+// when it reads attention) and each decision is applied to llama.cpp's cells with
+// llama_memory_seq_rm, plus llama_memory_seq_add under the shifting position modes.
+//
+// What maps to what:
+//   - llama.cpp's KV cells are shared by every layer and head, so a decision is one keep-set for
+//     the sequence: Granularity::token (the only one accepted; the default here).
+//   - A kvevict slot is a llama.cpp cell. kvevict picks slots and llama.cpp picks cells; the
+//     attention rows are re-indexed from cells to slots with the cell each token was written to
+//     (the K store's set_rows indices, read from the same graph callback).
+//   - Positions: llama.cpp's cell positions are kvevict's positions at all times. `original`
+//     removes cells only; `cache_index` and `reset_on_compact` also lower every newer cell by the
+//     evictions before it (llama_memory_seq_add), which llama.cpp applies to the stored keys as
+//     one RoPE pass (its K-shift) at the next llama_decode. kvevict sees keys as pre-RoPE
+//     (KeyStorage::pre_rope): it never asks for a rotation of its own.
+//   - InfiniPot's catalyst is decoded in the same sequence after the pot, its attention read, and
+//     its cells removed with the distillation (one seq_rm of its positions, the newest).
+//
+// Errors before anything runs (kvevict::Error): a granularity other than token; a policy that
+// reads attention with flash attention forced on (LLAMA_FLASH_ATTN_TYPE_ENABLED; AUTO is turned
+// off for such policies); a shifting position mode on a model whose memory cannot shift
+// (llama_memory_can_shift false, e.g. M-RoPE); a bounded policy whose budget plus one chunk does
+// not fit in n_ctx; a catalyst-running policy without a catalyst. During the run: a policy that
+// evicts the sequence's newest token under `original` positions (llama.cpp requires a sequence's
+// positions to continue from its last one), and llama_decode failures, each with a message.
+#pragma once
+
+#include <llama.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <kvevict/granularity.hpp>
+#include <kvevict/kv_backend.hpp>
+#include <kvevict/policy.hpp>
+#include <kvevict/positions.hpp>
+#include <kvevict/sequence.hpp>
+#include <kvevict/timing.hpp>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace kvevict::llama {
+
+struct LlamaSequenceOptions {
+  /// Overrides the policy's position mode.
+  std::optional<PositionMode> position_mode;
+  /// Must be token when given (llama.cpp's cells are shared by every layer and head).
+  std::optional<Granularity> granularity;
+  /// Largest chunk forward() accepts; the context's n_batch and n_ubatch are raised to it (and to
+  /// the catalyst's length) so that every forward is one ubatch.
+  int max_chunk = 64;
+  /// InfiniPot's catalyst prompt (required when the policy runs one; may be empty: no catalyst
+  /// attention, the "w/o CaP" ablation).
+  std::optional<std::vector<std::int32_t>> catalyst;
+  /// Stage timing (policy, reposition, catalyst; llama_decode is not split into stages). Must
+  /// outlive the sequence.
+  StageObserver* observer = nullptr;
+};
+
+/// Logits of a forward: [rows, vocab] row-major, valid until the next forward.
+struct LlamaLogits {
+  std::span<const float> values;
+  int rows = 0;
+  int vocab = 0;
+  [[nodiscard]] std::span<const float> row(int i) const {
+    return values.subspan(static_cast<std::size_t>(i) * static_cast<std::size_t>(vocab),
+                          static_cast<std::size_t>(vocab));
+  }
+  [[nodiscard]] std::span<const float> last() const { return row(rows - 1); }
+};
+
+struct LlamaSequenceStats {
+  std::int64_t forwards = 0;        ///< llama_decode calls of the stream (catalysts excluded)
+  std::int64_t catalyst_runs = 0;   ///< catalyst prompts decoded
+  std::int64_t removed_ranges = 0;  ///< llama_memory_seq_rm calls
+  std::int64_t shifted_ranges = 0;  ///< llama_memory_seq_add calls
+  int peak_cells = 0;               ///< most cells the sequence held (right after a decode)
+};
+
+class LlamaSequence final {
+ public:
+  /// Creates the context over `model` (which must outlive this) from `params`; see the header
+  /// comment for what is checked. `params.cb_eval` must be unset (this installs its own).
+  LlamaSequence(llama_model* model, llama_context_params params, std::unique_ptr<Policy> policy,
+                LlamaSequenceOptions options = {});
+  ~LlamaSequence();
+  LlamaSequence(const LlamaSequence&) = delete;
+  LlamaSequence& operator=(const LlamaSequence&) = delete;
+
+  /// One forward over `tokens` (1 to max_chunk), appended to the sequence; then the policy's
+  /// decision, and the catalyst when the pot is full. Logits of every token (`all_logits`) or of
+  /// the last one.
+  LlamaLogits forward(std::span<const std::int32_t> tokens, bool turn_start = false,
+                      bool all_logits = false);
+
+  /// Any number of tokens as consecutive forwards of at most max_chunk, also split where the
+  /// policy's pot fills (as kvevict's Decoder::feed, so both decide at the same points).
+  /// `turn_start` applies to the first forward; with `all_logits` the result holds every token's
+  /// logits (valid until the next feed or forward), else the last token's.
+  LlamaLogits feed(std::span<const std::int32_t> tokens, bool turn_start = false,
+                   bool all_logits = false);
+
+  [[nodiscard]] llama_context* context() { return context_; }
+  [[nodiscard]] const Sequence& sequence() const { return *sequence_; }
+  [[nodiscard]] const LlamaSequenceStats& stats() const { return stats_; }
+  [[nodiscard]] int vocab() const { return vocab_; }
+  [[nodiscard]] int max_chunk() const { return options_.max_chunk; }
+  /// Cells the sequence holds now.
+  [[nodiscard]] int live_cells() const;
+  /// K and V bytes of one cell over all layers (the cache's types).
+  [[nodiscard]] std::size_t bytes_per_cell() const { return bytes_per_cell_; }
+  /// Whether the graph callback reads attention (the policy needs it).
+  [[nodiscard]] bool reads_attention() const { return reads_attention_; }
+
+ private:
+  struct GraphTap;  // the cb_eval state (src/llama/llama_sequence.cpp)
+  // The KvBackend kvevict's Sequence applies decisions through: forwards to apply().
+  class Cells final : public KvBackend {
+   public:
+    explicit Cells(LlamaSequence& owner) : owner_(owner) {}
+    void reserve(int /*capacity*/) override {}  // cells are the context's (n_ctx), not kvevict's
+    void apply(const AppliedDecision& decision) override { owner_.apply(decision); }
+
+   private:
+    LlamaSequence& owner_;
+  };
+
+  void apply(const AppliedDecision& decision);
+
+  void decode(std::span<const std::int32_t> tokens, bool catalyst, bool all_logits);
+  void run_catalyst();
+  void observe_surprisal(std::span<const std::int32_t> tokens);
+
+  llama_model* model_;
+  llama_context* context_ = nullptr;
+  LlamaSequenceOptions options_;
+  Cells cells_{*this};
+  std::unique_ptr<Sequence> sequence_;
+  std::unique_ptr<GraphTap> tap_;
+  llama_batch batch_{};
+  bool reads_attention_ = false;
+  int vocab_ = 0;
+  std::size_t bytes_per_cell_ = 0;
+  LlamaSequenceStats stats_;
+  std::vector<float> logits_;         // [rows, vocab] of the last forward
+  std::vector<float> feed_logits_;    // [tokens, vocab] of the last feed (all_logits)
+  std::vector<float> previous_last_;  // [vocab] last row of the previous forward (surprisal)
+  bool has_previous_ = false;
+  std::vector<float> surprisal_;       // [chunk]
+  std::vector<std::int64_t> removed_;  // scratch: positions evicted by a decision
+};
+
+}  // namespace kvevict::llama

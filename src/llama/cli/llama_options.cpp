@@ -1,0 +1,83 @@
+#include "llama/cli/llama_options.hpp"
+
+#include <fmt/format.h>
+
+#include <kvevict/error.hpp>
+#include <kvevict/policies/infinipot.hpp>
+#include <utility>
+
+namespace kvevict::llama_cli {
+
+cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel& model) {
+  // The setup reads only the model's tokenizer; a vocabulary kvevict does not hold gets a
+  // byte-level stand-in without an anchor (AnLLM then asks for --param anchor_ids) and llama.cpp
+  // tokenizes the catalyst.
+  kvevict::model::Model stand_in;
+  if (const kvevict::model::Tokenizer* tokenizer = model.kvevict_tokenizer()) {
+    stand_in.tokenizer = *tokenizer;
+  }
+  cli::PolicySetup setup = cli::make_policy_setup(options, stand_in);
+  if (setup.catalyst && model.kvevict_tokenizer() == nullptr) {
+    setup.catalyst = model.encode(
+        options.catalyst.value_or(std::string(kInfiniPotGeneralCatalystPrompt)), false);
+  }
+  return setup;
+}
+
+std::string describe_policy(const cli::PolicySetup& setup, const llama::LlamaSequence& sequence) {
+  const std::string params = setup.params.to_string();
+  return fmt::format("{}{}, positions {}, granularity {}, keys post_rope (llama.cpp), chunk {}",
+                     setup.name, params.empty() ? std::string() : " (" + params + ")",
+                     to_string(sequence.sequence().position_mode()),
+                     to_string(sequence.sequence().granularity()), sequence.max_chunk());
+}
+
+nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
+                                   const llama::LlamaSequence& sequence) {
+  nlohmann::ordered_json json;
+  json["name"] = setup.name;
+  json["params"] = cli::params_json(setup.params);
+  json["positions"] = std::string(to_string(sequence.sequence().position_mode()));
+  json["granularity"] = std::string(to_string(sequence.sequence().granularity()));
+  json["keys"] = "post_rope";
+  json["chunk"] = sequence.max_chunk();
+  if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
+  return json;
+}
+
+std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,
+                                                          const LlamaOptions& options,
+                                                          cli::PolicySetup& setup,
+                                                          StageObserver* observer) {
+  if (options.threads < 1) throw Error("--threads must be at least 1");
+  if (options.context < 1) throw Error("--ctx-size must be at least 1");
+  if (setup.decoder_options.key_storage != KeyStorage::post_rope) {
+    throw Error("--keys: llama.cpp stores keys after RoPE (post_rope) and re-rotates them itself");
+  }
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = static_cast<std::uint32_t>(options.context);
+  params.n_threads = options.threads;
+  params.n_threads_batch = options.threads;
+  params.n_seq_max = 1;
+  params.no_perf = true;
+  if (options.flash_attention == "on") {
+    params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  } else if (options.flash_attention == "off") {
+    params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  } else if (options.flash_attention == "auto") {
+    params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_AUTO;
+  } else {
+    throw Error("--flash-attn must be on, off or auto, got '" + options.flash_attention + "'");
+  }
+  llama::LlamaSequenceOptions sequence_options;
+  sequence_options.position_mode = setup.decoder_options.position_mode;
+  sequence_options.granularity = setup.decoder_options.granularity;
+  sequence_options.max_chunk = setup.decoder_options.max_chunk;
+  sequence_options.catalyst = setup.catalyst;
+  sequence_options.observer = observer;
+  KVEVICT_REQUIRE(setup.policy != nullptr, "make_llama_sequence: the setup's policy was used");
+  return std::make_unique<llama::LlamaSequence>(model.get(), params, std::move(setup.policy),
+                                                std::move(sequence_options));
+}
+
+}  // namespace kvevict::llama_cli

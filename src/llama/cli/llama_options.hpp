@@ -1,0 +1,64 @@
+// What `kvevict-llama`'s subcommands share: llama.cpp's own options (-t, -ngl, -c, -fa) and the
+// LlamaSequence built from kvevict's policy options (cli_common/policy_setup.hpp).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <kvevict/llama/llama_sequence.hpp>
+#include <kvevict/timing.hpp>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli_common/policy_setup.hpp"
+#include "llama/cli/llama_model.hpp"
+
+namespace kvevict::llama_cli {
+
+struct LlamaOptions {
+  int threads = 1;
+  int gpu_layers = 0;
+  int context = 4096;
+  std::string flash_attention = "auto";
+};
+
+/// -t, -ngl, -c, -fa (group "llama.cpp").
+inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
+  const std::string group = "llama.cpp";
+  app.add_option("-t,--threads", options.threads, "threads of llama_decode")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("-ngl,--gpu-layers", options.gpu_layers,
+                 "layers offloaded to a GPU (a CPU-only llama.cpp build ignores it)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("-c,--ctx-size", options.context,
+                 "KV cells of the context: at least the policy's budget plus one chunk")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("-fa,--flash-attn", options.flash_attention,
+                 "flash attention: on, off or auto (policies that read attention need it off; "
+                 "auto turns it off for them)")
+      ->group(group)
+      ->capture_default_str();
+}
+
+/// kvevict's policy setup (cli_common/policy_setup.hpp) for `model`: AnLLM's default anchor and
+/// InfiniPot's catalyst come from the model's tokenizer.
+[[nodiscard]] cli::PolicySetup make_setup(const cli::PolicyOptions& options,
+                                          const LlamaModel& model);
+
+/// `kvevict`'s policy line and JSON for a LlamaSequence (keys: llama.cpp stores them after RoPE).
+[[nodiscard]] std::string describe_policy(const cli::PolicySetup& setup,
+                                          const llama::LlamaSequence& sequence);
+[[nodiscard]] nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
+                                                 const llama::LlamaSequence& sequence);
+
+/// A LlamaSequence over `model` with the setup's policy (moved into it) and catalyst. The setup's
+/// positions and granularity apply; --keys must be post_rope (llama.cpp stores keys rotated).
+[[nodiscard]] std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,
+                                                                        const LlamaOptions& options,
+                                                                        cli::PolicySetup& setup,
+                                                                        StageObserver* observer);
+
+}  // namespace kvevict::llama_cli

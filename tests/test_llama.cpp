@@ -1,0 +1,302 @@
+// kvevict over llama.cpp (src/llama) against kvevict's reference decoder, on GGUFs written by
+// kvevict: a random-weight model and toy-base converted. Both engines stream the same tokens in
+// the same chunks under the same policy at token granularity; after every chunk both must keep
+// exactly the same tokens, and the stream's bits per byte must agree within 1e-4 relative (the two
+// engines compute the same f32 model with different kernels: llama.cpp's ggml with f16 K/V cells,
+// kvevict's Eigen with f32 K/V).
+#include <gtest/gtest.h>
+#include <llama.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <kvevict/error.hpp>
+#include <kvevict/llama/llama_sequence.hpp>
+#include <kvevict/model/decoder.hpp>
+#include <kvevict/model/model.hpp>
+#include <kvevict/model/random_model.hpp>
+#include <kvevict/policy_registry.hpp>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli_common/log_loss.hpp"
+#include "model/model_io.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using kvevict::Granularity;
+using kvevict::PositionMode;
+
+void quiet(ggml_log_level level, const char* text, void*) {
+  if (level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
+struct ModelFile {
+  kvevict::model::Model model;  // as kvevict reads it back from the GGUF
+  fs::path path;
+  llama_model* llama = nullptr;
+};
+
+// Writes `model` as GGUF with kvevict's writer and loads it in both engines (llama.cpp: the
+// byte-level vocabulary overridden to "none", as kvevict-llama does).
+std::unique_ptr<ModelFile> make_file(const kvevict::model::Model& model, const std::string& name) {
+  auto file = std::make_unique<ModelFile>();
+  file->path = fs::temp_directory_path() / ("kvevict_test_llama_" + name + ".gguf");
+  kvevict::model::write_gguf(model, file->path);
+  file->model = kvevict::model::load_model(file->path);
+  llama_model_kv_override overrides[2]{};
+  overrides[0].tag = LLAMA_KV_OVERRIDE_TYPE_STR;
+  std::snprintf(overrides[0].key, sizeof overrides[0].key, "%s", "tokenizer.ggml.model");
+  std::snprintf(overrides[0].val_str, sizeof overrides[0].val_str, "%s", "none");
+  llama_model_params params = llama_model_default_params();
+  params.kv_overrides = overrides;
+  file->llama = llama_model_load_from_file(file->path.string().c_str(), params);
+  return file;
+}
+
+class LlamaModels : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    llama_log_set(&quiet, nullptr);
+    llama_backend_init();
+    kvevict::model::ModelConfig config;
+    config.dim = 64;
+    config.hidden_dim = 160;
+    config.layers = 2;
+    config.heads = 4;
+    config.kv_heads = 2;
+    config.vocab_size = 259;
+    config.context_length = 256;
+    random = make_file(kvevict::model::make_random_model(config, 11), "random");
+    toy = make_file(kvevict::model::load_model(fs::path(KVEVICT_SOURCE_DIR) / "models/toy-base"),
+                    "toy_base");
+  }
+  void TearDown() override {
+    for (const auto* file : {random.get(), toy.get()}) {
+      if (file == nullptr) continue;
+      llama_model_free(file->llama);
+      std::error_code ignored;
+      fs::remove(file->path, ignored);
+    }
+  }
+  static inline std::unique_ptr<ModelFile> random;
+  static inline std::unique_ptr<ModelFile> toy;
+};
+
+const auto* const kEnvironment = ::testing::AddGlobalTestEnvironment(new LlamaModels);
+
+// The first `count` bytes of the held-out KJV text, BOS first (the byte-level tokenizer).
+std::vector<std::int32_t> stream_tokens(const kvevict::model::Model& model, std::size_t count) {
+  std::ifstream in(fs::path(KVEVICT_SOURCE_DIR) / "data/kjv-heldout.txt", std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  text.resize(std::min(text.size(), count - 1));
+  return model.tokenizer.encode(text, /*add_bos=*/true);
+}
+
+struct Case {
+  std::string policy;
+  std::optional<int> budget = std::nullopt;
+  std::optional<PositionMode> positions = std::nullopt;
+  std::size_t tokens = 1500;
+  int chunk = 16;
+  int turn_every = 0;  // > 0: a turn starts every this many tokens (SirLLM)
+  int n_ctx = 512;
+};
+
+std::string describe(const Case& c) {
+  std::string text = c.policy;
+  if (c.budget) text += " budget " + std::to_string(*c.budget);
+  if (c.positions) text += " positions " + std::string(kvevict::to_string(*c.positions));
+  return text + " chunk " + std::to_string(c.chunk);
+}
+
+std::unique_ptr<kvevict::Policy> make(const Case& c) {
+  return kvevict::make_policy(
+      c.policy, c.budget ? kvevict::budget_params(c.policy, *c.budget) : kvevict::PolicyParams{});
+}
+
+// Original positions the sequence keeps, oldest first.
+std::vector<std::int64_t> kept(const kvevict::Sequence& sequence) {
+  std::vector<std::int64_t> positions;
+  for (const std::int32_t slot : sequence.slots().stream_order(0)) {
+    positions.push_back(sequence.slots().original_positions(0)[static_cast<std::size_t>(slot)]);
+  }
+  return positions;
+}
+
+// Streams the case through both engines in lockstep; checks the keep-sets after every chunk and
+// the bits per byte at the end. Returns the number of chunks after which something was evicted.
+int expect_same(const ModelFile& file, const Case& c) {
+  SCOPED_TRACE(describe(c));
+  const std::vector<std::int32_t> tokens = stream_tokens(file.model, c.tokens);
+  const std::vector<std::uint32_t> bytes =
+      kvevict::cli::token_byte_counts(file.model.tokenizer, file.model.config.vocab_size);
+
+  kvevict::model::DecoderOptions options;
+  options.position_mode = c.positions;
+  options.granularity = Granularity::token;
+  options.max_chunk = c.chunk;
+  kvevict::model::Decoder decoder(file.model, make(c), options);
+  kvevict::cli::StreamScorer reference(decoder, 1 << 30, bytes, -1);
+
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = static_cast<std::uint32_t>(c.n_ctx);
+  params.n_threads = 1;
+  params.n_threads_batch = 1;
+  // f32 cells, as the reference decoder's: llama.cpp's default f16 K/V alone moves bits/byte by
+  // about 1e-4 relative on 1,000 tokens of full attention.
+  params.type_k = GGML_TYPE_F32;
+  params.type_v = GGML_TYPE_F32;
+  kvevict::llama::LlamaSequenceOptions llama_options;
+  llama_options.position_mode = c.positions;
+  llama_options.max_chunk = c.chunk;
+  kvevict::llama::LlamaSequence llama(file.llama, params, make(c), llama_options);
+  kvevict::cli::StreamScorer engine(
+      [&llama](std::span<const std::int32_t> chunk, bool turn_start) {
+        return llama.feed(chunk, turn_start, /*all_logits=*/true).values;
+      },
+      llama.vocab(), 1 << 30, bytes, -1);
+
+  int evicting_chunks = 0;
+  std::int64_t evicted_before = 0;
+  for (std::size_t offset = 0; offset < tokens.size();
+       offset += static_cast<std::size_t>(c.chunk)) {
+    const std::span<const std::int32_t> chunk = std::span<const std::int32_t>(tokens).subspan(
+        offset, std::min<std::size_t>(static_cast<std::size_t>(c.chunk), tokens.size() - offset));
+    const bool turn = c.turn_every > 0 && offset % static_cast<std::size_t>(c.turn_every) == 0;
+    reference.feed(chunk, turn);
+    engine.feed(chunk, turn);
+    const std::vector<std::int64_t> expected = kept(decoder.cache().sequence());
+    const std::vector<std::int64_t> actual = kept(llama.sequence());
+    if (expected != actual) {
+      ADD_FAILURE() << "the keep-sets differ after the chunk at token " << offset << ": reference "
+                    << expected.size() << " tokens, llama.cpp " << actual.size();
+      return evicting_chunks;
+    }
+    const std::int64_t evicted = llama.sequence().stats().evicted_slots;
+    if (evicted > evicted_before) ++evicting_chunks;
+    evicted_before = evicted;
+    // llama.cpp's cells hold the kept tokens at kvevict's positions.
+    llama_memory_t memory = llama_get_memory(llama.context());
+    const kvevict::Sequence& sequence = llama.sequence();
+    const std::span<const std::int32_t> order = sequence.slots().stream_order(0);
+    if (!order.empty()) {
+      EXPECT_EQ(llama_memory_seq_pos_min(memory, 0), sequence.position(0, 0, order.front()));
+      EXPECT_EQ(llama_memory_seq_pos_max(memory, 0), sequence.position(0, 0, order.back()));
+    }
+  }
+  const double expected_bpb = reference.loss().overall().bits_per_byte();
+  const double actual_bpb = engine.loss().overall().bits_per_byte();
+  EXPECT_NEAR(actual_bpb, expected_bpb, 1e-4 * expected_bpb)
+      << "bits/byte: reference " << expected_bpb << ", llama.cpp " << actual_bpb;
+  return evicting_chunks;
+}
+
+const std::vector<PositionMode> kModes = {PositionMode::original, PositionMode::cache_index,
+                                          PositionMode::reset_on_compact};
+
+TEST(LlamaEquivalence, FullAttentionGivesTheSameBitsPerByte) {
+  for (const ModelFile* file : {LlamaModels::random.get(), LlamaModels::toy.get()}) {
+    ASSERT_NE(file->llama, nullptr);
+    EXPECT_EQ(expect_same(*file, Case{.policy = "full", .tokens = 1000, .n_ctx = 1024}), 0);
+  }
+}
+
+TEST(LlamaEquivalence, WindowAndStreamingLlmInEveryPositionMode) {
+  for (const ModelFile* file : {LlamaModels::random.get(), LlamaModels::toy.get()}) {
+    for (const char* policy : {"window", "streaming_llm"}) {
+      for (const PositionMode mode : kModes) {
+        EXPECT_GT(expect_same(*file, Case{.policy = policy, .budget = 64, .positions = mode}), 50);
+      }
+    }
+  }
+}
+
+TEST(LlamaEquivalence, H2oTovaSirllmKeepTheSameTokensOverALongStream) {
+  for (const ModelFile* file : {LlamaModels::random.get(), LlamaModels::toy.get()}) {
+    EXPECT_GT(expect_same(*file, Case{.policy = "h2o", .budget = 64, .tokens = 4000}), 200);
+    EXPECT_GT(expect_same(*file, Case{.policy = "h2o",
+                                      .budget = 64,
+                                      .positions = PositionMode::cache_index,
+                                      .tokens = 4000}),
+              200);
+    EXPECT_GT(expect_same(*file, Case{.policy = "tova",
+                                      .budget = 64,
+                                      .positions = PositionMode::cache_index,
+                                      .tokens = 4000}),
+              200);
+    EXPECT_GT(expect_same(
+                  *file, Case{.policy = "sirllm", .budget = 64, .tokens = 4000, .turn_every = 128}),
+              20);
+  }
+}
+
+TEST(LlamaEquivalence, TokenByTokenDecodeKeepsTheSameTokens) {
+  const ModelFile& file = *LlamaModels::toy;
+  EXPECT_GT(expect_same(file, Case{.policy = "h2o", .budget = 32, .tokens = 600, .chunk = 1}), 500);
+  EXPECT_GT(expect_same(file, Case{.policy = "tova",
+                                   .budget = 32,
+                                   .positions = PositionMode::cache_index,
+                                   .tokens = 600,
+                                   .chunk = 1}),
+            500);
+}
+
+// --- errors before the run ------------------------------------------------------------------
+
+kvevict::llama::LlamaSequence open(const std::string& policy, llama_context_params params,
+                                   kvevict::llama::LlamaSequenceOptions options = {}) {
+  return kvevict::llama::LlamaSequence(
+      LlamaModels::toy->llama, params,
+      kvevict::make_policy(policy, kvevict::budget_params(policy, 64)), std::move(options));
+}
+
+std::string error_of(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const kvevict::Error& error) {
+    return error.what();
+  }
+  return "no error";
+}
+
+TEST(LlamaErrors, AttentionPolicyWithFlashAttentionForcedOn) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = 512;
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  EXPECT_NE(error_of([&] { (void)open("h2o", params); }).find("flash attention"),
+            std::string::npos);
+  // A policy that reads no attention runs with it.
+  EXPECT_EQ(error_of([&] { (void)open("streaming_llm", params); }), "no error");
+}
+
+TEST(LlamaErrors, GranularityOtherThanToken) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = 512;
+  kvevict::llama::LlamaSequenceOptions options;
+  options.granularity = Granularity::head;
+  EXPECT_NE(error_of([&] { (void)open("h2o", params, options); }).find("granularity token"),
+            std::string::npos);
+}
+
+TEST(LlamaErrors, BudgetLargerThanTheContext) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = 256;  // streaming_llm at budget 1024 keeps 1024 + a chunk
+  EXPECT_NE(
+      error_of([&] {
+        (void)kvevict::llama::LlamaSequence(
+            LlamaModels::toy->llama, params,
+            kvevict::make_policy("streaming_llm", kvevict::budget_params("streaming_llm", 1024)));
+      }).find("raise the context size (-c)"),
+      std::string::npos);
+}
+
+}  // namespace
