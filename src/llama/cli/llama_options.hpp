@@ -1,4 +1,5 @@
-// What `kvevict-llama`'s subcommands share: llama.cpp's own options (-t, -ngl, -c, -fa) and the
+// What `kvevict-llama`'s subcommands share: llama.cpp's own options (-t, --ngl, -c, --fa; CLI11
+// takes no multi-letter short options, so -ngl and -fa are spelled --ngl and --fa) and the
 // LlamaSequence built from kvevict's policy options (cli_common/policy_setup.hpp).
 #pragma once
 
@@ -28,7 +29,7 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
   app.add_option("-t,--threads", options.threads, "threads of llama_decode")
       ->group(group)
       ->capture_default_str();
-  app.add_option("-ngl,--gpu-layers", options.gpu_layers,
+  app.add_option("--ngl,--gpu-layers", options.gpu_layers,
                  "layers offloaded to a GPU (a CPU-only llama.cpp build ignores it)")
       ->group(group)
       ->capture_default_str();
@@ -36,7 +37,7 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
                  "KV cells of the context: at least the policy's budget plus one chunk")
       ->group(group)
       ->capture_default_str();
-  app.add_option("-fa,--flash-attn", options.flash_attention,
+  app.add_option("--fa,--flash-attn", options.flash_attention,
                  "flash attention: on, off or auto (policies that read attention need it off; "
                  "auto turns it off for them)")
       ->group(group)
