@@ -1,16 +1,14 @@
 // One decode step of the reference decoder with the cache at its budget, split into the model's
-// stages and the policy's (DecoderStats), for every policy at budgets 1K and 4K.
+// stages and the policy's (an injected StageClock), for every policy at budgets 1K and 4K.
 //
 //   build/release/bin/bench_decode_step --benchmark_counters_tabular=true
 //       --benchmark_repetitions=3 --benchmark_min_time=1   (one command line)
 //
-// BM_DecodeStep/policy:<p>/budget:<N> (the label names the policy): a single-token forward() with
-// the cache full at the budget, so every step of a bounded policy evicts. Policies are configured
-// exactly as `kvevict stream --policy P --budget N` does (cli_support/policy_setup.hpp: the
-// --budget mapping, 4 sinks, chunk 64, keys post_rope, each policy's own position mode, InfiniPot's
-// default catalyst prompt). `full` is the reference at the same live size: it is filled to N
-// tokens and, after every step and outside the timing, truncated back to N slots, so that each
-// step attends over N + 1 slots like the bounded policies.
+// BM_DecodeStep/<policy>/budget:<N>, for every policy of the registry: a single-token forward()
+// with the cache full at the budget, so every step of a bounded policy evicts. Policies are
+// configured exactly as `kvevict stream --policy P --budget N` does (cli_common/policy_setup.hpp:
+// the --budget mapping, 4 sinks, chunk 64, keys post_rope, each policy's own position mode and
+// granularity, InfiniPot's default catalyst prompt).
 //
 // The cache is filled before timing by real forwards (chunks of 64) of the stream below, so the
 // policies' scores come from the model's own attention and surprisal. One decoder per
@@ -53,14 +51,15 @@
 //   live           tokens of head (0, 0) after the run; evictions: decisions per step
 #include <benchmark/benchmark.h>
 
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/random_model.hpp>
+#include <kvevict/policy_registry.hpp>
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli_common/policy_setup.hpp"
@@ -71,12 +70,6 @@ using kvevict::model::Decoder;
 using kvevict::model::Model;
 using kvevict::model::ModelConfig;
 
-constexpr std::array<const char*, 10> kPolicies{
-    "full",   "window",     "streaming_llm", "h2o",       "tova",
-    "sirllm", "random_llm", "interval_llm",  "infinipot", "anllm"};
-constexpr int kFull = 0;
-constexpr int kInfiniPot = 8;
-constexpr int kAnLLM = 9;
 constexpr std::int32_t kAnchor = 258;  // <AC> in the byte-level tokenizer of a 259-id vocabulary
 
 const Model& model() {
@@ -105,20 +98,20 @@ std::int32_t stream_token(std::int64_t index) {
 
 // The decoder of the benchmark being run, kept across its runs (see the header comment).
 struct Running {
-  int policy = -1;
+  std::string policy;
   int budget = 0;
   kvevict::StageClock clock;  // the decoder's observer
   std::unique_ptr<Decoder> decoder;
   std::int64_t next = 0;  // index of the next stream token
 };
 
-Running& running_for(int policy, int budget) {
+Running& running_for(const std::string& policy, int budget) {
   static Running running;
   if (running.decoder && running.policy == policy && running.budget == budget) return running;
   running.decoder.reset();              // free the previous cache first
   kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
-  options.policy = kPolicies[static_cast<std::size_t>(policy)];
-  if (policy != kFull) options.budget = budget;
+  options.policy = policy;
+  if (policy != "full") options.budget = budget;
   kvevict::cli::PolicySetup setup = kvevict::cli::make_policy_setup(options, model());
   setup.decoder_options.observer = &running.clock;
   running.decoder = kvevict::cli::make_decoder(model(), setup);
@@ -127,20 +120,18 @@ Running& running_for(int policy, int budget) {
 
   std::vector<std::int32_t> fill(static_cast<std::size_t>(budget));
   for (int i = 0; i < budget; ++i) {
-    fill[static_cast<std::size_t>(i)] = policy == kAnLLM ? kAnchor : stream_token(i);
+    fill[static_cast<std::size_t>(i)] = policy == "anllm" ? kAnchor : stream_token(i);
   }
   (void)running.decoder->feed(fill);
   running.next = budget;
   return running;
 }
 
-void BM_DecodeStep(benchmark::State& state) {
+void BM_DecodeStep(benchmark::State& state, const std::string& policy) {
   using kvevict::Stage;
-  const int policy = static_cast<int>(state.range(0));
-  const int budget = static_cast<int>(state.range(1));
+  const int budget = static_cast<int>(state.range(0));
   Running& running = running_for(policy, budget);
   Decoder& decoder = *running.decoder;
-  state.SetLabel(kPolicies[static_cast<std::size_t>(policy)]);
   // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
   const bool turns = decoder.cache().policy().triggers().contains(kvevict::Trigger::before_turn);
   const kvevict::model::ForwardRequest request{turns, false};
@@ -153,7 +144,7 @@ void BM_DecodeStep(benchmark::State& state) {
   for (auto _ : state) {
     const std::int32_t token = stream_token(running.next++);
     benchmark::DoNotOptimize(decoder.forward(std::span<const std::int32_t>(&token, 1), request));
-    if (policy == kFull) {
+    if (policy == "full") {
       // Back to N tokens for the next step, outside the timing (and outside the clock).
       state.PauseTiming();
       sequence.roll_back(1);
@@ -191,16 +182,18 @@ void BM_DecodeStep(benchmark::State& state) {
       static_cast<double>(sequence.stats().decisions - stats_before.decisions) / steps;
 }
 
+// BM_DecodeStep/<policy>/budget:<N> for every policy of the registry.
 void register_benchmarks() {
   for (const int budget : {1024, 4096}) {
-    for (int policy = 0; policy < static_cast<int>(kPolicies.size()); ++policy) {
+    for (const std::string_view name : kvevict::policy_names()) {
+      const std::string policy(name);
       benchmark::internal::Benchmark* b =
-          benchmark::RegisterBenchmark("BM_DecodeStep", BM_DecodeStep)
-              ->ArgNames({"policy", "budget"})
-              ->Args({policy, budget})
+          benchmark::RegisterBenchmark(("BM_DecodeStep/" + policy).c_str(), BM_DecodeStep, policy)
+              ->ArgNames({"budget"})
+              ->Args({budget})
               ->Unit(benchmark::kMicrosecond);
       // One pot cycle per run: exactly one distillation, amortised over the tokens it serves.
-      if (policy == kInfiniPot) b->Iterations(budget / 2);
+      if (policy == "infinipot") b->Iterations(budget / 2);
     }
   }
 }

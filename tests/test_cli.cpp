@@ -14,11 +14,13 @@
 #include <iterator>
 #include <kvevict/model/model.hpp>
 #include <kvevict/policy_registry.hpp>
+#include <kvevict/version.hpp>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -209,6 +211,24 @@ TEST(Sampling, GreedyTopPAndSeeds) {
   EXPECT_THROW(kvevict::cli::validate_sampling({-0.1, 1.0, 1}), Error);
   EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 0.0, 1}), Error);
   EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.01, 1}), Error);
+  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.0, 1, -1}), Error);
+}
+
+TEST(Sampling, TopKKeepsTheKMostLikelyBeforeTopP) {
+  const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f};
+  // top_k = 1 is greedy, ties to the lower id.
+  kvevict::cli::Sampler one({1.0, 1.0, 5, 1});
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(one.sample(logits), 1);
+  // top_k = 3 keeps ids 1, 2 and 4 (logits 2.0, 2.0, 1.5): each comes out, ids 0 and 3 never.
+  kvevict::cli::Sampler three({1.0, 1.0, 5, 3});
+  std::set<std::int32_t> seen;
+  for (int i = 0; i < 300; ++i) seen.insert(three.sample(logits));
+  EXPECT_EQ(seen, (std::set<std::int32_t>{1, 2, 4}));
+  // Then top_p = 0.5 of the kept mass (1 + 1 + e^-0.5 = 2.61, half is 1.30): ids 1 and 2 reach it.
+  kvevict::cli::Sampler both({1.0, 0.5, 5, 3});
+  seen.clear();
+  for (int i = 0; i < 300; ++i) seen.insert(both.sample(logits));
+  EXPECT_EQ(seen, (std::set<std::int32_t>{1, 2}));
 }
 
 // --- Loss bookkeeping ---------------------------------------------------------------------------
@@ -581,8 +601,91 @@ TEST_F(Cli, BadOptionsExitWithCode2AndSayWhy) {
   EXPECT_NE(anllm.err.find("--param anchor_ids="), std::string::npos) << anllm.err;
 }
 
+TEST_F(Cli, CompareStreamsTheSameTextUnderEachPolicy) {
+  const json compared =
+      run_json({"compare", "--model", *model_, "--input", file("text2k.txt"), "--budget", "32",
+                "--policies", "full,window,h2o", "--limit-bytes", "1024"});
+  EXPECT_EQ(compared["trained_context"], 256);
+  ASSERT_EQ(compared["rows"].size(), 3u);
+  // The tiny model's K/V per token: layers 2 x KV heads 2 x head_dim 16 x (K + V) x 4 bytes.
+  const int bytes_per_token = 2 * 2 * 16 * 2 * 4;
+  for (const json& row : compared["rows"]) {
+    // 1024 byte tokens after BOS: 1024 scored, 255 of them at positions [1, 256).
+    EXPECT_EQ(row["overall"]["tokens"], 1024) << row;
+    EXPECT_EQ(row["within_context"]["tokens"], 255) << row;
+    EXPECT_EQ(row["beyond_context"]["tokens"], 1024 - 255) << row;
+    EXPECT_EQ(row["cache"]["tokens"], 1025) << row;
+  }
+  EXPECT_EQ(compared["rows"][0]["cache"]["live_kv_bytes"], 1025 * bytes_per_token);
+  EXPECT_EQ(compared["rows"][1]["cache"]["live_kv_bytes"], 32 * bytes_per_token);  // window
+  EXPECT_EQ(compared["rows"][2]["cache"]["live_kv_bytes"], 32 * bytes_per_token);  // h2o
+  const CommandResult text = run({"compare", "--model", *model_, "--input", file("text2k.txt"),
+                                  "--budget", "32", "--limit-bytes", "512"});
+  EXPECT_EQ(text.code, 0) << text.err;
+  for (const char* policy : {"full", "window", "streaming_llm", "h2o", "tova"}) {
+    EXPECT_NE(text.out.find(policy), std::string::npos) << policy << text.out;
+  }
+}
+
+TEST_F(Cli, PitfallsAreWarnedAbout) {
+  // A turn-evicting policy over a stream without turns never evicts.
+  const CommandResult one_turn = run({"stream", "--model", *model_, "--input", file("text2k.txt"),
+                                      "--policy", "sirllm", "--budget", "32", "--chunk", "16"});
+  EXPECT_EQ(one_turn.code, 0) << one_turn.err;
+  EXPECT_NE(one_turn.err.find("evicts only before a turn"), std::string::npos) << one_turn.err;
+  // generate: the prompt is one turn, the continuation another, so SirLLM evicts before the
+  // continuation once the prompt (60 tokens) overfills its 32 slots.
+  const json two_turns =
+      run_json({"generate", "--model", *model_, "--prompt", std::string(60, 'a'), "--policy",
+                "sirllm", "--budget", "32", "--chunk", "16", "--max-tokens", "4"});
+  EXPECT_GE(two_turns["cache"]["decisions"].get<int>(), 1);
+  // A prompt longer than the trained context (256) under the full cache.
+  write_text(*dir_ / "prompt300.txt", sample_text(300));
+  const CommandResult long_prompt =
+      run({"generate", "--model", *model_, "-f", file("prompt300.txt"), "--max-tokens", "1"});
+  EXPECT_EQ(long_prompt.code, 0) << long_prompt.err;
+  EXPECT_NE(long_prompt.err.find("past the model's trained context of 256"), std::string::npos)
+      << long_prompt.err;
+  // The same prompt under StreamingLLM at cache_index positions stays within it.
+  const CommandResult bounded =
+      run({"generate", "--model", *model_, "-f", file("prompt300.txt"), "--max-tokens", "1",
+           "--policy", "streaming_llm", "--budget", "64"});
+  EXPECT_EQ(bounded.code, 0) << bounded.err;
+  EXPECT_EQ(bounded.err.find("trained context"), std::string::npos) << bounded.err;
+}
+
+TEST_F(Cli, MistakesSayWhatToDo) {
+  const CommandResult typo = run({"strem", "--model", *model_});
+  EXPECT_EQ(typo.code, 2);
+  EXPECT_NE(typo.err.find("unknown command 'strem' (did you mean 'stream'?)"), std::string::npos)
+      << typo.err;
+  const CommandResult text_model = run({"info", "--model", file("text2k.txt")});
+  EXPECT_EQ(text_model.code, 2);
+  EXPECT_NE(text_model.err.find("looks like text, not a model"), std::string::npos)
+      << text_model.err;
+  // SirLLM at budget 64 (4 sinks, 60 for entropy + recent) cannot make room for a 64-token chunk.
+  const CommandResult chunk = run({"generate", "--model", *model_, "--prompt",
+                                   std::string(200, 'a'), "--policy", "sirllm", "--budget", "64"});
+  EXPECT_EQ(chunk.code, 2);
+  EXPECT_NE(chunk.err.find("--chunk"), std::string::npos) << chunk.err;
+  const CommandResult version = run({"--version"});
+  EXPECT_EQ(version.code, 0);
+  EXPECT_EQ(version.out.rfind(std::string("kvevict ") + kvevict::kVersionString, 0), 0u)
+      << version.out;
+}
+
+TEST_F(Cli, PoliciesListsEverySpec) {
+  const CommandResult listed = run({"policies"});
+  EXPECT_EQ(listed.code, 0) << listed.err;
+  for (const std::string_view name : kvevict::policy_names()) {
+    EXPECT_NE(listed.out.find(std::string(name) + "\n"), std::string::npos) << name;
+  }
+  const CommandResult markdown = run({"policies", "--markdown"});
+  EXPECT_NE(markdown.out.find("| `h2o` | `heavy` | integer"), std::string::npos) << markdown.out;
+}
+
 TEST_F(Cli, EverySubcommandHasHelpWithAnExample) {
-  for (const char* command : {"generate", "stream", "info", "random-model"}) {
+  for (const char* command : {"generate", "stream", "info", "random-model", "compare"}) {
     const CommandResult help = run({command, "--help"});
     EXPECT_EQ(help.code, 0) << command;
     EXPECT_NE(help.out.find("Example"), std::string::npos) << command << help.out;

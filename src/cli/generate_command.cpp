@@ -26,15 +26,20 @@
 #include "cli_common/report.hpp"
 #include "cli_common/sampling.hpp"
 #include "command.hpp"
+#include "common/input_files.hpp"
 
 namespace kvevict::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Largest prompt file: a prompt is fed whole (its tokens are held at once), unlike a stream.
+constexpr std::uintmax_t kMaxPromptBytes = std::uintmax_t{64} << 20;
+
 struct GenerateOptions {
   std::string model;
   std::string prompt;
+  std::string prompt_file;
   int max_tokens = 128;
   SamplingOptions sampling;
   PolicyOptions policy;
@@ -53,6 +58,13 @@ int run_generate(const GenerateOptions& options) {
   }
   validate_sampling(options.sampling);
   validate_policy_options(options.policy);
+  if (options.prompt.empty() == options.prompt_file.empty()) {
+    throw Error("give the prompt as --prompt TEXT or -f/--file FILE (one of the two)");
+  }
+  const std::string prompt_text =
+      options.prompt_file.empty()
+          ? options.prompt
+          : common::read_regular_file(options.prompt_file, "prompt file (--file)", kMaxPromptBytes);
 
   const model::Model model = load_model_file(options.model);
   std::optional<AnchorInserter> anchors;
@@ -63,7 +75,7 @@ int run_generate(const GenerateOptions& options) {
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
   const model::Tokenizer& tokenizer = model.tokenizer;
 
-  std::vector<std::int32_t> prompt = tokenizer.encode(options.prompt, /*add_bos=*/true);
+  std::vector<std::int32_t> prompt = tokenizer.encode(prompt_text, /*add_bos=*/true);
   if (anchors) {
     std::vector<std::int32_t> anchored;
     anchors->push(prompt, anchored);
@@ -71,12 +83,16 @@ int run_generate(const GenerateOptions& options) {
   }
   const std::int64_t prompt_anchors = anchors ? anchors->inserted() : 0;
   if (prompt.empty()) {
-    throw Error("the prompt is empty and the model has no BOS token: give a non-empty --prompt");
+    throw Error("the prompt is empty and the model has no BOS token: give a non-empty prompt");
   }
+  warn_if_single_turn(decoder->cache().policy(), /*input_has_turns=*/true);
+  warn_if_past_context(*decoder, model.config,
+                       static_cast<std::int64_t>(prompt.size()) + options.max_tokens);
   Sampler sampler(options.sampling);
 
   const Clock::time_point start = Clock::now();
-  // The prompt is the first turn (SirLLM-style policies evict before turns).
+  // Two turns, as in the dialogue setting of SirLLM: the prompt (the user's turn) and the
+  // continuation (the model's). Policies that evict before a turn do so before each.
   model::ForwardResult result = decoder->feed(prompt, model::ForwardRequest{.turn_start = true});
   const Clock::time_point prefilled = Clock::now();
 
@@ -103,7 +119,8 @@ int run_generate(const GenerateOptions& options) {
       fed.push_back(token);
     }
     // An anchor and its token go through feed() (with --chunk 1 they are two forwards).
-    result = fed.size() == 1 ? decoder->forward(fed) : decoder->feed(fed);
+    const model::ForwardRequest request{.turn_start = i == 0};  // the continuation's turn
+    result = fed.size() == 1 ? decoder->forward(fed, request) : decoder->feed(fed, request);
   }
   const Clock::time_point done = Clock::now();
 
@@ -117,7 +134,7 @@ int run_generate(const GenerateOptions& options) {
   if (options.json) {
     nlohmann::ordered_json json;
     json["model"] = options.model;
-    json["prompt"] = options.prompt;
+    json["prompt"] = prompt_text;
     json["text"] = text;
     json["prompt_tokens"] = prompt.size();
     json["generated_tokens"] = generated.size();
@@ -128,6 +145,7 @@ int run_generate(const GenerateOptions& options) {
     json["token_ids"] = generated;
     json["stop_reason"] = stop_reason;
     json["sampling"] = {{"temperature", options.sampling.temperature},
+                        {"top_k", options.sampling.top_k},
                         {"top_p", options.sampling.top_p},
                         {"seed", options.sampling.seed}};
     json["policy"] = policy_json(setup, *decoder);
@@ -156,7 +174,8 @@ Command add_generate_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "generate", "Generate text with the reference decoder under an eviction policy");
   add_model_option(*app, options->model);
-  app->add_option("-p,--prompt", options->prompt, "prompt text")->required();
+  app->add_option("-p,--prompt", options->prompt, "prompt text");
+  app->add_option("-f,--file", options->prompt_file, "read the prompt from this file");
   app->add_option("-n,--max-tokens", options->max_tokens, "most tokens to generate")
       ->capture_default_str();
   add_sampling_options(*app, options->sampling);
@@ -169,9 +188,11 @@ Command add_generate_command(CLI::App& parent) {
                 "streaming the text");
   app->footer(
       "Generate text with the reference decoder under an eviction policy: the prompt (with BOS)\n"
-      "is fed in chunks, then tokens are sampled one by one (greedy at --temperature 0) until\n"
-      "EOS or --max-tokens. The continuation streams to stdout; cache statistics (tokens, live\n"
-      "and peak KV bytes, evicted slots, compactions, tokens/s, eviction time) go to stderr, or\n"
+      "is fed in chunks, then tokens are sampled one by one (greedy at --temp 0) until EOS or\n"
+      "--max-tokens. The prompt is one turn and the continuation another (SirLLM's dialogue\n"
+      "setting): sirllm, random_llm and interval_llm evict before each. The continuation streams\n"
+      "to stdout; cache statistics (tokens, live and peak KV bytes, evicted slots, decisions,\n"
+      "tokens/s, eviction time) go to stderr, or\n"
       "everything into one JSON object with --json. With --insert-anchors (AnLLM toy models)\n"
       "<AC> is fed after every sentence end of the prompt and of the continuation; prompt_tokens\n"
       "counts the prompt's anchors, the generated text and token_ids hold the sampled tokens.\n"
@@ -179,7 +200,7 @@ Command add_generate_command(CLI::App& parent) {
       "Examples:\n"
       "  kvevict generate --model build/release/models/random-tiny.gguf --prompt 'Once upon' \\\n"
       "      --max-tokens 64 --policy streaming_llm --budget 32\n"
-      "  kvevict generate --model model.gguf --prompt 'Hi' --temperature 0.8 --top-p 0.95 "
+      "  kvevict generate --model model.gguf -f prompt.txt --temp 0.8 --top-k 40 --top-p 0.95 "
       "--seed 7 \\\n"
       "      --policy h2o --param heavy=128 --param recent=128 --json");
   return Command{app, [options] { return run_generate(*options); }};

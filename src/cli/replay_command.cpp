@@ -73,7 +73,8 @@ Command add_replay_command(CLI::App& parent) {
                 "compare with the file's \"expected\" result: exit 0 and print OK when every list "
                 "agrees, exit 1 with the first disagreement on stderr otherwise; the result is "
                 "then only written with --output");
-  app->add_option("-o,--output", options->output, "write the result to this file, not stdout");
+  app->add_option("-o,--out,--output", options->output,
+                  "write the result to this file, not stdout");
   return Command{app, [options] { return run_replay_command(*options); }};
 }
 

@@ -17,7 +17,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
@@ -36,13 +35,11 @@
 #include "cli_common/log_loss.hpp"
 #include "cli_common/policy_setup.hpp"
 #include "cli_common/report.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "cli_common/text_stream.hpp"
 #include "command.hpp"
 
 namespace kvevict::cli {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct StreamOptions {
   std::string model;
@@ -54,10 +51,6 @@ struct StreamOptions {
   bool insert_anchors = false;
   std::int64_t limit_bytes = 0;
 };
-
-double seconds_between(Clock::time_point begin, Clock::time_point end) {
-  return std::chrono::duration<double>(end - begin).count();
-}
 
 // "\n", "\t", "\r" and "\\" in a separator given on the command line.
 std::string unescape(std::string_view text) {
@@ -103,89 +96,16 @@ void add_totals(nlohmann::ordered_json& json, const LossTotals& totals) {
   json["perplexity"] = number_or_null(totals.perplexity());
 }
 
-// Progress on stderr, only when it is a terminal: every 1% of the input or every 2 seconds.
-class Progress {
- public:
-  Progress(std::uint64_t expected_bytes, Clock::time_point start)
-      : enabled_(stderr_is_terminal()), expected_bytes_(expected_bytes), start_(start) {}
-
-  void update(std::uint64_t bytes, const WindowedLoss& loss, std::int64_t tokens) {
-    if (!enabled_) return;
-    const Clock::time_point now = Clock::now();
-    const std::uint64_t step = std::max<std::uint64_t>(expected_bytes_ / 100, 1);
-    if (bytes < last_bytes_ + step && seconds_between(last_draw_, now) < 2.0) return;
-    last_bytes_ = bytes;
-    last_draw_ = now;
-    const double elapsed = seconds_between(start_, now);
-    const std::string share =
-        expected_bytes_ > 0 ? fmt::format("{:3.0f}% ", 100.0 * static_cast<double>(bytes) /
-                                                           static_cast<double>(expected_bytes_))
-                            : std::string();
-    std::cerr << fmt::format("\r{}{} streamed, {} tokens, {:.4f} bits/byte, {:.0f} tokens/s   ",
-                             share, format_bytes(bytes), tokens, loss.overall().bits_per_byte(),
-                             elapsed > 0 ? static_cast<double>(tokens) / elapsed : 0.0)
-              << std::flush;
-    drawn_ = true;
-  }
-  void finish() {
-    if (drawn_) std::cerr << "\r\033[K" << std::flush;  // erase the progress line
-  }
-
- private:
-  bool enabled_;
-  std::uint64_t expected_bytes_;
-  Clock::time_point start_;
-  Clock::time_point last_draw_{};
-  std::uint64_t last_bytes_ = 0;
-  bool drawn_ = false;
-};
-
-// Feeds tokens through the scorer in chunks of exactly `chunk` tokens (a turn start flushes the
-// partial chunk before it), reporting progress after each.
-class ChunkedStream {
- public:
-  ChunkedStream(StreamScorer& scorer, int chunk, Progress& progress)
-      : scorer_(scorer), chunk_(chunk), progress_(progress) {
-    pending_.reserve(static_cast<std::size_t>(chunk_));
-  }
-
-  void add(std::span<const std::int32_t> tokens, bool turn_start) {
-    if (turn_start) {
-      flush();
-      pending_turn_start_ = true;
-    }
-    for (const std::int32_t token : tokens) {
-      pending_.push_back(token);
-      if (static_cast<int>(pending_.size()) == chunk_) flush();
-    }
-  }
-
-  void flush() {
-    if (pending_.empty()) return;
-    scorer_.feed(pending_, pending_turn_start_);
-    pending_.clear();
-    pending_turn_start_ = false;
-    progress_.update(scorer_.bytes_fed(), scorer_.loss(), scorer_.tokens_fed());
-  }
-
- private:
-  StreamScorer& scorer_;
-  int chunk_;
-  Progress& progress_;
-  std::vector<std::int32_t> pending_;
-  bool pending_turn_start_ = false;
-};
-
 void print_text_report(const StreamOptions& options, const std::string& policy,
-                       const WindowedLoss& loss, std::uint64_t input_bytes, std::int64_t turns,
-                       std::int64_t anchors, const CacheReport& report) {
+                       const WindowedLoss& loss, const TextStreamResult& streamed,
+                       const CacheReport& report) {
   const LossTotals& overall = loss.overall();
   std::string out;
-  out += fmt::format("input          {} ({} bytes)\n", options.input, input_bytes);
+  out += fmt::format("input          {} ({} bytes)\n", options.input, streamed.input_bytes);
   out += fmt::format("policy         {}\n", policy);
-  if (!options.turn_separator.empty()) out += fmt::format("turns          {}\n", turns);
+  if (!options.turn_separator.empty()) out += fmt::format("turns          {}\n", streamed.turns);
   if (options.insert_anchors) {
-    out += fmt::format("anchors        {} inserted (fed, not scored)\n", anchors);
+    out += fmt::format("anchors        {} inserted (fed, not scored)\n", streamed.anchors);
   }
   out += fmt::format("tokens scored  {} ({} bytes)\n", overall.tokens, overall.bytes);
   out += fmt::format("bits per byte  {:.4f}\n", overall.bits_per_byte());
@@ -216,74 +136,38 @@ int run_stream(const StreamOptions& options) {
 
   const model::Model model = load_model_file(options.model);
   const model::Tokenizer& tokenizer = model.tokenizer;
-  const bool sentencepiece = tokenizer.kind == model::Tokenizer::Kind::sentencepiece;
-  TextPieces pieces(
-      options.input,
-      TextPiecesOptions{.turn_separator = separator,
-                        .cut_before_space = sentencepiece,
-                        .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes)});
-  std::optional<AnchorInserter> anchors;
-  if (options.insert_anchors) anchors = AnchorInserter::for_tokenizer(tokenizer);
   PolicySetup setup = make_policy_setup(options.policy, model);
+  warn_if_single_turn(*setup.policy, !separator.empty());
   StageClock clock;  // where the eviction time goes (the report's eviction seconds)
   setup.decoder_options.observer = &clock;
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
 
-  const Clock::time_point start = Clock::now();
-  Progress progress(pieces.expected_bytes(), start);
+  std::optional<std::int32_t> anchor_id;
+  if (options.insert_anchors) anchor_id = AnchorInserter::for_tokenizer(tokenizer).anchor_id();
   StreamScorer scorer(*decoder, options.window,
                       token_byte_counts(tokenizer, model.config.vocab_size),
-                      anchors ? anchors->anchor_id() : -1);
-  ChunkedStream stream(scorer, decoder->options().max_chunk, progress);
-
-  TextPiece piece;
-  std::vector<std::int32_t> anchored;
-  bool first = true;
-  std::int64_t turns = 0;
-  while (pieces.next(piece)) {
-    // A piece cut before a space is encoded without it: the tokenizer's dummy prefix stands for it.
-    const std::string_view text =
-        piece.space_cut ? std::string_view(piece.text).substr(1) : std::string_view(piece.text);
-    const std::vector<std::int32_t> tokens = tokenizer.encode(text, /*add_bos=*/first);
-    first = false;
-    if (piece.turn_start) ++turns;
-    if (anchors) {
-      anchored.clear();
-      anchors->push(tokens, anchored);
-      stream.add(anchored, piece.turn_start);
-    } else {
-      stream.add(tokens, piece.turn_start);
-    }
-  }
-  if (anchors) {  // the end of the text is a sentence end
-    anchored.clear();
-    anchors->finish(anchored);
-    stream.add(anchored, /*turn_start=*/false);
-  }
-  stream.flush();
-  progress.finish();
-  const Clock::time_point done = Clock::now();
-
-  if (pieces.bytes_read() == 0) throw Error(fmt::format("input '{}' is empty", options.input));
-  if (scorer.loss().overall().tokens == 0) {
-    throw Error(fmt::format("input '{}' holds a single token: nothing to score", options.input));
-  }
-  const CacheReport report =
-      make_cache_report(*decoder, setup.name, seconds_between(start, done), &clock);
+                      anchor_id.value_or(-1));
+  const TextStreamResult streamed =
+      stream_text(TextStreamOptions{.input = options.input,
+                                    .turn_separator = separator,
+                                    .insert_anchors = options.insert_anchors,
+                                    .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
+                                    .progress = true},
+                  tokenizer, scorer, decoder->options().max_chunk);
+  if (!separator.empty()) warn_if_single_turn(decoder->cache().policy(), streamed.turns > 0);
+  const CacheReport report = make_cache_report(*decoder, setup.name, streamed.seconds, &clock);
   const WindowedLoss& loss = scorer.loss();
-  const std::int64_t anchor_count = anchors ? anchors->inserted() : 0;
   if (!options.json) {
-    print_text_report(options, describe_policy(setup, *decoder), loss, pieces.bytes_read(), turns,
-                      anchor_count, report);
+    print_text_report(options, describe_policy(setup, *decoder), loss, streamed, report);
     return kExitOk;
   }
   nlohmann::ordered_json json;
   json["model"] = options.model;
   json["input"] = options.input;
-  json["input_bytes"] = pieces.bytes_read();
+  json["input_bytes"] = streamed.input_bytes;
   json["policy"] = policy_json(setup, *decoder);
-  if (!separator.empty()) json["turns"] = turns;
-  if (options.insert_anchors) json["anchors"] = anchor_count;
+  if (!separator.empty()) json["turns"] = streamed.turns;
+  if (options.insert_anchors) json["anchors"] = streamed.anchors;
   add_totals(json, loss.overall());
   json["window"] = loss.window();
   json["windows"] = nlohmann::ordered_json::array();

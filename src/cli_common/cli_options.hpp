@@ -92,11 +92,16 @@ inline void add_insert_anchors_option(CLI::App& app, bool& insert, const std::st
       ->group("Policy");
 }
 
-/// --temperature, --top-p, --seed (group "Sampling").
+/// --temp (alias --temperature), --top-k, --top-p, --seed (group "Sampling"), spelt as llama.cpp
+/// spells them.
 inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
   const std::string group = "Sampling";
-  app.add_option("--temperature", options.temperature,
+  app.add_option("--temp,--temperature", options.temperature,
                  "softmax temperature; 0 = greedy (always the most likely token)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--top-k", options.top_k,
+                 "sample among the k most likely tokens (applied before --top-p); 0 = no cut")
       ->group(group)
       ->capture_default_str();
   app.add_option("--top-p", options.top_p,

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <kvevict/error.hpp>
 #include <kvevict/granularity.hpp>
@@ -9,8 +10,11 @@
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/positions.hpp>
 #include <kvevict/signals.hpp>
+#include <optional>
 #include <utility>
 #include <variant>
+
+#include "cli_common/report.hpp"
 
 namespace kvevict::cli {
 namespace {
@@ -158,6 +162,43 @@ nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decode
   json["chunk"] = decoder.options().max_chunk;
   if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
   return json;
+}
+
+bool evicts_only_before_turns(const Policy& policy) {
+  const TriggerSet triggers = policy.triggers();
+  return triggers.contains(Trigger::before_turn) && !triggers.contains(Trigger::after_forward) &&
+         !triggers.contains(Trigger::anchor) && !triggers.contains(Trigger::pot_full);
+}
+
+void warn_if_single_turn(const Policy& policy, bool input_has_turns) {
+  if (input_has_turns || !evicts_only_before_turns(policy)) return;
+  warn(fmt::format(
+      "{} evicts only before a turn, and this input is one turn (no --turn-separator, or it never "
+      "occurs): nothing is evicted and the cache holds every token",
+      policy.name()));
+}
+
+void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfig& config,
+                          std::int64_t tokens) {
+  if (config.context_length <= 0) return;
+  const Sequence& sequence = decoder.cache().sequence();
+  // RoPE sees the distance between a query and a key. Under original positions a policy may keep
+  // the first token to the end (the full cache, sinks, heavy hitters): distances reach tokens - 1.
+  // The shifting modes keep them below what the policy retains plus one chunk.
+  std::int64_t distance = tokens - 1;
+  const std::optional<int> retained = sequence.policy().retained_limit();
+  if (sequence.position_mode() != PositionMode::original && retained) {
+    distance =
+        std::min<std::int64_t>(distance, std::int64_t{*retained} + decoder.options().max_chunk);
+  }
+  if (distance < config.context_length) return;
+  warn(fmt::format(
+      "{} tokens put keys up to {} positions behind the query (positions {}), past the model's "
+      "trained context of {}: expect worse predictions beyond it{}",
+      tokens, distance, to_string(sequence.position_mode()), config.context_length,
+      sequence.position_mode() == PositionMode::original && retained
+          ? "; --positions cache_index keeps distances within the policy's budget"
+          : ""));
 }
 
 }  // namespace kvevict::cli

@@ -73,6 +73,18 @@ struct PolicySetup {
 [[nodiscard]] std::unique_ptr<model::Decoder> make_decoder(const model::Model& model,
                                                            PolicySetup& setup);
 
+/// Whether `policy` evicts only before a turn (SirLLM, RandomLLM, IntervalLLM): fed as one turn, it
+/// never evicts.
+[[nodiscard]] bool evicts_only_before_turns(const Policy& policy);
+/// Warns (stderr) when `policy` evicts only before a turn and the input has no turns.
+void warn_if_single_turn(const Policy& policy, bool input_has_turns);
+
+/// Warns (stderr) when feeding `tokens` tokens through `decoder` puts keys further behind a query
+/// than the model's trained context (config.context_length; 0 = unknown, no warning): RoPE models
+/// predict worse at distances they were not trained on.
+void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfig& config,
+                          std::int64_t tokens);
+
 /// {"recent": 28, "sinks": 4, "anchor_ids": [258]}: integers as JSON integers.
 [[nodiscard]] nlohmann::ordered_json params_json(const PolicyParams& params);
 

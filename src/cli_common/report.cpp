@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <kvevict/error.hpp>
 #include <system_error>
 #include <utility>
@@ -77,11 +80,38 @@ std::string dump_json(const nlohmann::ordered_json& json) {
   return json.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
+namespace {
+
+// Whether the first bytes of `path` are all printable ASCII or whitespace. No model format starts
+// so: GGUF's version and llama2.c's dimensions hold zero bytes, safetensors its u64 length.
+bool looks_like_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char head[64];
+  in.read(head, sizeof head);
+  const std::streamsize count = in.gcount();
+  if (count == 0) return false;
+  for (std::streamsize i = 0; i < count; ++i) {
+    const auto c = static_cast<unsigned char>(head[i]);
+    if (!(std::isprint(c) || c == '\n' || c == '\r' || c == '\t')) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 model::Model load_model_file(const std::string& path) {
   if (path.empty()) throw Error("--model: no model path given");
   std::error_code error;
   if (!std::filesystem::exists(path, error)) {
     throw Error(fmt::format("model file '{}' does not exist", path));
+  }
+  // A text file would otherwise be read as a llama2.c checkpoint (which has no magic) and fail
+  // with a message about its header.
+  if (std::filesystem::is_regular_file(path, error) && looks_like_text(path)) {
+    throw Error(fmt::format(
+        "model file '{}' looks like text, not a model (GGUF, safetensors with config.json, or a "
+        "llama2.c checkpoint)",
+        path));
   }
   try {
     return model::load_model(path);
@@ -91,5 +121,7 @@ model::Model load_model_file(const std::string& path) {
 }
 
 bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
+
+void warn(const std::string& message) { std::cerr << "kvevict: warning: " << message << '\n'; }
 
 }  // namespace kvevict::cli

@@ -48,6 +48,10 @@ struct CacheReport {
 /// load_model with a plain message for a path that does not exist.
 [[nodiscard]] model::Model load_model_file(const std::string& path);
 
+/// "kvevict: warning: MESSAGE" on stderr: something the user asked for will not do what they
+/// probably expect, but the run goes on.
+void warn(const std::string& message);
+
 /// Whether stderr is a terminal (progress lines are only drawn there).
 [[nodiscard]] bool stderr_is_terminal();
 

@@ -13,6 +13,9 @@ void validate_sampling(const SamplingOptions& options) {
     throw Error(
         fmt::format("--temperature must be >= 0 (0 = greedy), got {}", options.temperature));
   }
+  if (options.top_k < 0) {
+    throw Error(fmt::format("--top-k must be >= 0 (0 = no cut), got {}", options.top_k));
+  }
   if (!(options.top_p > 0.0 && options.top_p <= 1.0)) {
     throw Error(fmt::format("--top-p must be in (0, 1], got {}", options.top_p));
   }
@@ -50,18 +53,26 @@ std::int32_t Sampler::sample(std::span<const float> logits) {
     total += weight;
   }
   std::size_t kept = candidates_.size();
-  if (options_.top_p < 1.0) {
+  if (options_.top_k > 0 || options_.top_p < 1.0) {
     std::sort(candidates_.begin(), candidates_.end(), [](const Candidate& a, const Candidate& b) {
       return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
     });
-    const double mass = options_.top_p * total;
-    double cumulative = 0.0;
-    kept = 0;
-    while (kept < candidates_.size()) {
-      cumulative += candidates_[kept++].weight;
-      if (cumulative >= mass) break;
+    if (options_.top_k > 0) {
+      kept = std::min(kept, static_cast<std::size_t>(options_.top_k));
+      total = 0.0;
+      for (std::size_t i = 0; i < kept; ++i) total += candidates_[i].weight;
     }
-    total = cumulative;
+    if (options_.top_p < 1.0) {
+      const double mass = options_.top_p * total;
+      const std::size_t limit = kept;
+      double cumulative = 0.0;
+      kept = 0;
+      while (kept < limit) {
+        cumulative += candidates_[kept++].weight;
+        if (cumulative >= mass) break;
+      }
+      total = cumulative;
+    }
   }
   const double target = uniform_unit(engine_) * total;
   double cumulative = 0.0;

@@ -1,5 +1,5 @@
-// Token sampling for `kvevict generate`: greedy, or temperature + nucleus (top-p), reproducible
-// from a seed on every platform.
+// Token sampling for `kvevict generate`: greedy, or temperature with top-k and nucleus (top-p)
+// cuts, reproducible from a seed on every platform.
 #pragma once
 
 #include <cstdint>
@@ -13,9 +13,10 @@ struct SamplingOptions {
   double temperature = 0.0;  ///< 0 = greedy (argmax)
   double top_p = 1.0;        ///< nucleus: sample among the smallest set holding this mass
   std::uint64_t seed = 1;
+  int top_k = 0;  ///< sample among the k most likely tokens; 0 = no cut
 };
 
-/// Throws kvevict::Error for temperature < 0 (or not finite) and top_p outside (0, 1].
+/// Throws kvevict::Error for temperature < 0 (or not finite), top_k < 0 and top_p outside (0, 1].
 void validate_sampling(const SamplingOptions& options);
 
 /// A uniform double in [0, 1) from the top 53 bits of one draw. std::uniform_real_distribution's
@@ -30,9 +31,10 @@ class Sampler {
   explicit Sampler(const SamplingOptions& options);
 
   /// The next token from `logits` ([vocab]). Greedy when temperature is 0. Otherwise
-  /// p_i ~ exp((l_i - max) / T); with top_p < 1 the candidates are ranked by probability (ties:
-  /// lower id first) and cut after the first whose cumulative mass reaches top_p; one uniform draw
-  /// then picks among the kept candidates in proportion to p_i.
+  /// p_i ~ exp((l_i - max) / T); with a cut the candidates are ranked by probability (ties: lower
+  /// id first), top_k keeps the first k, and top_p < 1 then keeps them up to the first whose
+  /// cumulative share of the kept mass reaches top_p; one uniform draw picks among the kept
+  /// candidates in proportion to p_i.
   [[nodiscard]] std::int32_t sample(std::span<const float> logits);
 
  private:

@@ -18,17 +18,18 @@
 
 namespace kvevict::detail {
 
-/// Throws unless a turn of `incoming` tokens fits the unprotected budget. The turn-level rule
-/// makes room for the whole turn before it is fed, so a turn longer than the budget can never fit
-/// (the SirLLM authors assert on it).
+/// Throws unless the first chunk of a turn, `incoming` tokens, fits the unprotected budget. The
+/// turn-level rule makes room for it before it is fed, so a chunk longer than the budget can never
+/// fit (the SirLLM authors assert on a whole turn; later chunks of a turn grow the cache, as in
+/// their code).
 inline void require_turn_fits(int incoming, int budget, std::string_view policy,
                               std::string_view budget_name) {
   KVEVICT_REQUIRE(
       incoming <= budget,
-      std::string(policy) + ": a turn of " + std::to_string(incoming) + " tokens is longer than " +
-          std::string(budget_name) + " = " + std::to_string(budget) +
-          "; the cache must make room for a whole turn before it is fed (feed shorter turns, "
-          "or raise the budget)");
+      std::string(policy) + ": a turn's first chunk of " + std::to_string(incoming) +
+          " tokens is longer than " + std::string(budget_name) + " = " + std::to_string(budget) +
+          "; the cache makes room for it before it is fed, so feed turns in chunks of at most " +
+          std::to_string(budget) + " tokens (the CLI's --chunk), or raise the budget");
 }
 
 /// RandomLLM and IntervalLLM (SirLLM §4.1.1) without their sinks (a ProtectOldest around them):

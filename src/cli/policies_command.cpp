@@ -1,0 +1,108 @@
+// `kvevict policies [--markdown]`: every policy the registry knows, read from its PolicySpec: the
+// parameters with their types, defaults and ranges, what `--budget N` stands for, and the
+// granularity and position mode the policy uses unless told otherwise. docs/policies.md carries
+// the --markdown output, so the documentation cannot drift from the specs.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <kvevict/policy_params.hpp>
+#include <kvevict/policy_registry.hpp>
+#include <kvevict/positions.hpp>
+#include <memory>
+#include <string>
+
+#include "command.hpp"
+
+namespace kvevict::cli {
+namespace {
+
+// The budget the examples of the `--budget` column are shown at.
+constexpr int kExampleBudget = 256;
+constexpr int kExampleSinks = 4;
+
+std::string range_text(const ParamSpec& param) {
+  const std::string min = PolicyParams::number_text(param.min);
+  const std::string max = PolicyParams::number_text(param.max);
+  switch (param.type) {
+    case ParamType::integer:
+      return fmt::format("integer in [{}, {}]", min, max);
+    case ParamType::real:
+      return fmt::format("number in [{}, {}]", min, max);
+    case ParamType::integer_list:
+      return fmt::format("integers in [{}, {}], comma-separated", min, max);
+  }
+  return "?";
+}
+
+std::string default_text(const ParamSpec& param) {
+  if (param.default_value) return PolicyParams::number_text(*param.default_value);
+  return param.optional ? "derived" : "required";
+}
+
+std::string budget_text(const PolicySpec& spec) {
+  if (spec.budget == nullptr) return "no budget";
+  return spec.budget(kExampleBudget, kExampleSinks).to_string();
+}
+
+// The policy at the example budget: its default granularity and position mode live on the built
+// policy, and any valid parameters build it.
+std::unique_ptr<Policy> example_policy(const PolicySpec& spec) {
+  const PolicyParams params =
+      spec.budget == nullptr ? PolicyParams() : spec.budget(kExampleBudget, kExampleSinks);
+  return spec.make(spec.resolve(params));
+}
+
+int print_policies(bool markdown) {
+  if (markdown) {
+    std::cout << fmt::format(
+        "| policy | parameter | type and range | default | meaning |\n|---|---|---|---|---|\n");
+  }
+  for (const PolicySpec* spec : policy_specs()) {
+    const std::unique_ptr<Policy> policy = example_policy(*spec);
+    const std::string defaults =
+        fmt::format("granularity {}, positions {}", to_string(policy->default_granularity()),
+                    to_string(policy->default_position_mode()));
+    if (markdown) {
+      if (spec->params.empty()) {
+        std::cout << fmt::format("| `{}` | — | — | — | {} |\n", spec->name, spec->summary);
+      }
+      for (const ParamSpec& param : spec->params) {
+        std::cout << fmt::format("| `{}` | `{}` | {} | {} | {} |\n", spec->name, param.name,
+                                 range_text(param), default_text(param), param.help);
+      }
+      continue;
+    }
+    std::cout << fmt::format("{}\n  {}\n  {}\n  --budget {} (sinks {}): {}\n", spec->name,
+                             spec->summary, defaults, kExampleBudget, kExampleSinks,
+                             budget_text(*spec));
+    for (const ParamSpec& param : spec->params) {
+      std::cout << fmt::format("  {:<12} {} ({}; default {})\n", param.name, param.help,
+                               range_text(param), default_text(param));
+    }
+  }
+  if (markdown) {
+    std::cout << fmt::format(
+        "\n| policy | default granularity | default positions | `--budget {}` (sinks {}) |\n"
+        "|---|---|---|---|\n",
+        kExampleBudget, kExampleSinks);
+    for (const PolicySpec* spec : policy_specs()) {
+      const std::unique_ptr<Policy> policy = example_policy(*spec);
+      std::cout << fmt::format("| `{}` | {} | {} | {} |\n", spec->name,
+                               to_string(policy->default_granularity()),
+                               to_string(policy->default_position_mode()), budget_text(*spec));
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command add_policies_command(CLI::App& parent) {
+  CLI::App* app = parent.add_subcommand(
+      "policies", "List the policies: parameters, defaults, ranges and what --budget means");
+  auto markdown = std::make_shared<bool>(false);
+  app->add_flag("--markdown", *markdown, "Print the tables of docs/policies.md");
+  return {app, [markdown] { return print_policies(*markdown); }};
+}
+
+}  // namespace kvevict::cli

@@ -1,0 +1,155 @@
+#include "cli_common/text_stream.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <kvevict/error.hpp>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "cli_common/anchor_inserter.hpp"
+#include "cli_common/report.hpp"
+#include "cli_common/text_pieces.hpp"
+
+namespace kvevict::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_between(Clock::time_point begin, Clock::time_point end) {
+  return std::chrono::duration<double>(end - begin).count();
+}
+
+// Progress on stderr, only when asked and stderr is a terminal: every 1% of the input or every 2
+// seconds.
+class Progress {
+ public:
+  Progress(bool wanted, std::uint64_t expected_bytes, Clock::time_point start)
+      : enabled_(wanted && stderr_is_terminal()), expected_bytes_(expected_bytes), start_(start) {}
+
+  void update(const StreamScorer& scorer) {
+    if (!enabled_) return;
+    const Clock::time_point now = Clock::now();
+    const std::uint64_t bytes = scorer.bytes_fed();
+    const std::uint64_t step = std::max<std::uint64_t>(expected_bytes_ / 100, 1);
+    if (bytes < last_bytes_ + step && seconds_between(last_draw_, now) < 2.0) return;
+    last_bytes_ = bytes;
+    last_draw_ = now;
+    const double elapsed = seconds_between(start_, now);
+    const std::string share =
+        expected_bytes_ > 0 ? fmt::format("{:3.0f}% ", 100.0 * static_cast<double>(bytes) /
+                                                           static_cast<double>(expected_bytes_))
+                            : std::string();
+    const std::int64_t tokens = scorer.tokens_fed();
+    std::cerr << fmt::format("\r{}{} streamed, {} tokens, {:.4f} bits/byte, {:.0f} tokens/s   ",
+                             share, format_bytes(bytes), tokens,
+                             scorer.loss().overall().bits_per_byte(),
+                             elapsed > 0 ? static_cast<double>(tokens) / elapsed : 0.0)
+              << std::flush;
+    drawn_ = true;
+  }
+  void finish() {
+    if (drawn_) std::cerr << "\r\033[K" << std::flush;  // erase the progress line
+  }
+
+ private:
+  bool enabled_;
+  std::uint64_t expected_bytes_;
+  Clock::time_point start_;
+  Clock::time_point last_draw_{};
+  std::uint64_t last_bytes_ = 0;
+  bool drawn_ = false;
+};
+
+// Feeds tokens through the scorer in chunks of exactly `chunk` tokens (a turn start flushes the
+// partial chunk before it), reporting progress after each.
+class ChunkedStream {
+ public:
+  ChunkedStream(StreamScorer& scorer, int chunk, Progress& progress)
+      : scorer_(scorer), chunk_(chunk), progress_(progress) {
+    pending_.reserve(static_cast<std::size_t>(chunk_));
+  }
+
+  void add(std::span<const std::int32_t> tokens, bool turn_start) {
+    if (turn_start) {
+      flush();
+      pending_turn_start_ = true;
+    }
+    for (const std::int32_t token : tokens) {
+      pending_.push_back(token);
+      if (static_cast<int>(pending_.size()) == chunk_) flush();
+    }
+  }
+
+  void flush() {
+    if (pending_.empty()) return;
+    scorer_.feed(pending_, pending_turn_start_);
+    pending_.clear();
+    pending_turn_start_ = false;
+    progress_.update(scorer_);
+  }
+
+ private:
+  StreamScorer& scorer_;
+  int chunk_;
+  Progress& progress_;
+  std::vector<std::int32_t> pending_;
+  bool pending_turn_start_ = false;
+};
+
+}  // namespace
+
+TextStreamResult stream_text(const TextStreamOptions& options, const model::Tokenizer& tokenizer,
+                             StreamScorer& scorer, int chunk) {
+  const bool sentencepiece = tokenizer.kind == model::Tokenizer::Kind::sentencepiece;
+  TextPieces pieces(options.input, TextPiecesOptions{.turn_separator = options.turn_separator,
+                                                     .cut_before_space = sentencepiece,
+                                                     .limit_bytes = options.limit_bytes});
+  std::optional<AnchorInserter> anchors;
+  if (options.insert_anchors) anchors = AnchorInserter::for_tokenizer(tokenizer);
+
+  const Clock::time_point start = Clock::now();
+  Progress progress(options.progress, pieces.expected_bytes(), start);
+  ChunkedStream stream(scorer, chunk, progress);
+  TextStreamResult result;
+  TextPiece piece;
+  std::vector<std::int32_t> anchored;
+  bool first = true;
+  while (pieces.next(piece)) {
+    // A piece cut before a space is encoded without it: the tokenizer's dummy prefix stands for it.
+    const std::string_view text =
+        piece.space_cut ? std::string_view(piece.text).substr(1) : std::string_view(piece.text);
+    const std::vector<std::int32_t> tokens = tokenizer.encode(text, /*add_bos=*/first);
+    first = false;
+    if (piece.turn_start) ++result.turns;
+    if (anchors) {
+      anchored.clear();
+      anchors->push(tokens, anchored);
+      stream.add(anchored, piece.turn_start);
+    } else {
+      stream.add(tokens, piece.turn_start);
+    }
+  }
+  if (anchors) {  // the end of the text is a sentence end
+    anchored.clear();
+    anchors->finish(anchored);
+    stream.add(anchored, /*turn_start=*/false);
+  }
+  stream.flush();
+  progress.finish();
+  result.seconds = seconds_between(start, Clock::now());
+  result.input_bytes = pieces.bytes_read();
+  result.anchors = anchors ? anchors->inserted() : 0;
+
+  if (result.input_bytes == 0) throw Error(fmt::format("input '{}' is empty", options.input));
+  if (scorer.loss().overall().tokens == 0) {
+    throw Error(fmt::format("input '{}' holds a single token: nothing to score", options.input));
+  }
+  return result;
+}
+
+}  // namespace kvevict::cli
