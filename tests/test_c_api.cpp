@@ -259,6 +259,61 @@ TEST(CApi, CatalystThroughTheCApi) {
   EXPECT_EQ(held(engine, 0, 0), (std::vector<std::int64_t>{1, 3, 5}));
 }
 
+// An empty catalyst prompt (InfiniPot's "w/o CaP" ablation) has no slots. fuzz_c_api found the
+// previous chunk's slots still listed (regressions/c_api/empty-catalyst-keeps-chunk-slots): an
+// engine writing the catalyst's K/V at them would overwrite three live tokens.
+TEST(CApi, AnEmptyCatalystHasNoSlots) {
+  Engine engine(1, 1);
+  const kvevict_backend backend = engine.backend();
+  CSequence s = create("infinipot", "pot=6 keep=3 novel=0", config(1, 1, 1, 3), &backend);
+  std::int64_t fed = 0;
+  for (int t = 0; t < 2; ++t) feed(s.get(), engine, fed, 3);
+  ASSERT_EQ(kvevict_sequence_catalyst_pending(s.get()), 1);
+  ASSERT_EQ(kvevict_sequence_begin_catalyst(s.get(), nullptr, 0), KVEVICT_OK);
+  const std::int32_t* slots = nullptr;
+  int count = -1;
+  ASSERT_EQ(kvevict_sequence_chunk_slots(s.get(), 0, 0, &slots, &count), KVEVICT_OK);
+  EXPECT_EQ(count, 0);
+  ASSERT_EQ(kvevict_sequence_end_catalyst(s.get()), KVEVICT_OK) << kvevict_last_error();
+  EXPECT_EQ(held(engine, 0, 0).size(), 3u);  // the pot distilled to keep = 3
+}
+
+// Surprisal the policy rejects (NaN) is not observed: end_forward still asks for it, and the engine
+// may give it again. fuzz_c_api found the rejected call counted as the chunk's surprisal, a retry
+// refused as "already observed", and InfiniPot's pot unable to distil ever after (no surprisal for
+// those tokens) (regressions/c_api/rejected-surprisal-counts-as-observed).
+TEST(CApi, RejectedSurprisalCanBeGivenAgain) {
+  Engine engine(1, 1);
+  const kvevict_backend backend = engine.backend();
+  CSequence s = create("infinipot", "pot=4 keep=2 novel=1", config(1, 1, 1, 2), &backend);
+  std::int64_t fed = 0;
+  const auto forward = [&](float first_surprisal) {
+    const std::int32_t ids[] = {5, 6};
+    ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 2, 0), KVEVICT_OK);
+    const std::int32_t* slots = nullptr;
+    int count = 0;
+    ASSERT_EQ(kvevict_sequence_chunk_slots(s.get(), 0, 0, &slots, &count), KVEVICT_OK);
+    for (int i = 0; i < count; ++i) engine.at(slots[i], 0, 0) = fed++;
+    const float bad[] = {first_surprisal, 1.0f};
+    if (std::isnan(first_surprisal)) {
+      EXPECT_EQ(kvevict_sequence_observe_surprisal(s.get(), bad, 2), KVEVICT_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(kvevict_last_error()).find("is NaN"), std::string::npos);
+      EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_INVALID_ARGUMENT);
+      EXPECT_NE(std::string(kvevict_last_error()).find("needs the surprisal"), std::string::npos);
+    }
+    const float good[] = {2.0f, 1.0f};
+    ASSERT_EQ(kvevict_sequence_observe_surprisal(s.get(), good, 2), KVEVICT_OK)
+        << kvevict_last_error();
+    ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK) << kvevict_last_error();
+  };
+  forward(std::numeric_limits<float>::quiet_NaN());
+  forward(3.0f);
+  ASSERT_EQ(kvevict_sequence_catalyst_pending(s.get()), 1);
+  ASSERT_EQ(kvevict_sequence_begin_catalyst(s.get(), nullptr, 0), KVEVICT_OK);
+  ASSERT_EQ(kvevict_sequence_end_catalyst(s.get()), KVEVICT_OK) << kvevict_last_error();
+  EXPECT_EQ(kvevict_sequence_live(s.get(), 0, 0), 2);  // the pot of 4 distilled to keep = 2
+}
+
 TEST(CApi, EveryFailureIsAStatusAndAMessage) {
   const kvevict_config c = config(1, 1, 1);
   kvevict_sequence* raw = nullptr;

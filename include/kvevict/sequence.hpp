@@ -196,9 +196,9 @@ class Sequence {
                     "observe_surprisal: expected one value per token of the chunk (" +
                         std::to_string(chunk_.size()) + "), got " +
                         std::to_string(surprisal.size()));
-    surprisal_observed_ = true;
     const StageScope scope(observer_, Stage::policy);
     policy_->observe_surprisal(slots_, chunk_, surprisal);
+    surprisal_observed_ = true;  // only once the policy took them: a rejected call may be retried
   }
 
   /// Ends the forward: checks that the policy got every signal it declared, then evicts if it does
@@ -269,7 +269,8 @@ class Sequence {
       catalyst_base_[static_cast<std::size_t>(unit)] = slots_.live(unit);
     }
     if (!token_ids.empty()) append(token_ids, slot_flag::catalyst);
-    catalyst_size_ = static_cast<int>(token_ids.size());
+    for (std::vector<std::int32_t>& slots : chunk_slots_) slots.resize(token_ids.size());
+    catalyst_size_ = chunk_size_ = static_cast<int>(token_ids.size());
     std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
     state_ = State::catalyst;
   }

@@ -17,10 +17,12 @@
 #include <kvevict/error.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/model/random_model.hpp>
+#include <kvevict/policy_registry.hpp>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "fuzz_input.hpp"
@@ -364,6 +366,45 @@ void eval_config_seeds(const fs::path& root, const fs::path& configs) {
              depths + "]}"));
 }
 
+// --- C API call sequences ----------------------------------------------------------------------
+
+// One seed per policy and configuration: the header fuzz_c_api.cpp reads (policy, --budget 8 with
+// 2 sinks, 2 layers x 2 KV heads x 2 query heads per KV head, chunks of up to 4 tokens, the
+// policy's own positions and granularity or `mode` and `granularity` (indices into its lists),
+// a backend with both callbacks), then pseudo-random calls, mostly well-formed forwards (op 0).
+void c_api_seeds(const fs::path& root) {
+  const fs::path dir = root / "corpus" / "c_api";
+  const std::vector<std::string_view> names = policy_names();
+  for (std::size_t p = 0; p < names.size(); ++p) {
+    for (const auto& [label, mode, granularity] :
+         {std::tuple{"", 0, 0}, std::tuple{"-cache_index-token", 2, 3}}) {
+      std::vector<std::uint8_t> bytes = {static_cast<std::uint8_t>(p),
+                                         0,
+                                         8,
+                                         2,
+                                         1,  // policy
+                                         1,
+                                         1,
+                                         1,
+                                         1,
+                                         3,  // layers, kv_heads, q_heads, max_chunk
+                                         static_cast<std::uint8_t>(mode),
+                                         static_cast<std::uint8_t>(granularity),
+                                         1,
+                                         1,
+                                         2,
+                                         1};  // post-RoPE keys, folds; backend
+      std::uint32_t state = 12345u + static_cast<std::uint32_t>(p);
+      for (int i = 0; i < 600; ++i) {
+        state = state * 1664525u + 1013904223u;
+        const auto random = static_cast<std::uint8_t>(state >> 24);
+        bytes.push_back(i % 8 == 0 ? static_cast<std::uint8_t>(12 * (random % 8 == 0)) : random);
+      }
+      write(dir / (std::string(names[p]) + label), std::as_bytes(std::span(bytes)));
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -377,6 +418,7 @@ int main(int argc, char** argv) {
     tokenizer_seeds(root);
     replay_seeds(root);
     eval_config_seeds(root, argv[2]);
+    c_api_seeds(root);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "kvevict_fuzz_seeds: %s\n", error.what());
     return 1;
