@@ -156,9 +156,10 @@ int run_compare(const CompareOptions& options) {
                        format_bytes(row.report.peak_kv_bytes), row.report.tokens_per_second,
                        100.0 * evicting);
   }
-  out +=
-      "\nbits/byte: lower is better; \"< N\" and \">= N\" split the text at the model's trained\n"
-      "context. Each row is one run of `kvevict stream --policy P --budget N`:\n";
+  out += fmt::format(
+      "\nbits/byte: lower is better; overall, over the first {} tokens (the model's trained\n"
+      "context) and after them. Each row is `kvevict stream --policy P --budget N` with:\n",
+      context);
   for (const CompareRow& row : rows) out += "  " + row.policy + '\n';
   std::cout << out << std::flush;
   return kExitOk;

@@ -4,6 +4,7 @@
 // the --markdown output, so the documentation cannot drift from the specs.
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <iostream>
 #include <kvevict/policy_params.hpp>
 #include <kvevict/policy_registry.hpp>
@@ -45,10 +46,20 @@ std::string budget_text(const PolicySpec& spec) {
 }
 
 // The policy at the example budget: its default granularity and position mode live on the built
-// policy, and any valid parameters build it.
+// policy, and any valid parameters build it. A required parameter the budget mapping leaves open
+// (AnLLM's anchor ids) takes its lowest value.
 std::unique_ptr<Policy> example_policy(const PolicySpec& spec) {
-  const PolicyParams params =
+  PolicyParams params =
       spec.budget == nullptr ? PolicyParams() : spec.budget(kExampleBudget, kExampleSinks);
+  for (const ParamSpec& param : spec.params) {
+    const std::string name(param.name);
+    if (params.has(name) || param.default_value || param.optional) continue;
+    if (param.type == ParamType::integer_list) {
+      params.set_list(name, {static_cast<std::int64_t>(param.min)});
+    } else {
+      params.set(name, param.min);
+    }
+  }
   return spec.make(spec.resolve(params));
 }
 
