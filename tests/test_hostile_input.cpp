@@ -607,6 +607,23 @@ TEST_F(HostileCli, EvalFindings) {
   }
 }
 
+// Sizes from the command line: sums of policy parameters that would leave int range (issue 14,
+// item 3: `--budget 2147483647` wrapped in the decoder's capacity) and chunks beyond the limit are
+// refused before any model is loaded.
+TEST_F(HostileCli, OptionFindings) {
+  const fs::path text = path("text.txt");
+  write_text(text, "some text\n");
+  const std::string model = path("absent.gguf").string();
+  expect_exit_2({"stream", "--model", model, "--policy", "h2o", "--budget", "2147483647", "--input",
+                 text.string()},
+                "--budget must be at most 268435456, got 2147483647");
+  expect_exit_2({"stream", "--model", model, "--policy", "streaming_llm", "--budget", "-1",
+                 "--input", text.string()},
+                "--budget must be at least 1, got -1");
+  expect_exit_2({"stream", "--model", model, "--chunk", "65537", "--input", text.string()},
+                "--chunk must be in [1, 65536], got 65537");
+}
+
 TEST_F(HostileCli, ReplayFindings) {
   const fs::path file = path("logits-not-an-array.json");
   write_text(file, regression("replay", "logits-not-an-array-8192-tokens"));
