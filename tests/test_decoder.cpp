@@ -1,7 +1,8 @@
-// Reference decoder: the Eigen decoder against a naive loop implementation, cached decoding against
-// recomputation, every policy without eviction against the full cache (bitwise), pre- against
-// post-RoPE keys under eviction, bounded memory on a long stream, the signals a policy receives,
-// and the errors.
+// Reference decoder: the decoder against a naive loop implementation (on every SIMD target the CPU
+// has, for every weight type), the kernels against plain loops at sizes with tails, cached decoding
+// against recomputation, every policy without eviction against the full cache (bitwise), pre-
+// against post-RoPE keys under eviction, bounded memory on a long stream, the signals a policy
+// receives, and the errors.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/model/random_model.hpp>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "model/half.hpp"
+#include "model/kernels/kernels.hpp"
 #include "model/matmul.hpp"
 #include "support/expect_error.hpp"
 #include "support/policy_harness.hpp"
@@ -79,8 +82,22 @@ std::unique_ptr<kvevict::Policy> full_policy() {
 // Naive reference: plain loops in double, no Eigen, no cache; every position from the whole prefix.
 // ---------------------------------------------------------------------------------------------
 
+// Weight (r, c) read from the bytes as model.hpp describes each type.
 double weight(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
   const std::size_t index = static_cast<std::size_t>(r * w.cols + c);
+  if (w.dtype == DType::q8_0 || w.dtype == DType::q4_0) {
+    // Blocks of 32 along the row: f16 d, then 32 int8 q (q d) or 16 bytes of nibbles ((q - 8) d).
+    const std::size_t block_bytes = w.dtype == DType::q8_0 ? 34 : 18;
+    const std::byte* block = w.data + static_cast<std::size_t>(r) * w.row_bytes() +
+                             static_cast<std::size_t>(c / 32) * block_bytes;
+    std::uint16_t bits;
+    std::memcpy(&bits, block, 2);
+    const double d = kvevict::model::f16_to_float(bits);
+    const auto j = static_cast<std::size_t>(c % 32);
+    if (w.dtype == DType::q8_0) return static_cast<std::int8_t>(block[2 + j]) * d;
+    const int byte = std::to_integer<int>(block[2 + j % 16]);
+    return ((j < 16 ? byte & 0xf : byte >> 4) - 8) * d;
+  }
   if (w.dtype == DType::f32) {
     float value;
     std::memcpy(&value, w.data + 4 * index, 4);
@@ -251,6 +268,8 @@ const ModelCase kModelCases[] = {
     {"half_split_mha_f16_partial_rotary", RopeLayout::half_split, 4, 8, false, DType::f16},
     {"interleaved_mqa_bf16", RopeLayout::interleaved, 1, 0, false, DType::bf16},
     {"interleaved_gqa_f16_partial_rotary", RopeLayout::interleaved, 2, 10, true, DType::f16},
+    {"interleaved_gqa_q8_0", RopeLayout::interleaved, 2, 0, false, DType::q8_0},
+    {"half_split_mqa_q4_0_tied", RopeLayout::half_split, 1, 0, true, DType::q4_0},
 };
 
 Model model_for(const ModelCase& c, std::uint64_t seed = 42) {
@@ -336,6 +355,123 @@ INSTANTIATE_TEST_SUITE_P(Models, DecoderVsNaive, ::testing::ValuesIn(kModelCases
                          [](const ::testing::TestParamInfo<ModelCase>& info) {
                            return std::string(info.param.name);
                          });
+
+// ---------------------------------------------------------------------------------------------
+// Every SIMD target the CPU has (forced one at a time), and the kernels at sizes with tails
+// ---------------------------------------------------------------------------------------------
+
+namespace kernels = kvevict::model::kernels;
+
+// Runs `body` once per available target, forced; restores the best one after.
+template <class Body>
+void for_each_target(Body&& body) {
+  const std::vector<std::int64_t> targets = kernels::available_targets();
+  ASSERT_FALSE(targets.empty());
+  for (const std::int64_t target : targets) {
+    kernels::force_target(target);
+    ASSERT_EQ(kernels::active_target(), kernels::target_name(target));
+    SCOPED_TRACE(kernels::target_name(target));
+    body(kernels::target_name(target));
+  }
+  kernels::force_target(0);
+}
+
+TEST(DecoderTargets, EveryTargetMatchesTheNaiveLoops) {
+  const std::vector<std::int32_t> tokens = tokens_for(24);
+  for (const ModelCase& model_case : kModelCases) {
+    const Model model = model_for(model_case);
+    std::vector<float> expected;
+    for (const std::vector<double>& row : naive_logits(model, tokens)) {
+      expected.insert(expected.end(), row.begin(), row.end());
+    }
+    for_each_target([&](const std::string& target) {
+      DecoderOptions options;
+      options.max_chunk = 24;
+      Decoder decoder(model, full_policy(), options);
+      const double error =
+          max_relative_difference(all_logits(decoder, tokens, {5, 1, 18}), expected, kVocab);
+      std::printf("  %s on %s: %.2e\n", model_case.name, target.c_str(), error);
+      EXPECT_LT(error, 1e-5) << model_case.name;
+    });
+  }
+}
+
+// Values in [-1, 1) from a fixed recurrence.
+std::vector<float> test_values(std::size_t count, std::uint32_t seed) {
+  std::vector<float> out(count);
+  for (float& value : out) {
+    seed = seed * 1664525u + 1013904223u;
+    value = static_cast<float>(seed >> 8) * 0x1.0p-23f - 1.0f;
+  }
+  return out;
+}
+
+// Sizes that are not multiples of any vector width (7 rows, 37 columns...): every tail path.
+TEST(DecoderTargets, KernelsEqualPlainLoopsWithTails) {
+  for_each_target([](const std::string&) {
+    // matvec for the element types: rows 7 (a group of 4 and 3 single rows), 37 columns.
+    for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+      ModelConfig config = small_config(RopeLayout::half_split);
+      const Model model = kvevict::model::make_random_model(config, 3, dtype);
+      WeightMatrix w = model.layers[0].w_gate;  // [96, 64]: read as [7, 37] over its first bytes
+      w.rows = 7;
+      w.cols = 37;
+      const std::vector<float> x = test_values(37, 5);
+      std::vector<float> y(7);
+      kernels::matvec(w, x.data(), y.data(), 0, 7);
+      for (std::int64_t r = 0; r < 7; ++r) {
+        double expected = 0.0;
+        for (std::int64_t c = 0; c < 37; ++c)
+          expected += weight(w, r, c) * x[static_cast<std::size_t>(c)];
+        EXPECT_NEAR(y[static_cast<std::size_t>(r)], expected, 1e-5)
+            << kvevict::model::to_string(dtype);
+      }
+    }
+    // Y = X W^T with m = 5, n = 6, k = 19, strides wider than the rows.
+    const std::vector<float> x = test_values(5 * 20, 7);
+    const std::vector<float> w = test_values(6 * 21, 9);
+    std::vector<float> y(5 * 8, -1.0f);
+    kernels::matmul_transposed(x.data(), 20, 5, w.data(), 21, 6, 19, y.data(), 8);
+    for (int i = 0; i < 5; ++i) {
+      for (int c = 0; c < 6; ++c) {
+        double expected = 0.0;
+        for (int t = 0; t < 19; ++t) expected += double{x[i * 20 + t]} * w[c * 21 + t];
+        EXPECT_NEAR(y[static_cast<std::size_t>(i * 8 + c)], expected, 1e-5);
+      }
+    }
+    // Y += P V with m = 3, n = 5, k = 21.
+    const std::vector<float> p = test_values(3 * 5, 11);
+    const std::vector<float> v = test_values(5 * 21, 13);
+    std::vector<float> out = test_values(3 * 21, 15);
+    const std::vector<float> before = out;
+    kernels::add_weighted_rows(p.data(), 5, 3, v.data(), 21, 5, 21, out.data(), 21);
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < 21; ++j) {
+        double expected = before[static_cast<std::size_t>(i * 21 + j)];
+        for (int s = 0; s < 5; ++s) expected += double{p[i * 5 + s]} * v[s * 21 + j];
+        EXPECT_NEAR(out[static_cast<std::size_t>(i * 21 + j)], expected, 1e-5);
+      }
+    }
+    // Softmax pieces and SwiGLU over 23 values.
+    std::vector<float> row = test_values(23, 17);
+    row[4] = -std::numeric_limits<float>::infinity();  // a masked score
+    const std::vector<float> scores = row;
+    EXPECT_EQ(kernels::max(row.data(), 23), *std::max_element(scores.begin(), scores.end()));
+    kernels::exp_shifted(row.data(), 23, 0.5f, 0.25f);
+    for (std::size_t i = 0; i < 23; ++i) {
+      EXPECT_NEAR(row[i], std::exp((double{scores[i]} - 0.5) * 0.25), 1e-6);
+    }
+    std::vector<float> gate = test_values(23, 19);
+    gate[0] = -200.0f;  // exp(200) overflows f32: silu is 0 there
+    const std::vector<float> up = test_values(23, 21);
+    const std::vector<float> gate_before = gate;
+    kernels::swiglu(gate.data(), up.data(), 23);
+    for (std::size_t i = 0; i < 23; ++i) {
+      const double g = gate_before[i];
+      EXPECT_NEAR(gate[i], g / (1.0 + std::exp(-g)) * up[i], 1e-6);
+    }
+  });
+}
 
 // ---------------------------------------------------------------------------------------------
 // Cached decoding against recomputation without a cache

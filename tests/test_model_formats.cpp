@@ -565,57 +565,73 @@ TEST(GgufRoundTrip, OtherAlignmentsIncludingMisalignedTensors) {
 // Q8_0: per block of 32, d = the smallest f16 with 127 d >= max|x| and q = round(x / d), so
 // |x - q d| <= d / 2. For a normal f16 d, rounding up loses at most one ulp (relative 2^-10), so
 // d <= max|x| / 127 * (1 + 2^-10) and the bound below is independent of the implementation.
-TEST(GgufRoundTrip, Q8_0WithinHalfAScale) {
-  for (const DType dtype : kAllDTypes) {
-    SCOPED_TRACE(kvevict::model::to_string(dtype));
-    const Model original = small_model(dtype, RopeLayout::interleaved);
-    kvevict::model::GgufWriteOptions options;
-    options.quantize_q8_0 = true;
-    const Bytes file = kvevict::model::serialize_gguf(original, options);
-    const Model loaded = kvevict::model::load_gguf(file);
-    expect_same_config(original.config, loaded.config);
-    EXPECT_EQ(gguf::parse(file).find_tensor("blk.0.attn_q.weight")->type,
-              static_cast<std::uint32_t>(gguf::TensorType::q8_0));
+// Q4_0 (llama.cpp's quantiser): |d| = max|x| / 8 rounded to f16 (relative 2^-11), values
+// (q - 8) d with q in [0, 15]: within |d| / 2 of x, except values of the sign opposite to the
+// extreme near its magnitude, clamped at 7 |d|: within |d|. The matrices load in their own type
+// (resident bytes = tensor bytes) and read back through the scalar dequantiser.
+TEST(GgufRoundTrip, QuantisedWithinTheirBound) {
+  for (const DType quantised_type : {DType::q8_0, DType::q4_0}) {
+    for (const DType dtype : kAllDTypes) {
+      SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)) + " as " +
+                   std::string(kvevict::model::to_string(quantised_type)));
+      const Model original = small_model(dtype, RopeLayout::interleaved);
+      kvevict::model::GgufWriteOptions options;
+      options.quantize_q8_0 = quantised_type == DType::q8_0;
+      options.quantize_q4_0 = quantised_type == DType::q4_0;
+      const Bytes file = kvevict::model::serialize_gguf(original, options);
+      const Model loaded = kvevict::model::load_gguf(file);
+      expect_same_config(original.config, loaded.config);
+      const gguf::TensorInfo* wq = gguf::parse(file).find_tensor("blk.0.attn_q.weight");
+      EXPECT_EQ(wq->type,
+                static_cast<std::uint32_t>(quantised_type == DType::q8_0 ? gguf::TensorType::q8_0
+                                                                         : gguf::TensorType::q4_0));
+      EXPECT_EQ(loaded.layers[0].wq.bytes(), wq->size);
 
-    const auto check = [&](const WeightMatrix& source, const WeightMatrix& quantised,
-                           const std::string& what) {
-      ASSERT_EQ(quantised.dtype, DType::f32) << what;
-      const auto x = detail::to_f32({source.data, source.bytes()}, source.dtype,
-                                    static_cast<std::size_t>(source.rows * source.cols));
-      const auto y = detail::to_f32({quantised.data, quantised.bytes()}, DType::f32, x.size());
-      double worst_ratio = 0;
-      for (std::size_t block = 0; block < x.size() / 32; ++block) {
-        double max_magnitude = 0;
-        for (std::size_t i = 0; i < 32; ++i) {
-          max_magnitude = std::max(max_magnitude, std::fabs(double(x[block * 32 + i])));
+      const auto check = [&](const WeightMatrix& source, const WeightMatrix& quantised,
+                             const std::string& what) {
+        ASSERT_EQ(quantised.dtype, quantised_type) << what;
+        const auto x = detail::to_f32({source.data, source.bytes()}, source.dtype,
+                                      static_cast<std::size_t>(source.rows * source.cols));
+        const auto y =
+            detail::to_f32({quantised.data, quantised.bytes()}, quantised_type, x.size());
+        double worst_ratio = 0;
+        for (std::size_t block = 0; block < x.size() / 32; ++block) {
+          double max_magnitude = 0;
+          for (std::size_t i = 0; i < 32; ++i) {
+            max_magnitude = std::max(max_magnitude, std::fabs(double(x[block * 32 + i])));
+          }
+          const double bound = quantised_type == DType::q8_0
+                                   ? max_magnitude / 127.0 * (1.0 + std::ldexp(1.0, -10)) / 2.0
+                                   : max_magnitude / 8.0 * (1.0 + std::ldexp(1.0, -10));
+          for (std::size_t i = 0; i < 32; ++i) {
+            const double error = std::fabs(double(x[block * 32 + i]) - y[block * 32 + i]);
+            ASSERT_LE(error, bound * (1 + 1e-12)) << what << " block " << block;
+            if (bound > 0) worst_ratio = std::max(worst_ratio, error / bound);
+          }
         }
-        const double bound = max_magnitude / 127.0 * (1.0 + std::ldexp(1.0, -10)) / 2.0;
-        for (std::size_t i = 0; i < 32; ++i) {
-          const double error = std::fabs(double(x[block * 32 + i]) - y[block * 32 + i]);
-          ASSERT_LE(error, bound * (1 + 1e-12)) << what << " block " << block;
-          if (bound > 0) worst_ratio = std::max(worst_ratio, error / bound);
-        }
+        EXPECT_GT(worst_ratio, quantised_type == DType::q8_0 ? 0.5 : 0.25)
+            << what << ": the bound should be nearly attained";
+      };
+      check(original.token_embedding, loaded.token_embedding, "token_embedding");
+      check(original.output, loaded.output, "output");
+      for (std::size_t layer = 0; layer < original.layers.size(); ++layer) {
+        const auto& a = original.layers[layer];
+        const auto& b = loaded.layers[layer];
+        check(a.wq, b.wq, "wq");
+        check(a.wk, b.wk, "wk");
+        check(a.wv, b.wv, "wv");
+        check(a.wo, b.wo, "wo");
+        check(a.w_gate, b.w_gate, "w_gate");
+        check(a.w_up, b.w_up, "w_up");
+        // w_down has 48 columns, not a whole number of blocks: kept in its dtype, bit-exact.
+        expect_same_matrix(a.w_down, b.w_down, "w_down");
+        expect_same_norm(a.attention_norm, b.attention_norm, "attention_norm");
       }
-      EXPECT_GT(worst_ratio, 0.5) << what << ": the bound should be nearly attained";
-    };
-    check(original.token_embedding, loaded.token_embedding, "token_embedding");
-    check(original.output, loaded.output, "output");
-    for (std::size_t layer = 0; layer < original.layers.size(); ++layer) {
-      const auto& a = original.layers[layer];
-      const auto& b = loaded.layers[layer];
-      check(a.wq, b.wq, "wq");
-      check(a.wk, b.wk, "wk");
-      check(a.wv, b.wv, "wv");
-      check(a.wo, b.wo, "wo");
-      check(a.w_gate, b.w_gate, "w_gate");
-      check(a.w_up, b.w_up, "w_up");
-      // w_down has 48 columns, not a whole number of blocks: kept in its dtype, bit-exact.
-      expect_same_matrix(a.w_down, b.w_down, "w_down");
-      expect_same_norm(a.attention_norm, b.attention_norm, "attention_norm");
+      // Writing the quantised model again keeps its blocks as they are.
+      const Model again =
+          kvevict::model::load_gguf(kvevict::model::serialize_gguf(loaded, options));
+      expect_same_weights(loaded, again);
     }
-    // Quantising the dequantised weights again reproduces them exactly (127 d / 127 = d).
-    const Model again = kvevict::model::load_gguf(kvevict::model::serialize_gguf(loaded, options));
-    expect_same_weights(loaded, again);
   }
 }
 
@@ -1103,7 +1119,7 @@ TEST(GgufMalformed, EveryValueTypeNestedArraysAndUnknownKeysAreSkipped) {
                    w.u64(1);
                    w.u16(5);
                  }));
-  gguf::add_llama_model(writer, micro_model(), false);
+  gguf::add_llama_model(writer, micro_model(), std::nullopt);
   const Bytes file = writer.finish();
   const Model model = load_gguf_span(file);
   expect_same_weights(micro_model(), model);
@@ -1147,7 +1163,7 @@ TEST(GgufMalformed, EveryValueTypeNestedArraysAndUnknownKeysAreSkipped) {
   expect_error([&] { (void)gguf::parse(unknown_element.finish()); }, "unknown array element type");
   gguf::Writer duplicate;
   duplicate.add_string("general.architecture", "llama");
-  gguf::add_llama_model(duplicate, micro_model(), false);
+  gguf::add_llama_model(duplicate, micro_model(), std::nullopt);
   expect_error([&] { (void)gguf::parse(duplicate.finish()); },
                "duplicate metadata key 'general.architecture'");
   gguf::Writer bad_alignment(32);

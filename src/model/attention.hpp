@@ -1,6 +1,7 @@
-// Attention of one query head over one KV head's cached slots, the way an evicting cache lays them
-// out: slots [0, slot_limit) in slot order (not stream order), free slots skipped, and keys
-// carrying a pending rotation per run of slots (kvevict::SlotTable::for_each_key_run).
+// Attention of the query heads of one KV head over its cached slots, the way an evicting cache lays
+// them out: slots [0, slot_limit) in slot order (not stream order), free slots skipped, and keys
+// carrying a pending rotation per run of slots (kvevict::SlotTable::for_each_key_run). The
+// products, softmax and RoPE are kernels (kernels/kernels.hpp).
 //
 // For post-RoPE keys stored rotated to key position p_k - d (d: the run's pending rotation), the
 // score of a query at position p_q is (R(p_q) q) . (R(p_k) k) = (R(p_q - d) q) . (R(p_k - d) k):
@@ -8,15 +9,13 @@
 // rotated to their positions (d = 0 for the whole range).
 #pragma once
 
-#include <Eigen/Core>
+#include <cstddef>
 #include <cstdint>
 #include <kvevict/rope.hpp>
 #include <span>
 #include <vector>
 
 namespace kvevict::model {
-
-using AttentionMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 /// A range [begin, end) of live slots whose keys need the same query rotation: the query of
 /// position p is rotated to p - rotation.
@@ -47,9 +46,14 @@ class QueryAngles {
   std::vector<double> scratch_;
 };
 
-struct HeadAttention {
-  const float* queries = nullptr;  ///< [n, head_dim] pre-RoPE, row i at queries + i * stride
+/// The query heads of one KV head (a GQA group) over that KV head's slots. The group's queries
+/// are stacked into one [group * n, head_dim] block, row h * n + i for head h of the group and
+/// query i, so that every K and V row is read once for the whole group.
+struct GroupAttention {
+  const float* queries = nullptr;  ///< pre-RoPE; query i of head h at queries + i * query_stride
+                                   ///< + h * head_dim
   std::ptrdiff_t query_stride = 0;
+  int heads = 1;                                  ///< query heads in the group
   std::span<const std::int64_t> query_positions;  ///< [n] RoPE position of query i
   /// Slot of each query's own token: query i must not see the slots of queries j > i.
   std::span<const std::int32_t> query_slots;
@@ -60,10 +64,16 @@ struct HeadAttention {
   std::span<const KeyRun> runs;  ///< the live slots
 };
 
-/// probabilities = softmax(q K^T / sqrt(head_dim)) over the live slots (0 elsewhere), [n,
-/// slot_limit]; out = probabilities V, [n, head_dim] at out + i * out_stride. `rotated` is scratch.
-void attend(const HeadAttention& head, QueryAngles& angles,
-            Eigen::Ref<AttentionMatrix> probabilities, float* out, std::ptrdiff_t out_stride,
-            AttentionMatrix& rotated);
+/// Scratch of attend(), grown on demand.
+struct AttentionBuffers {
+  std::vector<float> rotated;  ///< [heads * n, head_dim] the group's queries rotated for one run
+  std::vector<float> output;   ///< [heads * n, head_dim] the group's attention outputs
+};
+
+/// probabilities = softmax(q K^T / sqrt(head_dim)) over the live slots (exact zeros at free slots
+/// and masked chunk tokens), [heads * n, slot_limit] row-major at `probabilities`; out = that times
+/// V, query i of head h written at out + i * out_stride + h * head_dim.
+void attend(const GroupAttention& group, QueryAngles& angles, float* probabilities, float* out,
+            std::ptrdiff_t out_stride, AttentionBuffers& buffers);
 
 }  // namespace kvevict::model

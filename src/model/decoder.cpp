@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "attention.hpp"
+#include "kernels/kernels.hpp"
 #include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/signals.hpp"
@@ -12,9 +13,6 @@
 
 namespace kvevict::model {
 namespace {
-
-using RowVector = Eigen::Matrix<float, 1, Eigen::Dynamic, Eigen::RowMajor>;
-using Strided = Eigen::OuterStride<>;
 
 void check_matrix(const WeightMatrix& w, std::int64_t rows, std::int64_t cols, const char* name,
                   int layer) {
@@ -82,11 +80,8 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
 // out = x / rms(x) * weight, row by row (llama2.c's rmsnorm, in f32).
 void rmsnorm(Eigen::Ref<RowMatrix> out, const Eigen::Ref<const RowMatrix>& x,
              const std::vector<float>& weight, float eps) {
-  const Eigen::Map<const RowVector> w(weight.data(), static_cast<Eigen::Index>(weight.size()));
   for (Eigen::Index i = 0; i < x.rows(); ++i) {
-    const float mean_square = x.row(i).squaredNorm() / static_cast<float>(x.cols());
-    const float inverse_rms = 1.0f / std::sqrt(mean_square + eps);
-    out.row(i).array() = x.row(i).array() * inverse_rms * w.array();
+    kernels::rmsnorm(x.row(i).data(), weight.data(), x.cols(), eps, out.row(i).data());
   }
 }
 
@@ -102,11 +97,11 @@ float negative_log_softmax(const float* logits, int vocab, std::int32_t token) {
 
 struct Decoder::AttentionScratch {
   explicit AttentionScratch(const Rope& rope) : angles(rope) {}
-  QueryAngles angles;                   // query rotations of this forward
-  std::vector<KeyRun> runs;             // one KV head's live slots
-  AttentionMatrix probabilities;        // [n, slot_limit] one query head's softmax
-  AttentionMatrix rotated;              // [n, head_dim] queries rotated for one run
-  AttentionMatrix key_scratch;          // rotated keys of one KV head (pre-RoPE storage)
+  QueryAngles angles;                        // query rotations of this forward
+  std::vector<KeyRun> runs;                  // one KV head's live slots
+  std::vector<float> probabilities;          // [group * n, slot_limit] one KV head's softmax rows
+  AttentionBuffers buffers;                  // attend()'s scratch
+  EvictingCache<float>::Matrix key_scratch;  // rotated keys of one KV head (pre-RoPE storage)
   std::vector<float> rows;              // [heads][queries][stride] probabilities for the policy
   std::vector<int> keys_per_kv_head;    // [kv_heads]
   std::vector<std::int64_t> positions;  // [n] query positions in one KV head
@@ -319,7 +314,7 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       attention(l, n, pass);
       // Output projection and residual.                                         // [n, dim]
       matmul(w.wo, att, xb);
-      x += xb;
+      kernels::add(x.data(), xb.data(), x.size());
     }
     {
       const StageScope stage(observer, Stage::mlp);
@@ -329,10 +324,10 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       matmul(w.w_gate, xb, hb);
       matmul(w.w_up, xb, hb2);
       // SwiGLU: silu(gate) * up.                                                // [n, hidden_dim]
-      hb.array() = hb.array() / (1.0f + (-hb.array()).exp()) * hb2.array();
+      kernels::swiglu(hb.data(), hb2.data(), hb.size());
       // Down projection and residual.                                           // [n, dim]
       matmul(w.w_down, hb, xb);
-      x += xb;
+      kernels::add(x.data(), xb.data(), x.size());
     }
   }
 }
@@ -383,30 +378,31 @@ void Decoder::attention(int layer, int n, Pass pass) {
       scratch.positions[static_cast<std::size_t>(i)] =
           cache_.position(layer, g, chunk_slots[static_cast<std::size_t>(i)]);
     }
-    HeadAttention head;
-    head.query_stride = q_dim;
-    head.query_positions = scratch.positions;
-    head.query_slots = chunk_slots;
-    head.keys = post_rope ? cache_.keys(layer, g).data()
-                          : cache_.rotated_keys(layer, g, scratch.key_scratch).data();
-    head.values = cache_.values(layer, g).data();
-    head.slot_limit = limit;
-    head.head_dim = hd;
-    head.runs = scratch.runs;
-    if (scratch.probabilities.rows() < n || scratch.probabilities.cols() < limit) {
-      scratch.probabilities.resize(std::max<Eigen::Index>(n, scratch.probabilities.rows()),
-                                   std::max<Eigen::Index>(limit, scratch.probabilities.cols()));
-    }
-    auto probabilities = scratch.probabilities.topLeftCorner(n, limit);
-    for (int h = g * group; h < (g + 1) * group; ++h) {
-      head.queries = q_.data() + static_cast<std::ptrdiff_t>(h) * hd;
-      attend(head, scratch.angles, probabilities, att_.data() + static_cast<std::ptrdiff_t>(h) * hd,
-             q_dim, scratch.rotated);
-      if (!give_rows) continue;
-      // Hand the probabilities over, zero past this head's slots.            // [queries, stride]
+    // The group's query heads h = g * group + [0, group), stacked: K and V are read once.
+    GroupAttention heads;
+    heads.queries = q_.data() + static_cast<std::ptrdiff_t>(g) * group * hd;
+    heads.query_stride = q_dim;
+    heads.heads = group;
+    heads.query_positions = scratch.positions;
+    heads.query_slots = chunk_slots;
+    heads.keys = post_rope ? cache_.keys(layer, g).data()
+                           : cache_.rotated_keys(layer, g, scratch.key_scratch).data();
+    heads.values = cache_.values(layer, g).data();
+    heads.slot_limit = limit;
+    heads.head_dim = hd;
+    heads.runs = scratch.runs;
+    scratch.probabilities.resize(static_cast<std::size_t>(group) * n * limit);
+    attend(heads, scratch.angles, scratch.probabilities.data(),
+           att_.data() + static_cast<std::ptrdiff_t>(g) * group * hd, q_dim, scratch.buffers);
+    if (!give_rows) continue;
+    // Hand the probabilities over, zero past this KV head's slots.   // [group, queries, stride]
+    for (int hh = 0; hh < group; ++hh) {
+      const int h = g * group + hh;
       for (int i = 0; i < queries; ++i) {
+        const float* row = scratch.probabilities.data() +
+                           (static_cast<std::size_t>(hh) * n + first_row + i) * limit;
         float* out = scratch.rows.data() + (static_cast<std::size_t>(h) * queries + i) * stride;
-        Eigen::Map<Eigen::RowVectorXf>(out, limit) = probabilities.row(first_row + i);
+        std::copy_n(row, limit, out);
         std::fill(out + limit, out + stride, 0.0f);
       }
     }

@@ -196,13 +196,16 @@ std::uint64_t tensor_size(const TensorInfo& tensor) {
     case TensorType::bf16:
       return bytes(2);
     case TensorType::q8_0:
-      if (tensor.dims[0] % kQ8BlockValues != 0) {
-        fail("Q8_0 tensor " + in_quotes(tensor.name) + " has ne[0] = " +
+    case TensorType::q4_0:
+      if (tensor.dims[0] % kQuantBlockValues != 0) {
+        fail(tensor_type_name(tensor.type) + " tensor " + in_quotes(tensor.name) + " has ne[0] = " +
              std::to_string(tensor.dims[0]) + ", not a multiple of the block size 32");
       }
-      return static_cast<std::uint64_t>(
-          checked_product({elements / kQ8BlockValues, kQ8BlockBytes},
-                          "GGUF: tensor " + in_quotes(tensor.name) + " bytes"));
+      return static_cast<std::uint64_t>(checked_product(
+          {elements / kQuantBlockValues, static_cast<TensorType>(tensor.type) == TensorType::q8_0
+                                             ? kQ8BlockBytes
+                                             : kQ4BlockBytes},
+          "GGUF: tensor " + in_quotes(tensor.name) + " bytes"));
   }
   return 0;
 }
@@ -241,6 +244,7 @@ bool is_supported(std::uint32_t type) {
     case TensorType::f16:
     case TensorType::bf16:
     case TensorType::q8_0:
+    case TensorType::q4_0:
       return true;
   }
   return false;
@@ -275,7 +279,7 @@ std::span<const std::byte> File::tensor_data(const TensorInfo& tensor) const {
   if (!is_supported(tensor.type)) {
     fail("tensor " + in_quotes(tensor.name) + " has unsupported type " +
          tensor_type_name(tensor.type) + " (" + std::to_string(tensor.type) +
-         "); kvevict reads F32, F16, BF16 and Q8_0");
+         "); kvevict reads F32, F16, BF16, Q8_0 and Q4_0");
   }
   return bytes.subspan(static_cast<std::size_t>(data_offset + tensor.offset),
                        static_cast<std::size_t>(tensor.size));
@@ -651,47 +655,20 @@ std::int32_t token_id(const gguf::File& file, std::string_view key, std::int32_t
   return static_cast<std::int32_t>(*value);
 }
 
-void dequantize_q8_0(std::span<const std::byte> blocks, std::size_t count, float* out) {
-  for (std::size_t block = 0; block < count / gguf::kQ8BlockValues; ++block) {
-    const std::byte* source = blocks.data() + block * gguf::kQ8BlockBytes;
-    std::uint16_t scale_bits;
-    std::memcpy(&scale_bits, source, 2);
-    const float scale = f16_to_float(scale_bits);
-    for (std::int64_t i = 0; i < gguf::kQ8BlockValues; ++i) {
-      const auto quant = static_cast<std::int8_t>(source[2 + i]);
-      out[block * gguf::kQ8BlockValues + static_cast<std::size_t>(i)] = quant * scale;
-    }
+DType dtype_of(gguf::TensorType type) {
+  switch (type) {
+    case gguf::TensorType::f32:
+      return DType::f32;
+    case gguf::TensorType::f16:
+      return DType::f16;
+    case gguf::TensorType::bf16:
+      return DType::bf16;
+    case gguf::TensorType::q8_0:
+      return DType::q8_0;
+    case gguf::TensorType::q4_0:
+      return DType::q4_0;
   }
-}
-
-std::vector<std::byte> quantize_to_q8_0(const WeightMatrix& matrix) {
-  const std::size_t count = static_cast<std::size_t>(matrix.rows * matrix.cols);
-  const std::vector<float> values =
-      detail::to_f32({matrix.data, matrix.bytes()}, matrix.dtype, count);
-  const std::size_t block_count = count / gguf::kQ8BlockValues;
-  std::vector<std::byte> out(block_count * gguf::kQ8BlockBytes);
-  for (std::size_t block = 0; block < block_count; ++block) {
-    const float* x = values.data() + block * gguf::kQ8BlockValues;
-    float max_magnitude = 0.0f;
-    for (std::int64_t i = 0; i < gguf::kQ8BlockValues; ++i) {
-      if (!std::isfinite(x[i])) fail("cannot quantise a non-finite weight to Q8_0");
-      max_magnitude = std::max(max_magnitude, std::fabs(x[i]));
-    }
-    // Round the scale up to an f16 d with 127 d >= max|x|: then every |x / d| <= 127 and the
-    // only error is rounding x / d to an integer, at most d / 2.
-    std::uint16_t scale_bits = float_to_f16(max_magnitude / 127.0f);
-    while (static_cast<double>(f16_to_float(scale_bits)) * 127.0 < max_magnitude) ++scale_bits;
-    if ((scale_bits & 0x7fffu) >= 0x7c00u) fail("weight magnitude too large for a Q8_0 f16 scale");
-    const double scale = f16_to_float(scale_bits);
-    std::byte* target = out.data() + block * gguf::kQ8BlockBytes;
-    std::memcpy(target, &scale_bits, 2);
-    for (std::int64_t i = 0; i < gguf::kQ8BlockValues; ++i) {
-      const double quant = scale == 0.0 ? 0.0 : std::round(x[i] / scale);
-      target[2 + i] =
-          static_cast<std::byte>(static_cast<std::int8_t>(std::clamp(quant, -127.0, 127.0)));
-    }
-  }
-  return out;
+  fail("tensor type " + std::to_string(static_cast<std::uint32_t>(type)) + " has no DType");
 }
 
 gguf::TensorType gguf_type(DType dtype) {
@@ -702,6 +679,10 @@ gguf::TensorType gguf_type(DType dtype) {
       return gguf::TensorType::f16;
     case DType::bf16:
       return gguf::TensorType::bf16;
+    case DType::q8_0:
+      return gguf::TensorType::q8_0;
+    case DType::q4_0:
+      return gguf::TensorType::q4_0;
   }
   return gguf::TensorType::f32;
 }
@@ -721,37 +702,12 @@ void load_tensor(Model& model, const gguf::File& file, TensorRole role, int laye
   const auto count = static_cast<std::size_t>(gguf::element_count(*tensor));
   if (detail::is_norm(role)) {
     std::vector<float>& norm = detail::norm_of(model, role, layer);
-    norm.resize(count);
-    if (type == gguf::TensorType::q8_0) {
-      dequantize_q8_0(bytes, count, norm.data());
-    } else {
-      const DType dtype = type == gguf::TensorType::f32   ? DType::f32
-                          : type == gguf::TensorType::f16 ? DType::f16
-                                                          : DType::bf16;
-      norm = detail::to_f32(bytes, dtype, count);
-    }
+    norm = detail::to_f32(bytes, dtype_of(type), count);
     return;
   }
-  const std::int64_t rows = tensor->dims[1];
-  const std::int64_t cols = tensor->dims[0];
-  WeightMatrix& matrix = detail::matrix_of(model, role, layer);
-  switch (type) {
-    case gguf::TensorType::f32:
-      matrix = detail::matrix_view(model, bytes, DType::f32, rows, cols);
-      break;
-    case gguf::TensorType::f16:
-      matrix = detail::matrix_view(model, bytes, DType::f16, rows, cols);
-      break;
-    case gguf::TensorType::bf16:
-      matrix = detail::matrix_view(model, bytes, DType::bf16, rows, cols);
-      break;
-    case gguf::TensorType::q8_0: {
-      float* values = nullptr;
-      matrix = detail::new_f32_matrix(model, rows, cols, &values);
-      dequantize_q8_0(bytes, count, values);
-      break;
-    }
-  }
+  // Matrices stay in the file's type (and bytes, when aligned).
+  detail::matrix_of(model, role, layer) =
+      detail::matrix_view(model, bytes, dtype_of(type), tensor->dims[1], tensor->dims[0]);
 }
 
 Tokenizer read_tokenizer(const gguf::File& file) {
@@ -877,15 +833,21 @@ void add_tokenizer(gguf::Writer& writer, const Tokenizer& tokenizer) {
   }
 }
 
-std::uint32_t file_type(const Model& model, bool quantized) {
-  if (quantized) return 7;  // llama.cpp's LLAMA_FTYPE_MOSTLY_Q8_0
-  switch (model.layers.empty() ? DType::f32 : model.layers[0].wq.dtype) {
+// llama.cpp's llama_ftype of the matrices' type.
+std::uint32_t file_type(const Model& model, std::optional<DType> quantize_to) {
+  switch (quantize_to            ? *quantize_to
+          : model.layers.empty() ? DType::f32
+                                 : model.layers[0].wq.dtype) {
     case DType::f32:
       return 0;
     case DType::f16:
       return 1;
     case DType::bf16:
       return 32;
+    case DType::q8_0:
+      return 7;
+    case DType::q4_0:
+      return 2;
   }
   return 0;
 }
@@ -906,7 +868,11 @@ std::vector<std::byte> serialize_gguf(const Model& model, const GgufWriteOptions
     fail("write alignment " + std::to_string(alignment) + " is not a power of two");
   }
   gguf::Writer writer(alignment);
-  gguf::add_llama_model(writer, model, options.quantize_q8_0);
+  if (options.quantize_q8_0 && options.quantize_q4_0) fail("quantize to Q8_0 or to Q4_0, not both");
+  std::optional<DType> quantize_to;
+  if (options.quantize_q8_0) quantize_to = DType::q8_0;
+  if (options.quantize_q4_0) quantize_to = DType::q4_0;
+  gguf::add_llama_model(writer, model, quantize_to);
   return writer.finish();
 }
 
@@ -915,7 +881,7 @@ void write_gguf(const Model& model, const std::filesystem::path& path,
   detail::write_file(path, serialize_gguf(model, options), "GGUF");
 }
 
-void gguf::add_llama_model(Writer& writer, const Model& source, bool quantize_q8_0) {
+void gguf::add_llama_model(Writer& writer, const Model& source, std::optional<DType> quantize_to) {
   Model model = source;  // shallow: shares the weights; Q/K may be replaced by permuted copies
   try {
     model.config.validate();
@@ -931,7 +897,7 @@ void gguf::add_llama_model(Writer& writer, const Model& source, bool quantize_q8
 
   writer.add_string("general.architecture", "llama");
   writer.add_string("general.name", "kvevict");
-  writer.add_uint32("general.file_type", file_type(model, quantize_q8_0));
+  writer.add_uint32("general.file_type", file_type(model, quantize_to));
   writer.add_uint32("llama.context_length", static_cast<std::uint32_t>(config.context_length));
   writer.add_uint32("llama.embedding_length", static_cast<std::uint32_t>(config.dim));
   writer.add_uint32("llama.block_count", static_cast<std::uint32_t>(config.layers));
@@ -966,13 +932,10 @@ void gguf::add_llama_model(Writer& writer, const Model& source, bool quantize_q8
     if (matrix.data == nullptr || matrix.rows != dims[1] || matrix.cols != dims[0]) {
       fail("matrix '" + name + "' is missing or has the wrong shape");
     }
-    if (quantize_q8_0 && matrix.cols % gguf::kQ8BlockValues == 0) {
-      writer.add_tensor(name, dims, static_cast<std::uint32_t>(gguf::TensorType::q8_0),
-                        quantize_to_q8_0(matrix));
-    } else {
-      writer.add_tensor(name, dims, static_cast<std::uint32_t>(gguf_type(matrix.dtype)),
-                        detail::matrix_bytes_as(matrix, matrix.dtype));
-    }
+    const DType dtype =
+        quantize_to && matrix.cols % gguf::kQuantBlockValues == 0 ? *quantize_to : matrix.dtype;
+    writer.add_tensor(name, dims, static_cast<std::uint32_t>(gguf_type(dtype)),
+                      detail::matrix_bytes_as(matrix, dtype));
   };
   add(TensorRole::token_embedding, 0);
   for (int layer = 0; layer < config.layers; ++layer) {

@@ -20,7 +20,8 @@
 
 namespace kvevict::model {
 struct Model;
-}
+enum class DType : std::uint8_t;
+}  // namespace kvevict::model
 
 namespace kvevict::model::gguf {
 
@@ -52,9 +53,10 @@ enum class ValueType : std::uint32_t {
 [[nodiscard]] std::string_view to_string(ValueType type);
 
 /// ggml tensor types kvevict reads (the others are named in errors).
-enum class TensorType : std::uint32_t { f32 = 0, f16 = 1, q8_0 = 8, bf16 = 30 };
-inline constexpr std::int64_t kQ8BlockValues = 32;
-inline constexpr std::int64_t kQ8BlockBytes = 34;  // f16 scale + 32 int8
+enum class TensorType : std::uint32_t { f32 = 0, f16 = 1, q4_0 = 2, q8_0 = 8, bf16 = 30 };
+inline constexpr std::int64_t kQuantBlockValues = 32;  // Q8_0 and Q4_0
+inline constexpr std::int64_t kQ8BlockBytes = 34;      // f16 scale + 32 int8
+inline constexpr std::int64_t kQ4BlockBytes = 18;      // f16 scale + 32 4-bit values
 /// "F32", "Q4_K", ... or "type N".
 [[nodiscard]] std::string tensor_type_name(std::uint32_t type);
 [[nodiscard]] bool is_supported(std::uint32_t type);
@@ -155,9 +157,9 @@ class Writer {
 };
 
 /// Adds a Llama model's metadata (architecture, hyperparameters, tokenizer) and tensors to
-/// `writer`, permuting Q/K rows to interleaved RoPE when the model is half_split. With
-/// `quantize_q8_0`, matrices whose column count is a multiple of 32 are stored as Q8_0.
-/// serialize_gguf is a Writer plus this; tests add extra metadata around it.
-void add_llama_model(Writer& writer, const Model& model, bool quantize_q8_0);
+/// `writer`, permuting Q/K rows to interleaved RoPE when the model is half_split. With a
+/// `quantize_to` (DType::q8_0 or q4_0), matrices whose column count is a multiple of 32 are stored
+/// in that type. serialize_gguf is a Writer plus this; tests add extra metadata around it.
+void add_llama_model(Writer& writer, const Model& model, std::optional<DType> quantize_to);
 
 }  // namespace kvevict::model::gguf

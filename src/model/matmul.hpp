@@ -1,10 +1,9 @@
-// Products with model weights: y = W x and Y = X W^T, in f32 for every weight dtype.
+// Products with model weights: y = W x and Y = X W^T, f32 activations, W in its own type.
 //
-// W is a WeightMatrix [rows, cols], row-major (rows = output features). f32 weights are read in
-// place through Eigen::Map: one row of X (decoding) takes eight rows of W at a time, one from each
-// eighth of W, so that eight read streams run at once (a matrix-vector product is bound by memory
-// bandwidth); several rows of X go through Eigen's GEMM. f16 / bf16 weights are converted a block
-// of rows at a time into a thread-local f32 buffer and multiplied from there. Single thread.
+// W is a WeightMatrix [rows, cols], row-major (rows = output features). One row of X (decoding)
+// is a fused dequantise-and-dot per row of W (kernels::matvec); several rows convert W a block of
+// rows at a time into an f32 buffer of about 64 KiB (f32 W is used in place) and multiply every
+// row of X with it (kernels::matmul_transposed), so each weight is converted once per product.
 #pragma once
 
 #include <Eigen/Core>
@@ -19,7 +18,7 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 void matvec(const WeightMatrix& w, const float* x, float* y);
 
 /// Y = X W^T, X [n, W.cols], Y [n, W.rows] (row i of Y is W times row i of X). n == 1 takes the
-/// matvec path, so a single row gives bitwise the same result as matvec().
+/// matvec path.
 void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::Ref<RowMatrix> y);
 
 }  // namespace kvevict::model

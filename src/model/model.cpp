@@ -17,11 +17,16 @@
 #include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "model_io.hpp"
+#include "quant.hpp"
 
 namespace kvevict::model {
 
 static_assert(std::endian::native == std::endian::little,
               "model files are little-endian and read in place");
+
+std::int64_t block_values(DType dtype) {
+  return dtype == DType::q8_0 || dtype == DType::q4_0 ? kQuantBlockValues : 1;
+}
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
@@ -30,8 +35,20 @@ std::size_t dtype_size(DType dtype) {
     case DType::f16:
     case DType::bf16:
       return 2;
+    case DType::q8_0:
+      return kQ8_0BlockBytes;
+    case DType::q4_0:
+      return kQ4_0BlockBytes;
   }
   throw Error("unknown DType " + std::to_string(static_cast<int>(dtype)));
+}
+
+std::size_t dtype_bytes(DType dtype, std::int64_t values) {
+  const std::int64_t per_block = block_values(dtype);
+  KVEVICT_REQUIRE(values >= 0 && values % per_block == 0,
+                  std::to_string(values) + " " + std::string(to_string(dtype)) +
+                      " values are not a whole number of blocks of " + std::to_string(per_block));
+  return static_cast<std::size_t>(values / per_block) * dtype_size(dtype);
 }
 
 std::string_view to_string(DType dtype) {
@@ -42,35 +59,18 @@ std::string_view to_string(DType dtype) {
       return "f16";
     case DType::bf16:
       return "bf16";
+    case DType::q8_0:
+      return "q8_0";
+    case DType::q4_0:
+      return "q4_0";
   }
   return "unknown";
 }
 
-namespace {
-
-void convert_to_f32(const std::byte* source, DType dtype, std::size_t count, float* out) {
-  switch (dtype) {
-    case DType::f32:
-      if (count > 0) std::memcpy(out, source, count * sizeof(float));
-      return;
-    case DType::f16:
-    case DType::bf16:
-      for (std::size_t i = 0; i < count; ++i) {
-        std::uint16_t half;
-        std::memcpy(&half, source + 2 * i, 2);
-        out[i] = dtype == DType::f16 ? f16_to_float(half) : bf16_to_float(half);
-      }
-      return;
-  }
-}
-
-}  // namespace
-
 void WeightMatrix::row_to_f32(std::int64_t r, float* out) const {
   KVEVICT_REQUIRE(r >= 0 && r < rows, "WeightMatrix::row_to_f32: row " + std::to_string(r) +
                                           " out of range [0, " + std::to_string(rows) + ")");
-  const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(dtype);
-  convert_to_f32(data + static_cast<std::size_t>(r) * row_bytes, dtype,
+  convert_to_f32(data + static_cast<std::size_t>(r) * row_bytes(), dtype,
                  static_cast<std::size_t>(cols), out);
 }
 
@@ -174,7 +174,7 @@ WeightMatrix permute_rope_rows(const WeightMatrix& matrix, int heads, int head_d
   KVEVICT_REQUIRE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
                   "permute_rope_rows: rotary_dim " + std::to_string(rotary_dim) +
                       " must be even and <= head_dim " + std::to_string(head_dim));
-  const std::size_t row_bytes = static_cast<std::size_t>(matrix.cols) * dtype_size(matrix.dtype);
+  const std::size_t row_bytes = matrix.row_bytes();
   detail::AlignedBytes permuted = detail::allocate_aligned(matrix.bytes());
   const int half = rotary_dim / 2;
   for (int head = 0; head < heads; ++head) {
@@ -403,21 +403,14 @@ WeightMatrix matrix_view(Model& model, std::span<const std::byte> bytes, DType d
                          std::int64_t rows, std::int64_t cols) {
   WeightMatrix matrix{dtype, rows, cols, bytes.data()};
   KVEVICT_REQUIRE(bytes.size() == matrix.bytes(), "matrix_view: byte count does not match shape");
-  if (reinterpret_cast<std::uintptr_t>(bytes.data()) % dtype_size(dtype) != 0) {
+  // Blocks (Q8_0, Q4_0) are read with unaligned loads; values need their own alignment.
+  const std::size_t alignment = block_values(dtype) == 1 ? dtype_size(dtype) : 1;
+  if (reinterpret_cast<std::uintptr_t>(bytes.data()) % alignment != 0) {
     const AlignedBytes copy = copy_aligned(bytes);
     model.storage.push_back(copy.owner);
     matrix.data = copy.data();
   }
   return matrix;
-}
-
-WeightMatrix new_f32_matrix(Model& model, std::int64_t rows, std::int64_t cols, float** values) {
-  // Callers size it from a tensor whose (quantised) bytes are already in the file.
-  const AlignedBytes buffer = allocate_aligned(checked_allocation(
-      {rows, cols, 4}, "f32 matrix bytes", std::numeric_limits<std::int64_t>::max()));
-  model.storage.push_back(buffer.owner);
-  *values = reinterpret_cast<float*>(buffer.data());
-  return WeightMatrix{DType::f32, rows, cols, buffer.data()};
 }
 
 float narrow_to_f32(double value, std::string_view what) {
@@ -427,11 +420,8 @@ float narrow_to_f32(double value, std::string_view what) {
 }
 
 std::vector<float> to_f32(std::span<const std::byte> bytes, DType dtype, std::size_t count) {
-  KVEVICT_REQUIRE(
-      static_cast<std::uint64_t>(checked_product(
-          {static_cast<std::int64_t>(count), static_cast<std::int64_t>(dtype_size(dtype))},
-          "to_f32: byte count")) <= bytes.size(),
-      "to_f32: too few bytes");
+  KVEVICT_REQUIRE(dtype_bytes(dtype, static_cast<std::int64_t>(count)) <= bytes.size(),
+                  "to_f32: too few bytes");
   std::vector<float> values(count);
   convert_to_f32(bytes.data(), dtype, count, values.data());
   return values;
@@ -441,6 +431,7 @@ std::vector<std::byte> matrix_bytes_as(const WeightMatrix& matrix, DType dtype) 
   const std::size_t count = static_cast<std::size_t>(matrix.rows * matrix.cols);
   if (matrix.dtype == dtype) return {matrix.data, matrix.data + matrix.bytes()};
   const std::vector<float> values = to_f32({matrix.data, matrix.bytes()}, matrix.dtype, count);
+  if (block_values(dtype) > 1) return quantize(values, dtype);
   std::vector<std::byte> out(count * dtype_size(dtype));
   for (std::size_t i = 0; i < count; ++i) {
     if (dtype == DType::f32) {

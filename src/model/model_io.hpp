@@ -7,7 +7,7 @@
 // against the bytes that remain. f32/f16/bf16 weights are used in place (Model::storage keeps
 // the file buffer alive; a tensor whose offset is not a multiple of its element size is copied
 // into an aligned buffer), so WeightMatrix::data is always aligned to its element size. GGUF
-// Q8_0 tensors are dequantised to f32 at load. Norm vectors are converted to f32.
+// Matrices keep their file's type in memory (Q8_0 and Q4_0 too). Norm vectors are converted to f32.
 //
 // RoPE layouts: GGUF and llama2.c Q/K rows expect interleaved RoPE, safetensors (Hugging Face)
 // rows expect half_split. Loaders set config.rope_layout to the file's layout and never permute;
@@ -94,6 +94,8 @@ struct GgufWriteOptions {
   /// the norms, keep their dtype). Per block of 32: scale d = the smallest f16 >= max|x| / 127,
   /// q = round(x / d), so |x - q d| <= d / 2.
   bool quantize_q8_0 = false;
+  /// The same as Q4_0 (llama.cpp's reference quantiser; see quant.hpp). Not with quantize_q8_0.
+  bool quantize_q4_0 = false;
   /// Tensor data alignment (a power of two); written as general.alignment when not 32.
   std::uint32_t alignment = 32;
 };
@@ -252,10 +254,6 @@ inline constexpr TensorRole kLayerRoles[] = {TensorRole::attention_norm,
 /// `model.storage`.
 [[nodiscard]] WeightMatrix matrix_view(Model& model, std::span<const std::byte> bytes, DType dtype,
                                        std::int64_t rows, std::int64_t cols);
-/// A new f32 matrix whose buffer is appended to `model.storage`; fill it through the returned
-/// pointer before anyone reads the model.
-[[nodiscard]] WeightMatrix new_f32_matrix(Model& model, std::int64_t rows, std::int64_t cols,
-                                          float** values);
 /// `value` as f32; kvevict::Error naming `what` when a finite value is beyond the f32 range (the
 /// plain conversion would be undefined behaviour). NaN and infinities pass through.
 [[nodiscard]] float narrow_to_f32(double value, std::string_view what);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "half.hpp"
+#include "quant.hpp"
 
 namespace kvevict::model {
 namespace {
@@ -54,7 +55,7 @@ class Arena {
 };
 
 std::size_t padded_bytes(std::int64_t rows, std::int64_t cols, DType dtype) {
-  return (static_cast<std::size_t>(rows * cols) * dtype_size(dtype) + 63) / 64 * 64;
+  return (static_cast<std::size_t>(rows) * dtype_bytes(dtype, cols) + 63) / 64 * 64;
 }
 
 WeightMatrix random_matrix(Arena& arena, SplitMix64& rng, std::int64_t rows, std::int64_t cols,
@@ -63,9 +64,17 @@ WeightMatrix random_matrix(Arena& arena, SplitMix64& rng, std::int64_t rows, std
   w.dtype = dtype;
   w.rows = rows;
   w.cols = cols;
-  std::byte* data = arena.take(static_cast<std::size_t>(rows * cols) * dtype_size(dtype));
+  std::byte* data = arena.take(w.bytes());
   w.data = data;
   const auto count = static_cast<std::size_t>(rows * cols);
+  if (block_values(dtype) > 1) {
+    // Drawn as f32, then quantised as a GGUF writer would.
+    std::vector<float> values(count);
+    for (float& value : values) value = rng.normal_ish() * stddev;
+    const std::vector<std::byte> blocks = quantize(values, dtype);
+    std::memcpy(data, blocks.data(), blocks.size());
+    return w;
+  }
   for (std::size_t i = 0; i < count; ++i) {
     const float value = rng.normal_ish() * stddev;
     switch (dtype) {
@@ -82,6 +91,8 @@ WeightMatrix random_matrix(Arena& arena, SplitMix64& rng, std::int64_t rows, std
         std::memcpy(data + 2 * i, &bits, 2);
         break;
       }
+      default:
+        break;
     }
   }
   return w;

@@ -220,28 +220,29 @@ std::optional<DType> to_dtype(std::string_view name) {
   return std::nullopt;
 }
 
+// Safetensors has no block formats: Q8_0 and Q4_0 matrices are written as F32.
+DType stored_dtype(DType dtype) { return block_values(dtype) > 1 ? DType::f32 : dtype; }
+
 std::string_view dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return "F32";
+  switch (stored_dtype(dtype)) {
     case DType::f16:
       return "F16";
     case DType::bf16:
       return "BF16";
+    default:
+      return "F32";
   }
-  return "F32";
 }
 
 std::string_view torch_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return "float32";
+  switch (stored_dtype(dtype)) {
     case DType::f16:
       return "float16";
     case DType::bf16:
       return "bfloat16";
+    default:
+      return "float32";
   }
-  return "float32";
 }
 
 // --- config.json -------------------------------------------------------------------------------
@@ -553,7 +554,7 @@ SafetensorsFiles serialize_safetensors(const Model& source) {
       fail("matrix " + in_quotes(name) + " is missing or has the wrong shape");
     }
     writer.add_tensor(name, dtype_name(matrix.dtype), shape,
-                      detail::matrix_bytes_as(matrix, matrix.dtype));
+                      detail::matrix_bytes_as(matrix, stored_dtype(matrix.dtype)));
   };
   add(TensorRole::token_embedding, 0);
   for (int layer = 0; layer < config.layers; ++layer) {

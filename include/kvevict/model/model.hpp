@@ -1,4 +1,5 @@
-// The reference decoder's model: configuration, weights (f32 / f16 / bf16 in memory), tokenizer.
+// The reference decoder's model: configuration, weights (kept in memory in their file's type: f32,
+// f16, bf16, Q8_0, Q4_0), tokenizer.
 //
 // Conventions: a weight matrix is [rows, cols] row-major, rows = output features (PyTorch Linear
 // layout), so y = W x. Q and K projections are stored so that RoPE with `config.rope_layout` is
@@ -18,10 +19,17 @@
 
 namespace kvevict::model {
 
-/// Element type of a weight matrix as held in memory. Q8_0 from GGUF is dequantised to f32 at load.
-enum class DType : std::uint8_t { f32, f16, bf16 };
+/// Element type of a weight matrix as held in memory: the file's own. Q8_0 and Q4_0 are GGUF's
+/// blocks of 32 values along a row: an f16 scale d, then 32 int8 q (Q8_0: value q d) or 16 bytes
+/// of 4-bit q, values 0-15 in the low nibbles and 16-31 in the high ones (Q4_0: value (q - 8) d).
+enum class DType : std::uint8_t { f32, f16, bf16, q8_0, q4_0 };
 
+/// Values per block: 32 for Q8_0 and Q4_0, 1 for the others.
+[[nodiscard]] std::int64_t block_values(DType dtype);
+/// Bytes of one block (of one value for f32, f16, bf16).
 [[nodiscard]] std::size_t dtype_size(DType dtype);
+/// Bytes of `values` values, a multiple of block_values(dtype) (throws kvevict::Error otherwise).
+[[nodiscard]] std::size_t dtype_bytes(DType dtype, std::int64_t values);
 [[nodiscard]] std::string_view to_string(DType dtype);
 
 /// A [rows, cols] row-major weight matrix whose bytes live in the owning Model's storage.
@@ -31,9 +39,8 @@ struct WeightMatrix {
   std::int64_t cols = 0;
   const std::byte* data = nullptr;
 
-  [[nodiscard]] std::size_t bytes() const {
-    return static_cast<std::size_t>(rows * cols) * dtype_size(dtype);
-  }
+  [[nodiscard]] std::size_t row_bytes() const { return dtype_bytes(dtype, cols); }
+  [[nodiscard]] std::size_t bytes() const { return static_cast<std::size_t>(rows) * row_bytes(); }
   /// Row r converted to f32 (`cols` values), e.g. an embedding lookup.
   void row_to_f32(std::int64_t r, float* out) const;
 };

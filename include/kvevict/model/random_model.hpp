@@ -16,7 +16,8 @@ namespace kvevict::model {
 /// 1 / sqrt(2 * layers) so the stream does not grow with depth. The embedding uses std 1 /
 /// sqrt(dim) (as the tied output head, it then gives logits of standard deviation about 1). Only
 /// integer arithmetic and IEEE additions and multiplications are used: the bytes are the same on
-/// every platform and compiler. Norm weights are 1.
+/// every platform and compiler. Norm weights are 1. Q8_0 / Q4_0: the f32 draws, quantised
+/// (quant.hpp); the column counts must then be multiples of 32.
 ///
 /// Tokenizer: byte-level with `vocab_size` ids: bytes 0..255, then bos = 256, eos = 257 and
 /// anchor = 258 ("<AC>") where the vocabulary holds them (-1 otherwise). format = "random".

@@ -1,0 +1,620 @@
+// Highway implementation of kernels.hpp: this file is compiled once per target (foreach_target.h
+// re-includes it with HWY_NAMESPACE = N_AVX3, N_AVX2, N_SSE4, ...); the exported functions at the
+// end dispatch to the best target the CPU supports.
+//
+// Vectors are at most 16 floats (CappedTag<float, 16>: a 512-bit register), so that a lane count
+// always divides the 32 values of a Q8_0 / Q4_0 block and the 16 of a Q4_0 half-block. Scalable
+// vectors (SVE, RVV) are not compiled: the tiles below keep vectors in arrays, which sizeless
+// types do not allow; Arm builds use NEON.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128 | HWY_RVV)
+#endif
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "model/kernels/kernels.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// foreach_target.h must come first.
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
+
+#include "model/half.hpp"
+#include "model/kernels/kernels.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvevict::model::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using D = hn::CappedTag<float, 16>;
+using V = hn::Vec<D>;
+
+// x86 with AVX-512 has 32 vector registers, the others 16: the tiles are sized to fit.
+#if HWY_TARGET <= HWY_AVX3
+constexpr int kWideTile = 4;
+#else
+constexpr int kWideTile = 2;
+#endif
+
+HWY_INLINE float sum_lanes(D d, V v) { return hn::GetLane(hn::SumOfLanes(d, v)); }
+
+// One f16 scale (of a Q8_0 / Q4_0 block) as f32, through the target's conversion (F16C on AVX2).
+HWY_INLINE float block_scale(const std::uint8_t* block) {
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<hwy::float16_t, decltype(d1)> dh1;
+  return hn::GetLane(
+      hn::PromoteTo(d1, hn::LoadU(dh1, reinterpret_cast<const hwy::float16_t*>(block))));
+}
+
+// --- Element types: f32, f16, bf16 --------------------------------------------------------------
+
+HWY_INLINE V load_weights(D d, const float* p) { return hn::LoadU(d, p); }
+HWY_INLINE V load_weights(D d, const hwy::float16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(), p));
+}
+HWY_INLINE V load_weights(D d, const hwy::bfloat16_t* p) {
+  return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, D>(), p));
+}
+HWY_INLINE float weight_value(const float* p) { return *p; }
+HWY_INLINE float weight_value(const hwy::float16_t* p) {
+  std::uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return f16_to_float(bits);
+}
+HWY_INLINE float weight_value(const hwy::bfloat16_t* p) {
+  std::uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return bf16_to_float(bits);
+}
+
+// y[r] = W[r] . x for kRows consecutive rows starting at w (row length cols): one accumulator per
+// row, so that kRows independent read streams and FMA chains run at once.
+template <int kRows, typename T>
+HWY_INLINE void dot_rows(const T* w, std::int64_t cols, const float* x, float* y) {
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  V acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = hn::Zero(d);
+  std::int64_t j = 0;
+  for (; j + lanes <= cols; j += lanes) {
+    const V xv = hn::LoadU(d, x + j);
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = hn::MulAdd(load_weights(d, w + r * cols + j), xv, acc[r]);
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float total = sum_lanes(d, acc[r]);
+    for (std::int64_t t = j; t < cols; ++t) total += weight_value(w + r * cols + t) * x[t];
+    y[r] = total;
+  }
+}
+
+template <typename T>
+void matvec_elements(const T* w, std::int64_t cols, const float* x, float* y, std::int64_t begin,
+                     std::int64_t end) {
+  std::int64_t r = begin;
+  for (; r + 4 <= end; r += 4) dot_rows<4>(w + r * cols, cols, x, y + r);
+  for (; r < end; ++r) dot_rows<1>(w + r * cols, cols, x, y + r);
+}
+
+template <typename T>
+void dequantize_elements(const T* w, std::int64_t cols, std::int64_t begin, std::int64_t end,
+                         float* out) {
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t count = (end - begin) * cols;
+  const T* source = w + begin * cols;
+  std::int64_t j = 0;
+  for (; j + lanes <= count; j += lanes) hn::StoreU(load_weights(d, source + j), d, out + j);
+  for (; j < count; ++j) out[j] = weight_value(source + j);
+}
+
+// --- Block types: Q8_0, Q4_0 --------------------------------------------------------------------
+// A format reads the 32 values of a block times x (unscaled: the block's scale multiplies the sum
+// once) and dequantises a block.
+
+struct Q8_0 {
+  static constexpr std::size_t kBlockBytes = 34;
+  // sum over the block of q[j] * x[j], as lanes to be added.
+  static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x) {
+    const hn::Rebind<std::int32_t, D> di;
+    const hn::Rebind<std::int8_t, D> d8;
+    const auto* q = reinterpret_cast<const std::int8_t*>(block + 2);
+    V total = hn::Zero(d);
+    for (std::size_t j = 0; j < 32; j += hn::Lanes(d)) {
+      const V values = hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q + j)));
+      total = hn::MulAdd(values, hn::LoadU(d, x + j), total);
+    }
+    return total;
+  }
+  static HWY_INLINE void dequantize(D d, const std::uint8_t* block, float* out) {
+    const hn::Rebind<std::int32_t, D> di;
+    const hn::Rebind<std::int8_t, D> d8;
+    const V scale = hn::Set(d, block_scale(block));
+    const auto* q = reinterpret_cast<const std::int8_t*>(block + 2);
+    for (std::size_t j = 0; j < 32; j += hn::Lanes(d)) {
+      hn::StoreU(hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q + j))), scale), d,
+                 out + j);
+    }
+  }
+};
+
+struct Q4_0 {
+  static constexpr std::size_t kBlockBytes = 18;
+  // Byte j holds value j (low nibble) and value j + 16 (high nibble), both offset by 8.
+  template <class F>
+  static HWY_INLINE void for_each_half(D d, const std::uint8_t* block, F&& f) {
+    const hn::Rebind<std::int32_t, D> di;
+    const hn::Rebind<std::uint8_t, D> d8;
+    const auto low_mask = hn::Set(di, 0xf);
+    const auto offset = hn::Set(di, 8);
+    for (std::size_t j = 0; j < 16; j += hn::Lanes(d)) {
+      const auto bytes = hn::BitCast(
+          di, hn::PromoteTo(hn::Rebind<std::uint32_t, D>(), hn::LoadU(d8, block + 2 + j)));
+      f(j, hn::ConvertTo(d, hn::Sub(hn::And(bytes, low_mask), offset)),
+        hn::ConvertTo(d, hn::Sub(hn::ShiftRight<4>(bytes), offset)));
+    }
+  }
+  static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x) {
+    V total = hn::Zero(d);
+    for_each_half(d, block, [&](std::size_t j, V low, V high) {
+      total = hn::MulAdd(low, hn::LoadU(d, x + j), total);
+      total = hn::MulAdd(high, hn::LoadU(d, x + 16 + j), total);
+    });
+    return total;
+  }
+  static HWY_INLINE void dequantize(D d, const std::uint8_t* block, float* out) {
+    const V scale = hn::Set(d, block_scale(block));
+    for_each_half(d, block, [&](std::size_t j, V low, V high) {
+      hn::StoreU(hn::Mul(low, scale), d, out + j);
+      hn::StoreU(hn::Mul(high, scale), d, out + 16 + j);
+    });
+  }
+};
+
+template <class Format, int kRows>
+HWY_INLINE void dot_block_rows(const std::uint8_t* w, std::size_t row_bytes, std::int64_t blocks,
+                               const float* x, float* y) {
+  const D d;
+  V acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = hn::Zero(d);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < kRows; ++r) {
+      const std::uint8_t* block =
+          w + r * row_bytes + static_cast<std::size_t>(b) * Format::kBlockBytes;
+      acc[r] =
+          hn::MulAdd(hn::Set(d, block_scale(block)), Format::dot(d, block, x + 32 * b), acc[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) y[r] = sum_lanes(d, acc[r]);
+}
+
+template <class Format>
+void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, float* y,
+                   std::int64_t begin, std::int64_t end) {
+  const std::int64_t blocks = cols / 32;
+  const std::size_t row_bytes = static_cast<std::size_t>(blocks) * Format::kBlockBytes;
+  std::int64_t r = begin;
+  for (; r + 4 <= end; r += 4)
+    dot_block_rows<Format, 4>(w + r * row_bytes, row_bytes, blocks, x, y + r);
+  for (; r < end; ++r) dot_block_rows<Format, 1>(w + r * row_bytes, row_bytes, blocks, x, y + r);
+}
+
+template <class Format>
+void dequantize_blocks(const std::uint8_t* w, std::int64_t cols, std::int64_t begin,
+                       std::int64_t end, float* out) {
+  const D d;
+  const std::int64_t blocks = (end - begin) * (cols / 32);
+  const std::uint8_t* source =
+      w + begin * (cols / 32) * static_cast<std::int64_t>(Format::kBlockBytes);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    Format::dequantize(d, source + b * static_cast<std::int64_t>(Format::kBlockBytes),
+                       out + 32 * b);
+  }
+}
+
+// --- Dispatch on the weight type ----------------------------------------------------------------
+
+void Matvec(const WeightMatrix& w, const float* x, float* y, std::int64_t begin, std::int64_t end) {
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(w.data);
+  switch (w.dtype) {
+    case DType::f32:
+      return matvec_elements(reinterpret_cast<const float*>(bytes), w.cols, x, y, begin, end);
+    case DType::f16:
+      return matvec_elements(reinterpret_cast<const hwy::float16_t*>(bytes), w.cols, x, y, begin,
+                             end);
+    case DType::bf16:
+      return matvec_elements(reinterpret_cast<const hwy::bfloat16_t*>(bytes), w.cols, x, y, begin,
+                             end);
+    case DType::q8_0:
+      return matvec_blocks<Q8_0>(bytes, w.cols, x, y, begin, end);
+    case DType::q4_0:
+      return matvec_blocks<Q4_0>(bytes, w.cols, x, y, begin, end);
+  }
+}
+
+void DequantizeRows(const WeightMatrix& w, std::int64_t begin, std::int64_t end, float* out) {
+  const auto* bytes = reinterpret_cast<const std::uint8_t*>(w.data);
+  switch (w.dtype) {
+    case DType::f32:
+      return dequantize_elements(reinterpret_cast<const float*>(bytes), w.cols, begin, end, out);
+    case DType::f16:
+      return dequantize_elements(reinterpret_cast<const hwy::float16_t*>(bytes), w.cols, begin, end,
+                                 out);
+    case DType::bf16:
+      return dequantize_elements(reinterpret_cast<const hwy::bfloat16_t*>(bytes), w.cols, begin,
+                                 end, out);
+    case DType::q8_0:
+      return dequantize_blocks<Q8_0>(bytes, w.cols, begin, end, out);
+    case DType::q4_0:
+      return dequantize_blocks<Q4_0>(bytes, w.cols, begin, end, out);
+  }
+}
+
+// --- f32 products -------------------------------------------------------------------------------
+
+// Y[i][c] = X[i] . W[c] for a tile of kM rows of X and kN rows of W: kM * kN accumulators, each
+// loaded vector of X used kN times and of W kM times.
+template <int kM, int kN>
+HWY_INLINE void product_tile(const float* x, std::ptrdiff_t x_stride, const float* w,
+                             std::ptrdiff_t w_stride, std::int64_t k, float* y,
+                             std::ptrdiff_t y_stride) {
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  V acc[kM][kN];
+  for (int i = 0; i < kM; ++i) {
+    for (int c = 0; c < kN; ++c) acc[i][c] = hn::Zero(d);
+  }
+  std::int64_t j = 0;
+  for (; j + lanes <= k; j += lanes) {
+    V wv[kN];
+    for (int c = 0; c < kN; ++c) wv[c] = hn::LoadU(d, w + c * w_stride + j);
+    for (int i = 0; i < kM; ++i) {
+      const V xv = hn::LoadU(d, x + i * x_stride + j);
+      for (int c = 0; c < kN; ++c) acc[i][c] = hn::MulAdd(xv, wv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < kM; ++i) {
+    for (int c = 0; c < kN; ++c) {
+      float total = sum_lanes(d, acc[i][c]);
+      for (std::int64_t t = j; t < k; ++t) total += x[i * x_stride + t] * w[c * w_stride + t];
+      y[i * y_stride + c] = total;
+    }
+  }
+}
+
+// Rows [0, m) of X against rows of W in tiles; kN W rows stay in L1 while the X rows stream past.
+template <int kN>
+HWY_INLINE void product_columns(const float* x, std::ptrdiff_t x_stride, std::int64_t m,
+                                const float* w, std::ptrdiff_t w_stride, std::int64_t k, float* y,
+                                std::ptrdiff_t y_stride) {
+  std::int64_t i = 0;
+  for (; i + 4 <= m; i += 4) {
+    product_tile<4, kN>(x + i * x_stride, x_stride, w, w_stride, k, y + i * y_stride, y_stride);
+  }
+  for (; i < m; ++i) {
+    product_tile<1, kN>(x + i * x_stride, x_stride, w, w_stride, k, y + i * y_stride, y_stride);
+  }
+}
+
+void MatmulTransposed(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const float* w,
+                      std::ptrdiff_t w_stride, std::int64_t n, std::int64_t k, float* y,
+                      std::ptrdiff_t y_stride) {
+  // Blocks of 64 rows of X (64 x k floats, in L2) against every row of W.
+  constexpr std::int64_t kRowBlock = 64;
+  for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+    const std::int64_t rows = std::min(kRowBlock, m - i0);
+    const float* xb = x + i0 * x_stride;
+    float* yb = y + i0 * y_stride;
+    std::int64_t c = 0;
+    for (; c + kWideTile <= n; c += kWideTile) {
+      product_columns<kWideTile>(xb, x_stride, rows, w + c * w_stride, w_stride, k, yb + c,
+                                 y_stride);
+    }
+    for (; c < n; ++c)
+      product_columns<1>(xb, x_stride, rows, w + c * w_stride, w_stride, k, yb + c, y_stride);
+  }
+}
+
+// Y[i] += sum_s P[i][s] V[s] for kM rows and kV vectors of columns starting at column j.
+template <int kM, int kV>
+HWY_INLINE void weighted_tile(const float* p, std::ptrdiff_t p_stride, const float* v,
+                              std::ptrdiff_t v_stride, std::int64_t n, float* y,
+                              std::ptrdiff_t y_stride) {
+  const D d;
+  const auto lanes = static_cast<std::ptrdiff_t>(hn::Lanes(d));
+  V acc[kM][kV];
+  for (int i = 0; i < kM; ++i) {
+    for (int c = 0; c < kV; ++c) acc[i][c] = hn::LoadU(d, y + i * y_stride + c * lanes);
+  }
+  for (std::int64_t s = 0; s < n; ++s) {
+    V vv[kV];
+    for (int c = 0; c < kV; ++c) vv[c] = hn::LoadU(d, v + s * v_stride + c * lanes);
+    for (int i = 0; i < kM; ++i) {
+      const V weight = hn::Set(d, p[i * p_stride + s]);
+      for (int c = 0; c < kV; ++c) acc[i][c] = hn::MulAdd(weight, vv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < kM; ++i) {
+    for (int c = 0; c < kV; ++c) hn::StoreU(acc[i][c], d, y + i * y_stride + c * lanes);
+  }
+}
+
+template <int kM>
+HWY_INLINE void weighted_rows(const float* p, std::ptrdiff_t p_stride, const float* v,
+                              std::ptrdiff_t v_stride, std::int64_t n, std::int64_t k, float* y,
+                              std::ptrdiff_t y_stride) {
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t j = 0;
+  for (; j + 4 * lanes <= k; j += 4 * lanes)
+    weighted_tile<kM, 4>(p, p_stride, v + j, v_stride, n, y + j, y_stride);
+  for (; j + lanes <= k; j += lanes)
+    weighted_tile<kM, 1>(p, p_stride, v + j, v_stride, n, y + j, y_stride);
+  for (; j < k; ++j) {
+    for (int i = 0; i < kM; ++i) {
+      float total = y[i * y_stride + j];
+      for (std::int64_t s = 0; s < n; ++s) total += p[i * p_stride + s] * v[s * v_stride + j];
+      y[i * y_stride + j] = total;
+    }
+  }
+}
+
+void AddWeightedRows(const float* p, std::ptrdiff_t p_stride, std::int64_t m, const float* v,
+                     std::ptrdiff_t v_stride, std::int64_t n, std::int64_t k, float* y,
+                     std::ptrdiff_t y_stride) {
+  std::int64_t i = 0;
+  for (; i + kWideTile <= m; i += kWideTile) {
+    weighted_rows<kWideTile>(p + i * p_stride, p_stride, v, v_stride, n, k, y + i * y_stride,
+                             y_stride);
+  }
+  for (; i < m; ++i)
+    weighted_rows<1>(p + i * p_stride, p_stride, v, v_stride, n, k, y + i * y_stride, y_stride);
+}
+
+// --- Element-wise -------------------------------------------------------------------------------
+
+// f(v, j) for every full vector at j, then g(t) for the t left over.
+template <class F, class G>
+HWY_INLINE void for_each_vector(std::int64_t n, F&& f, G&& g) {
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  std::int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) f(j);
+  for (; j < n; ++j) g(j);
+}
+
+float Sum(const float* x, std::int64_t n) {
+  const D d;
+  V total = hn::Zero(d);
+  float tail = 0.0f;
+  for_each_vector(
+      n, [&](std::int64_t j) { total = hn::Add(total, hn::LoadU(d, x + j)); },
+      [&](std::int64_t t) { tail += x[t]; });
+  return sum_lanes(d, total) + tail;
+}
+
+void RmsNorm(const float* x, const float* weight, std::int64_t n, float eps, float* out) {
+  const D d;
+  V squares = hn::Zero(d);
+  float tail = 0.0f;
+  for_each_vector(
+      n,
+      [&](std::int64_t j) {
+        const V v = hn::LoadU(d, x + j);
+        squares = hn::MulAdd(v, v, squares);
+      },
+      [&](std::int64_t t) { tail += x[t] * x[t]; });
+  const float mean_square = (sum_lanes(d, squares) + tail) / static_cast<float>(n);
+  const float inverse_rms = 1.0f / std::sqrt(mean_square + eps);
+  const V factor = hn::Set(d, inverse_rms);
+  for_each_vector(
+      n,
+      [&](std::int64_t j) {
+        hn::StoreU(hn::Mul(hn::Mul(hn::LoadU(d, x + j), factor), hn::LoadU(d, weight + j)), d,
+                   out + j);
+      },
+      [&](std::int64_t t) { out[t] = x[t] * inverse_rms * weight[t]; });
+}
+
+void Swiglu(float* gate, const float* up, std::int64_t n) {
+  const D d;
+  // exp(-g) overflows past 88: clamp there (silu(g) is then g / 1.6e38, i.e. 0).
+  const V limit = hn::Set(d, 88.0f);
+  const V one = hn::Set(d, 1.0f);
+  for_each_vector(
+      n,
+      [&](std::int64_t j) {
+        const V g = hn::LoadU(d, gate + j);
+        const V e = hn::Exp(d, hn::Min(hn::Neg(g), limit));
+        hn::StoreU(hn::Mul(hn::Div(g, hn::Add(one, e)), hn::LoadU(d, up + j)), d, gate + j);
+      },
+      [&](std::int64_t t) { gate[t] = gate[t] / (1.0f + std::exp(-gate[t])) * up[t]; });
+}
+
+void Add(float* x, const float* y, std::int64_t n) {
+  const D d;
+  for_each_vector(
+      n,
+      [&](std::int64_t j) {
+        hn::StoreU(hn::Add(hn::LoadU(d, x + j), hn::LoadU(d, y + j)), d, x + j);
+      },
+      [&](std::int64_t t) { x[t] += y[t]; });
+}
+
+float Max(const float* x, std::int64_t n) {
+  const D d;
+  V best = hn::Set(d, -std::numeric_limits<float>::infinity());
+  float tail = -std::numeric_limits<float>::infinity();
+  for_each_vector(
+      n, [&](std::int64_t j) { best = hn::Max(best, hn::LoadU(d, x + j)); },
+      [&](std::int64_t t) { tail = std::max(tail, x[t]); });
+  return std::max(hn::GetLane(hn::MaxOfLanes(d, best)), tail);
+}
+
+void ExpShifted(float* x, std::int64_t n, float shift, float scale) {
+  const D d;
+  const V shift_v = hn::Set(d, shift);
+  const V scale_v = hn::Set(d, scale);
+  // Highway's Exp is defined from -FLT_MAX: -inf (masked scores) is raised to it, giving 0.
+  const V lowest = hn::Set(d, std::numeric_limits<float>::lowest());
+  for_each_vector(
+      n,
+      [&](std::int64_t j) {
+        const V arg = hn::Max(hn::Mul(hn::Sub(hn::LoadU(d, x + j), shift_v), scale_v), lowest);
+        hn::StoreU(hn::Exp(d, arg), d, x + j);
+      },
+      [&](std::int64_t t) { x[t] = std::exp((x[t] - shift) * scale); });
+}
+
+void Scale(float* x, std::int64_t n, float factor) {
+  const D d;
+  const V f = hn::Set(d, factor);
+  for_each_vector(
+      n, [&](std::int64_t j) { hn::StoreU(hn::Mul(hn::LoadU(d, x + j), f), d, x + j); },
+      [&](std::int64_t t) { x[t] *= factor; });
+}
+
+void Rotate(float* data, std::ptrdiff_t row_stride, std::int64_t rows, const double* cos_sin,
+            int pairs, bool interleaved) {
+  const D d;
+  const auto lanes = static_cast<int>(hn::Lanes(d));
+  // The angles as f32, laid out like the row: [cos or sin of pair i] at the lanes of pair i.
+  thread_local std::vector<float> cosines;
+  thread_local std::vector<float> sines;
+  const int width = 2 * pairs;
+  cosines.resize(static_cast<std::size_t>(width));
+  sines.resize(static_cast<std::size_t>(width));
+  for (int i = 0; i < pairs; ++i) {
+    const auto c = static_cast<float>(cos_sin[i]);
+    const auto s = static_cast<float>(cos_sin[pairs + i]);
+    if (interleaved) {  // (a, b) -> (a c - b s, b c + a s): out = x cos + swap(x) (-s, s)
+      cosines[2 * i] = cosines[2 * i + 1] = c;
+      sines[2 * i] = -s;
+      sines[2 * i + 1] = s;
+    } else {  // first half a, second half b
+      cosines[i] = cosines[pairs + i] = c;
+      sines[i] = -s;
+      sines[pairs + i] = s;
+    }
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* row = data + r * row_stride;
+    int j = 0;
+    if (interleaved && lanes % 2 == 0) {
+      for (; j + lanes <= width; j += lanes) {
+        const V x = hn::LoadU(d, row + j);
+        const V swapped = hn::Reverse2(d, x);
+        hn::StoreU(hn::MulAdd(x, hn::LoadU(d, cosines.data() + j),
+                              hn::Mul(swapped, hn::LoadU(d, sines.data() + j))),
+                   d, row + j);
+      }
+    } else if (!interleaved) {
+      for (; j + lanes <= pairs; j += lanes) {
+        const V a = hn::LoadU(d, row + j);
+        const V b = hn::LoadU(d, row + pairs + j);
+        const V c = hn::LoadU(d, cosines.data() + j);
+        const V s = hn::LoadU(d, sines.data() + pairs + j);
+        hn::StoreU(hn::NegMulAdd(b, s, hn::Mul(a, c)), d, row + j);
+        hn::StoreU(hn::MulAdd(a, s, hn::Mul(b, c)), d, row + pairs + j);
+      }
+    }
+    // The pairs left over, one at a time.
+    for (int i = interleaved ? j / 2 : j; i < pairs; ++i) {
+      const int first = interleaved ? 2 * i : i;
+      const int second = interleaved ? 2 * i + 1 : pairs + i;
+      const float a = row[first];
+      const float b = row[second];
+      const float c = cosines[static_cast<std::size_t>(first)];
+      const float s = sines[static_cast<std::size_t>(second)];
+      row[first] = a * c - b * s;
+      row[second] = b * c + a * s;
+    }
+  }
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace kvevict::model::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvevict::model::kernels {
+
+HWY_EXPORT(Matvec);
+HWY_EXPORT(DequantizeRows);
+HWY_EXPORT(MatmulTransposed);
+HWY_EXPORT(AddWeightedRows);
+HWY_EXPORT(RmsNorm);
+HWY_EXPORT(Swiglu);
+HWY_EXPORT(Add);
+HWY_EXPORT(Max);
+HWY_EXPORT(ExpShifted);
+HWY_EXPORT(Sum);
+HWY_EXPORT(Scale);
+HWY_EXPORT(Rotate);
+
+void matvec(const WeightMatrix& w, const float* x, float* y, std::int64_t row_begin,
+            std::int64_t row_end) {
+  HWY_DYNAMIC_DISPATCH(Matvec)(w, x, y, row_begin, row_end);
+}
+void dequantize_rows(const WeightMatrix& w, std::int64_t row_begin, std::int64_t row_end,
+                     float* out) {
+  HWY_DYNAMIC_DISPATCH(DequantizeRows)(w, row_begin, row_end, out);
+}
+void matmul_transposed(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const float* w,
+                       std::ptrdiff_t w_stride, std::int64_t n, std::int64_t k, float* y,
+                       std::ptrdiff_t y_stride) {
+  HWY_DYNAMIC_DISPATCH(MatmulTransposed)(x, x_stride, m, w, w_stride, n, k, y, y_stride);
+}
+void add_weighted_rows(const float* p, std::ptrdiff_t p_stride, std::int64_t m, const float* v,
+                       std::ptrdiff_t v_stride, std::int64_t n, std::int64_t k, float* y,
+                       std::ptrdiff_t y_stride) {
+  HWY_DYNAMIC_DISPATCH(AddWeightedRows)(p, p_stride, m, v, v_stride, n, k, y, y_stride);
+}
+void rmsnorm(const float* x, const float* weight, std::int64_t n, float eps, float* out) {
+  HWY_DYNAMIC_DISPATCH(RmsNorm)(x, weight, n, eps, out);
+}
+void swiglu(float* gate, const float* up, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(Swiglu)(gate, up, n);
+}
+void add(float* x, const float* y, std::int64_t n) { HWY_DYNAMIC_DISPATCH(Add)(x, y, n); }
+float max(const float* x, std::int64_t n) { return HWY_DYNAMIC_DISPATCH(Max)(x, n); }
+void exp_shifted(float* x, std::int64_t n, float shift, float scale) {
+  HWY_DYNAMIC_DISPATCH(ExpShifted)(x, n, shift, scale);
+}
+float sum(const float* x, std::int64_t n) { return HWY_DYNAMIC_DISPATCH(Sum)(x, n); }
+void scale(float* x, std::int64_t n, float factor) { HWY_DYNAMIC_DISPATCH(Scale)(x, n, factor); }
+void rotate(float* data, std::ptrdiff_t row_stride, std::int64_t rows, const double* cos_sin,
+            int pairs, bool interleaved) {
+  HWY_DYNAMIC_DISPATCH(Rotate)(data, row_stride, rows, cos_sin, pairs, interleaved);
+}
+
+std::vector<std::int64_t> available_targets() {
+  std::vector<std::int64_t> targets;
+  const std::int64_t supported = hwy::SupportedTargets();
+  for (int index = 0; index < 63; ++index) {
+    const std::int64_t bit = std::int64_t{1} << index;
+    if ((HWY_TARGETS & bit) != 0 && (supported & bit) != 0) targets.push_back(bit);
+  }
+  return targets;  // lower bits are the better targets
+}
+
+std::string target_name(std::int64_t target) { return hwy::TargetName(target); }
+
+std::string active_target() {
+  const std::int64_t supported = hwy::SupportedTargets() & HWY_TARGETS;
+  return target_name(supported & -supported);  // the lowest bit: the best target
+}
+
+void force_target(std::int64_t target) { hwy::SetSupportedTargetsForTest(target); }
+
+}  // namespace kvevict::model::kernels
+#endif  // HWY_ONCE
