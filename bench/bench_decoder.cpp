@@ -4,16 +4,17 @@
 //
 // Rates are per CPU second of this thread (clock_gettime(CLOCK_THREAD_CPUTIME_ID)) on both sides
 // of every fraction: the machine may be shared, and a descheduled thread is not memory-bound.
-// Built with the project's flags (Release: -O3, no -march, so SSE2 only).
+// Built with the project's flags (Release: -O3, no -march); the decoder's kernels pick the best
+// SIMD target of the CPU at run time (src/model/kernels, docs/kernels.md).
 //
 // BM_ReadBandwidth<S>: single-thread read bandwidth, summing a 512 MiB float array with Eigen
 // packet accumulators, read as S sequential streams at once (S = 1: the plain sum; S = 8: the
 // array cut in 8 parts read side by side, which keeps more cache lines in flight).
 //
-// BM_Decode15M/dtype:<0 f32, 1 f16, 2 bf16>: decode tokens/s of a stories15M-shaped Llama (dim
-// 288, 6 layers, 6 heads, 6 KV heads, hidden 768, vocab 32000, tied classifier: 15.2M parameters)
-// with random weights, full cache, a context of 16 to 271 tokens (the decoder is reset every 256
-// steps, outside the timing), greedy next token. Counters: tokens_per_s; weight_GBps =
+// BM_Decode15M/dtype:<0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0>: decode tokens/s of a stories15M-shaped
+// Llama (dim 288, 6 layers, 6 heads, 6 KV heads, hidden 768, vocab 32000, tied classifier: 15.2M
+// parameters) with random weights, full cache, a context of 16 to 271 tokens (the decoder is reset
+// every 256 steps, outside the timing), greedy next token. Counters: tokens_per_s; weight_GBps =
 // weight_bytes x tokens/s (every weight is read once per token); read1_GBps / read8_GBps: the
 // bandwidths above, measured once in this process before the first decode (best of 5 passes);
 // fraction1 / fraction8 = weight_GBps over them. readW_GBps: an array the size of the f32 weights
@@ -199,6 +200,8 @@ BENCHMARK(BM_Decode15M)
     ->Arg(static_cast<int>(DType::f32))
     ->Arg(static_cast<int>(DType::f16))
     ->Arg(static_cast<int>(DType::bf16))
+    ->Arg(static_cast<int>(DType::q8_0))
+    ->Arg(static_cast<int>(DType::q4_0))
     ->Unit(benchmark::kMillisecond);
 
 const Model& small_model() {
