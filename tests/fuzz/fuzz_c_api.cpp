@@ -279,7 +279,7 @@ class Session {
  private:
   enum class State { idle, forward, catalyst, unknown };
 
-  [[nodiscard]] bool usable() const { return !engine_.apply_failed; }
+  [[nodiscard]] bool usable() const { return !engine_.apply_failed && !mirror_lost_; }
 
   // After a backend failure the sequence refuses every change.
   void expect_refused(kvevict_status status, const char* call) const {
@@ -310,7 +310,7 @@ class Session {
         std::vector<std::uint8_t>& held = engine_.head(l, g);
         for (int i = 0; i < n; ++i) {
           if (slots[i] < 0 || slots[i] >= engine_.capacity ||
-              held[static_cast<std::size_t>(slots[i])] != 0) {
+              (usable() && held[static_cast<std::size_t>(slots[i])] != 0)) {
             property_failed("chunk slot " + std::to_string(slots[i]) +
                             " is outside the capacity or already held");
           }
@@ -360,6 +360,9 @@ class Session {
       state_ = State::idle;
       catalyst_ = 0;
     } else if (state_ == from) {
+      // Known limitation (docs/reliability.md): a distillation the policy refuses (NaN catalyst
+      // scores) fails after the catalyst was rolled back, and the backend is not told.
+      if (from == State::catalyst && engine_.apply_failed == false) mirror_lost_ = true;
       state_ = State::unknown;  // a failed decision may have ended it
     }
   }
@@ -493,6 +496,7 @@ class Session {
     }
     const kvevict_status status = kvevict_sequence_end_catalyst(s_);
     checked_status(status, "end_catalyst");
+    if (status != KVEVICT_OK && state_ == State::catalyst) mirror_lost_ = true;  // see call_end
     if (status == KVEVICT_OK ||
         std::string_view(kvevict_last_error()).find("no catalyst prompt is open") !=
             std::string::npos) {
@@ -642,8 +646,9 @@ class Session {
   const kvevict_config& config_;
   State state_ = State::idle;
   bool scores_poisoned_ = false;
-  int chunk_ = 0;     // tokens of the open chunk or catalyst
-  int catalyst_ = 0;  // tokens of the open catalyst (positions run past tokens_fed)
+  bool mirror_lost_ = false;  // the sequence changed without telling the engine
+  int chunk_ = 0;             // tokens of the open chunk or catalyst
+  int catalyst_ = 0;          // tokens of the open catalyst (positions run past tokens_fed)
   std::vector<float> rows_;
 };
 
