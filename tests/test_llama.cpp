@@ -19,6 +19,7 @@
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/model/random_model.hpp>
+#include <kvevict/policies/infinipot.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <memory>
 #include <optional>
@@ -109,6 +110,7 @@ struct Case {
   int chunk = 16;
   int turn_every = 0;  // > 0: a turn starts every this many tokens (SirLLM)
   int n_ctx = 512;
+  bool catalyst = false;  // InfiniPot: the paper's general catalyst prompt (CaP-G)
 };
 
 std::string describe(const Case& c) {
@@ -145,6 +147,12 @@ int expect_same(const ModelFile& file, const Case& c) {
   options.granularity = Granularity::token;
   options.max_chunk = c.chunk;
   kvevict::model::Decoder decoder(file.model, make(c), options);
+  std::optional<std::vector<std::int32_t>> catalyst;
+  if (c.catalyst) {
+    // No BOS: the catalyst continues the context (as kvevict's CLI encodes it).
+    catalyst = file.model.tokenizer.encode(kvevict::kInfiniPotGeneralCatalystPrompt, false);
+    decoder.set_catalyst(*catalyst);
+  }
   kvevict::cli::StreamScorer reference(decoder, 1 << 30, bytes, -1);
 
   llama_context_params params = llama_context_default_params();
@@ -158,6 +166,7 @@ int expect_same(const ModelFile& file, const Case& c) {
   kvevict::llama::LlamaSequenceOptions llama_options;
   llama_options.position_mode = c.positions;
   llama_options.max_chunk = c.chunk;
+  llama_options.catalyst = catalyst;
   kvevict::llama::LlamaSequence llama(file.llama, params, make(c), llama_options);
   kvevict::cli::StreamScorer engine(
       [&llama](std::span<const std::int32_t> chunk, bool turn_start) {
@@ -193,6 +202,9 @@ int expect_same(const ModelFile& file, const Case& c) {
       EXPECT_EQ(llama_memory_seq_pos_max(memory, 0), sequence.position(0, 0, order.back()));
     }
   }
+  // InfiniPot: llama.cpp decoded the catalyst at every distillation the reference ran.
+  EXPECT_EQ(llama.stats().catalyst_runs, decoder.stats().catalyst_runs);
+  if (c.catalyst) EXPECT_GT(llama.stats().catalyst_runs, 0);
   const double expected_bpb = reference.loss().overall().bits_per_byte();
   const double actual_bpb = engine.loss().overall().bits_per_byte();
   EXPECT_NEAR(actual_bpb, expected_bpb, 1e-4 * expected_bpb)
@@ -250,6 +262,23 @@ TEST(LlamaEquivalence, SirllmKeepsTheSameTokensOverALongStream) {
   EXPECT_GT(expect_same(*LlamaModels::toy,
                         Case{.policy = "sirllm", .budget = 64, .tokens = 4000, .turn_every = 128}),
             20);
+}
+
+// InfiniPot: every full pot (64 slots) decodes the paper's general catalyst prompt after it in
+// llama.cpp's sequence, reads its attention from the graph, and removes its cells with the
+// distillation to 32 (16 by surprisal, 16 by catalyst attention). Both engines must distil to the
+// same tokens every time, under CR-RoPE (reset_on_compact, the paper's) and cache_index.
+TEST(LlamaEquivalence, InfinipotDistilsToTheSameTokens) {
+  for (const ModelFile* file : {LlamaModels::random.get(), LlamaModels::toy.get()}) {
+    for (const PositionMode mode : {PositionMode::reset_on_compact, PositionMode::cache_index}) {
+      EXPECT_GT(expect_same(*file, Case{.policy = "infinipot",
+                                        .budget = 64,
+                                        .positions = mode,
+                                        .tokens = 2000,
+                                        .catalyst = true}),
+                50);
+    }
+  }
 }
 
 TEST(LlamaEquivalence, TokenByTokenDecodeKeepsTheSameTokens) {

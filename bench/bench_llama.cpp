@@ -1,0 +1,465 @@
+// What driving llama.cpp with kvevict costs (issue 11, docs/engines.md "Cost"), two modes:
+//
+// 1. Decode steps (default): for each budget N (--budgets, 1024 and 4096) and each policy of the
+//    registry, single-token llama_decode steps of plain llama.cpp against the same steps through
+//    kvevict::llama::LlamaSequence, in one process, one after the other:
+//
+//      build/release/bin/bench_llama --threads 1 --steps 64
+//
+//    - plain: a llama_context alone (no kvevict, no graph callback), filled with N - steps/2
+//      tokens, then `steps` timed llama_decode calls of one token: it attends over N cells on
+//      average. It runs first and again last for each budget, so that a drift of the machine's
+//      load between the two shows.
+//    - each policy, configured as `kvevict-llama stream --policy P --budget N` does (cli_common's
+//      policy setup: the --budget mapping, 4 sinks, chunk 64, its position mode, token
+//      granularity, InfiniPot's general catalyst; TOVA under cache_index), filled with N + 128
+//      tokens (every bounded policy has evicted; InfiniPot: filled so that one catalyst falls
+//      within the timed steps), then `steps` timed LlamaSequence::forward calls of one token.
+//      `full` is filled like plain.
+//    Per step: the wall time of the call, and the policy's time inside it from kvevict's
+//    StageClock (policy + reposition: scoring, selection, re-indexing the attention rows from
+//    cells to slots, llama_memory_seq_rm / seq_add). llama.cpp's decode is the rest. Reported:
+//    medians over the steps (the machine is shared: medians resist other jobs' bursts), the
+//    policy's share of a step (median of the per-step ratios) and tokens/s against plain.
+//    InfiniPot's catalyst steps are reported apart (the catalyst's forward and distillation).
+//    Flash attention is off for every run, plain included: the policies that read attention
+//    need it off, and one attention kernel for all keeps the steps comparable.
+//
+// 2. Memory over a long stream (--memory-tokens T): one policy (--memory-policy, budget
+//    --memory-budget) streamed for T tokens in chunks of 64, printing at checkpoints the cells
+//    the sequence holds, their K/V bytes and the process's resident memory (VmRSS, VmHWM):
+//
+//      build/release/bin/bench_llama --model models/toy-base --memory-tokens 100000
+//          --memory-policy streaming_llm --memory-budget 1024   (one command line)
+//
+// Model (--model): a GGUF, or any model kvevict loads (written to a temporary GGUF by kvevict's
+// writer). Default: the random Llama of bench_decode_step (dim 512, 8 layers, 8 query / 2 KV
+// heads, hidden 1536, vocabulary 259, f32, seed 512). Tokens: bench_decode_step's stream (bytes
+// from an LCG, the <AC> anchor every 16th token); SirLLM, RandomLLM and IntervalLLM get a turn
+// at every step (their worst case: every step evicts).
+#include <fmt/format.h>
+#include <llama.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <kvevict/error.hpp>
+#include <kvevict/llama/llama_sequence.hpp>
+#include <kvevict/model/model.hpp>
+#include <kvevict/model/random_model.hpp>
+#include <kvevict/policy_registry.hpp>
+#include <kvevict/timing.hpp>
+#include <memory>
+#include <optional>
+#include <span>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli_common/policy_setup.hpp"
+#include "llama/cli/llama_model.hpp"
+#include "llama/cli/llama_options.hpp"
+#include "model/model_io.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using kvevict::Stage;
+using kvevict::StageClock;
+using Clock = std::chrono::steady_clock;
+
+constexpr std::int32_t kAnchor = 258;  // <AC> in the byte-level tokenizer of a 259-id vocabulary
+constexpr int kChunk = 64;
+
+struct Options {
+  std::string model;
+  std::vector<int> budgets{1024, 4096};
+  std::vector<std::string> policies;
+  int steps = 64;
+  int threads = 1;
+  std::string positions;  // empty: each policy's own position mode
+  std::int64_t memory_tokens = 0;
+  std::string memory_policy = "streaming_llm";
+  int memory_budget = 1024;
+  int memory_context = 0;  // 0: the budget plus a chunk and the catalyst
+};
+
+// Token `index` of bench_decode_step's stream: a byte from an LCG, or the anchor every 16th.
+std::int32_t stream_token(std::int64_t index) {
+  if (index % 16 == 15) return kAnchor;
+  const auto mixed =
+      static_cast<std::uint64_t>(index) * 6364136223846793005ULL + 1442695040888963407ULL;
+  return static_cast<std::int32_t>((mixed >> 33) % 256);
+}
+
+std::vector<std::int32_t> stream_tokens(std::int64_t first, std::int64_t count) {
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(count));
+  for (std::int64_t i = 0; i < count; ++i)
+    tokens[static_cast<std::size_t>(i)] = stream_token(first + i);
+  return tokens;
+}
+
+// The GGUF llama.cpp loads: --model itself when it is one, else a temporary copy written by
+// kvevict (removed at exit).
+class ModelFile {
+ public:
+  explicit ModelFile(const std::string& requested) {
+    if (!requested.empty() && requested.ends_with(".gguf")) {
+      path_ = requested;
+      return;
+    }
+    kvevict::model::Model model;
+    if (requested.empty()) {
+      kvevict::model::ModelConfig config;
+      config.dim = 512;
+      config.hidden_dim = 1536;
+      config.layers = 8;
+      config.heads = 8;
+      config.kv_heads = 2;
+      config.vocab_size = 259;
+      config.context_length = 16384;
+      model = kvevict::model::make_random_model(config, 512, kvevict::model::DType::f32);
+    } else {
+      model = kvevict::model::load_model(requested);
+    }
+    path_ = fs::temp_directory_path() / fmt::format("kvevict_bench_llama_{}.gguf", ::getpid());
+    kvevict::model::write_gguf(model, path_);
+    temporary_ = true;
+  }
+  ~ModelFile() {
+    if (!temporary_) return;
+    std::error_code ignored;
+    fs::remove(path_, ignored);
+  }
+  ModelFile(const ModelFile&) = delete;
+  ModelFile& operator=(const ModelFile&) = delete;
+  [[nodiscard]] std::string path() const { return path_.string(); }
+
+ private:
+  fs::path path_;
+  bool temporary_ = false;
+};
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  const auto middle = values.begin() + static_cast<std::ptrdiff_t>(values.size() / 2);
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Resident memory of this process in bytes: VmRSS (now) and VmHWM (peak), from /proc.
+std::pair<std::int64_t, std::int64_t> resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  std::int64_t rss = 0;
+  std::int64_t peak = 0;
+  while (std::getline(status, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    std::int64_t kib = 0;
+    fields >> key >> kib;
+    if (key == "VmRSS:") rss = kib * 1024;
+    if (key == "VmHWM:") peak = kib * 1024;
+  }
+  return {rss, peak};
+}
+
+struct Row {
+  std::string name;
+  int live = 0;            // cells held after the steps
+  double step = 0;         // median step, seconds
+  double policy = 0;       // median policy time per step, seconds
+  double share = 0;        // median of policy / step over the steps
+  int catalyst_steps = 0;  // InfiniPot: steps that ran the catalyst (not in the medians)
+  double catalyst_step = 0;
+};
+
+llama_context_params context_params(int n_ctx, int threads) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = static_cast<std::uint32_t>(n_ctx);
+  params.n_batch = kChunk;
+  params.n_ubatch = kChunk;
+  params.n_threads = threads;
+  params.n_threads_batch = threads;
+  params.n_seq_max = 1;
+  params.no_perf = true;
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  return params;
+}
+
+// Plain llama.cpp: N - steps/2 tokens, then `steps` single-token decodes.
+Row run_plain(llama_model* model, int budget, const Options& options) {
+  llama_context* context = llama_init_from_model(
+      model, context_params(budget + options.steps + kChunk, options.threads));
+  KVEVICT_REQUIRE(context != nullptr, "llama_init_from_model failed");
+  llama_batch batch = llama_batch_init(kChunk, 0, 1);
+  std::int64_t position = 0;
+  const auto decode = [&](std::span<const std::int32_t> tokens) {
+    batch.n_tokens = static_cast<std::int32_t>(tokens.size());
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      batch.token[i] = tokens[i];
+      batch.pos[i] = static_cast<llama_pos>(position++);
+      batch.n_seq_id[i] = 1;
+      batch.seq_id[i][0] = 0;
+      batch.logits[i] = static_cast<std::int8_t>(i + 1 == tokens.size());
+    }
+    KVEVICT_REQUIRE(llama_decode(context, batch) == 0, "llama_decode failed");
+  };
+  const std::int64_t fill = budget - options.steps / 2;
+  for (std::int64_t offset = 0; offset < fill; offset += kChunk) {
+    decode(stream_tokens(offset, std::min<std::int64_t>(kChunk, fill - offset)));
+  }
+  std::vector<double> steps;
+  for (int s = 0; s < options.steps; ++s) {
+    const std::int32_t token = stream_token(position);
+    const Clock::time_point start = Clock::now();
+    decode(std::span<const std::int32_t>(&token, 1));
+    (void)llama_get_logits_ith(context, -1);
+    steps.push_back(seconds_since(start));
+  }
+  Row row;
+  row.name = "plain llama.cpp";
+  row.live = static_cast<int>(llama_memory_seq_pos_max(llama_get_memory(context), 0) + 1);
+  row.step = median(steps);
+  llama_batch_free(batch);
+  llama_free(context);
+  return row;
+}
+
+kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget,
+                                    const std::string& positions,
+                                    const kvevict::llama_cli::LlamaModel& model) {
+  kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
+  options.policy = policy;
+  if (policy != "full") options.budget = budget;
+  options.positions = positions;
+  // TOVA can evict the newest token, which llama.cpp cannot represent under `original`
+  // (docs/engines.md, limits): it runs under cache_index, as in test_llama.
+  if (policy == "tova" && positions.empty()) options.positions = "cache_index";
+  return kvevict::llama_cli::make_setup(options, model);
+}
+
+std::unique_ptr<kvevict::llama::LlamaSequence> open_sequence(
+    const kvevict::llama_cli::LlamaModel& model, kvevict::cli::PolicySetup& setup, int n_ctx,
+    int threads, StageClock& clock) {
+  kvevict::llama_cli::LlamaOptions llama;
+  llama.threads = threads;
+  llama.context = n_ctx;
+  llama.flash_attention = "off";
+  return kvevict::llama_cli::make_llama_sequence(model, llama, setup, &clock);
+}
+
+double eviction_seconds(const StageClock& clock) {
+  return clock.seconds(Stage::policy) + clock.seconds(Stage::reposition);
+}
+
+Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& policy, int budget,
+               const Options& options) {
+  kvevict::cli::PolicySetup setup = setup_for(policy, budget, options.positions, model);
+  const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
+  StageClock clock;
+  const std::unique_ptr<kvevict::llama::LlamaSequence> sequence = open_sequence(
+      model, setup, budget + options.steps + kChunk + catalyst, options.threads, clock);
+  const kvevict::Sequence& kv = sequence->sequence();
+  const bool turns = kv.policy().triggers().contains(kvevict::Trigger::before_turn);
+
+  std::int64_t next = 0;
+  const auto feed = [&](std::int64_t count) {
+    const std::vector<std::int32_t> tokens = stream_tokens(next, count);
+    (void)sequence->feed(tokens, turns);
+    next += count;
+  };
+  if (policy == "full") {
+    feed(budget - options.steps / 2);
+  } else if (kv.pot_room()) {
+    // InfiniPot: stop the fill half the timed steps before the pot is full.
+    while (*kv.pot_room() > options.steps / 2) {
+      feed(std::min(kChunk, *kv.pot_room() - options.steps / 2));
+    }
+  } else {
+    for (std::int64_t filled = 0; filled < budget + 128; filled += kChunk) feed(kChunk);
+  }
+
+  std::vector<double> steps;
+  std::vector<double> policy_times;
+  std::vector<double> shares;
+  Row row;
+  row.name = fmt::format("{} ({})", policy, kvevict::to_string(kv.position_mode()));
+  for (int s = 0; s < options.steps; ++s) {
+    const std::int32_t token = stream_token(next++);
+    const double policy_before = eviction_seconds(clock);
+    const std::int64_t catalysts_before = sequence->stats().catalyst_runs;
+    const Clock::time_point start = Clock::now();
+    (void)sequence->forward(std::span<const std::int32_t>(&token, 1), turns);
+    const double step = seconds_since(start);
+    if (sequence->stats().catalyst_runs != catalysts_before) {
+      ++row.catalyst_steps;
+      row.catalyst_step += step;
+      continue;
+    }
+    const double in_policy = eviction_seconds(clock) - policy_before;
+    steps.push_back(step);
+    policy_times.push_back(in_policy);
+    shares.push_back(in_policy / step);
+  }
+  row.live = sequence->live_cells();
+  row.step = median(steps);
+  row.policy = median(policy_times);
+  row.share = median(shares);
+  if (row.catalyst_steps > 0) row.catalyst_step /= row.catalyst_steps;
+  return row;
+}
+
+void print_rows(int budget, const std::vector<Row>& rows, double plain_step) {
+  std::cout << fmt::format("\n## budget {}\n\n", budget);
+  std::cout << "| run | live cells | step ms | tokens/s | vs plain | policy µs/step | policy share "
+               "| catalyst step ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (const Row& row : rows) {
+    const std::string catalyst =
+        row.catalyst_steps > 0
+            ? fmt::format("{:.2f} ({} step)", row.catalyst_step * 1e3, row.catalyst_steps)
+            : std::string("-");
+    std::cout << fmt::format("| {} | {} | {:.3f} | {:.1f} | {:.3f} | {:.1f} | {:.2f}% | {} |\n",
+                             row.name, row.live, row.step * 1e3, 1.0 / row.step,
+                             plain_step / row.step, row.policy * 1e6, row.share * 100.0, catalyst);
+  }
+}
+
+void run_steps(const kvevict::llama_cli::LlamaModel& model, const Options& options) {
+  std::vector<std::string> policies = options.policies;
+  if (policies.empty()) {
+    for (const std::string_view name : kvevict::policy_names()) policies.emplace_back(name);
+  }
+  for (const int budget : options.budgets) {
+    std::vector<Row> rows;
+    rows.push_back(run_plain(model.get(), budget, options));
+    for (const std::string& policy : policies) {
+      try {
+        rows.push_back(run_policy(model, policy, budget, options));
+      } catch (const kvevict::Error& error) {
+        std::cerr << fmt::format("budget {} {}: {}\n", budget, policy, error.what());
+        continue;
+      }
+      std::cerr << fmt::format("budget {} {}: done\n", budget, policy);
+    }
+    Row last = run_plain(model.get(), budget, options);
+    last.name = "plain llama.cpp (again)";
+    rows.push_back(last);
+    print_rows(budget, rows, (rows.front().step + last.step) / 2);
+  }
+}
+
+void run_memory(const kvevict::llama_cli::LlamaModel& model, const Options& options) {
+  kvevict::cli::PolicySetup setup =
+      setup_for(options.memory_policy, options.memory_budget, options.positions, model);
+  const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
+  const int n_ctx = options.memory_context > 0 ? options.memory_context
+                                               : options.memory_budget + kChunk + catalyst;
+  StageClock clock;
+  const std::unique_ptr<kvevict::llama::LlamaSequence> sequence =
+      open_sequence(model, setup, n_ctx, options.threads, clock);
+  const bool turns =
+      sequence->sequence().policy().triggers().contains(kvevict::Trigger::before_turn);
+  const std::int64_t rss_before = resident_bytes().first;
+  const auto cells = static_cast<int>(llama_n_ctx(sequence->context()));  // rounded up by llama.cpp
+  std::cout << fmt::format(
+      "policy {} budget {}, context {} cells ({:.2f} MiB of K/V allocated), {} bytes per cell; "
+      "resident before streaming {:.1f} MiB\n\n",
+      options.memory_policy, options.memory_budget, cells,
+      static_cast<double>(cells) * static_cast<double>(sequence->bytes_per_cell()) / 1048576.0,
+      sequence->bytes_per_cell(), static_cast<double>(rss_before) / 1048576.0);
+  std::cout << "| tokens streamed | live cells | peak cells | live K/V MiB | VmRSS MiB | VmHWM MiB "
+               "| tokens/s |\n|---:|---:|---:|---:|---:|---:|---:|\n";
+  std::int64_t next = 0;
+  std::int64_t checkpoint = 1000;
+  const Clock::time_point start = Clock::now();
+  while (next < options.memory_tokens) {
+    const std::int64_t count = std::min<std::int64_t>(kChunk, options.memory_tokens - next);
+    (void)sequence->feed(stream_tokens(next, count), turns);
+    next += count;
+    if (next >= checkpoint || next == options.memory_tokens) {
+      const auto [rss, peak] = resident_bytes();
+      std::cout << fmt::format("| {} | {} | {} | {:.2f} | {:.1f} | {:.1f} | {:.0f} |\n", next,
+                               sequence->live_cells(), sequence->stats().peak_cells,
+                               static_cast<double>(sequence->live_cells()) *
+                                   static_cast<double>(sequence->bytes_per_cell()) / 1048576.0,
+                               static_cast<double>(rss) / 1048576.0,
+                               static_cast<double>(peak) / 1048576.0,
+                               static_cast<double>(next) / seconds_since(start));
+      while (checkpoint <= next) checkpoint = checkpoint < 10000 ? checkpoint * 10 : checkpoint * 2;
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  CLI::App app("kvevict over llama.cpp: decode-step cost per policy, memory over a long stream");
+  app.add_option("--model", options.model,
+                 "a GGUF, or a model kvevict loads (default: bench_decode_step's random Llama)");
+  app.add_option("--budgets", options.budgets, "budgets of the decode-step runs")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--policies", options.policies, "policies (default: every registry policy)")
+      ->delimiter(',');
+  app.add_option("--positions", options.positions,
+                 "position mode of every policy run (default: each policy's own; TOVA's is "
+                 "cache_index here)");
+  app.add_option("--steps", options.steps, "timed single-token steps per run")
+      ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  app.add_option("-t,--threads", options.threads, "llama.cpp threads")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--memory-tokens", options.memory_tokens,
+                 "memory mode: stream this many tokens through --memory-policy")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  app.add_option("--memory-policy", options.memory_policy)->capture_default_str();
+  app.add_option("--memory-budget", options.memory_budget)
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  app.add_option("--memory-context", options.memory_context,
+                 "cells of the context (default: budget + 64 + catalyst)")
+      ->check(CLI::Range(0, 1 << 30));
+  CLI11_PARSE(app, argc, argv);
+  try {
+    kvevict::llama_cli::quiet_llama_log();
+    llama_backend_init();
+    const ModelFile file(options.model);
+    const kvevict::llama_cli::LlamaModel model(file.path(), 0);
+    const double load = [] {
+      std::ifstream in("/proc/loadavg");
+      double value = 0;
+      in >> value;
+      return value;
+    }();
+    std::cout << fmt::format(
+        "model {}, {} thread(s), load average {:.2f} at start\n",
+        options.model.empty() ? "bench_decode_step's random Llama" : options.model, options.threads,
+        load);
+    if (options.memory_tokens > 0) {
+      run_memory(model, options);
+    } else {
+      run_steps(model, options);
+    }
+    std::ifstream in("/proc/loadavg");
+    std::string end_load;
+    std::getline(in, end_load);
+    std::cout << "\nload average at the end: " << end_load << '\n';
+    llama_backend_free();
+  } catch (const std::exception& error) {
+    std::cerr << "bench_llama: " << error.what() << '\n';
+    return 2;
+  }
+  return 0;
+}
