@@ -40,6 +40,7 @@
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
+#include <map>
 #include <memory>
 #include <span>
 #include <vector>
@@ -112,11 +113,14 @@ ModelConfig config_15m() {
   return config;
 }
 
+// One model per weight type, made on first use.
 const Model& model_15m(DType dtype) {
-  static const Model f32 = kvevict::model::make_random_model(config_15m(), 15, DType::f32);
-  static const Model f16 = kvevict::model::make_random_model(config_15m(), 15, DType::f16);
-  static const Model bf16 = kvevict::model::make_random_model(config_15m(), 15, DType::bf16);
-  return dtype == DType::f32 ? f32 : dtype == DType::f16 ? f16 : bf16;
+  static std::map<DType, Model> models;
+  auto it = models.find(dtype);
+  if (it == models.end()) {
+    it = models.emplace(dtype, kvevict::model::make_random_model(config_15m(), 15, dtype)).first;
+  }
+  return it->second;
 }
 
 struct Bandwidths {
