@@ -73,8 +73,10 @@ class Bytes {
   float score() {
     switch (byte() % 8) {
       case 0:
+        nonfinite = true;
         return std::numeric_limits<float>::quiet_NaN();
       case 1:
+        nonfinite = true;
         return std::numeric_limits<float>::infinity();
       case 2:
         return -1.0f;
@@ -84,6 +86,8 @@ class Bytes {
         return static_cast<float>(byte()) / 255.0f;
     }
   }
+  bool nonfinite = false;  ///< score() returned NaN or an infinity since it was last cleared
+
   std::string text(std::size_t most) {
     const std::size_t length = std::min<std::size_t>(below(static_cast<int>(most) + 1),
                                                      size_ > position_ ? size_ - position_ : 0);
@@ -272,6 +276,10 @@ class Session {
           engine_.fail_apply = in_.below(8) == 0;
           break;
       }
+      // Known limitation (docs/reliability.md, finding 9): NaN or infinite values stay in the
+      // policy's scores, refused now (H2O, TOVA) or at the next decision (InfiniPot's catalyst,
+      // SirLLM's surprisal), and later decisions fail: a well-formed forward may fail after that.
+      scores_poisoned_ = scores_poisoned_ || in_.nonfinite;
       check_invariants();
     }
   }
@@ -416,10 +424,6 @@ class Session {
         checked_status(attend(layer, queries, stride, catalyst, uniform),
                        catalyst ? "observe_catalyst" : "observe_attention");
     expect_refused(status, "observe");
-    // Known limitation (docs/reliability.md): H2O, TOVA and InfiniPot add a row to their scores
-    // while checking it, so rows refused for NaN or infinite values leave those scores behind, and
-    // later decisions of the sequence may fail: only the C API's own promises hold after that.
-    if (status != KVEVICT_OK && !uniform) scores_poisoned_ = true;
   }
 
   void observe_surprisal() {
