@@ -204,7 +204,9 @@ int expect_same(const ModelFile& file, const Case& c) {
   }
   // InfiniPot: llama.cpp decoded the catalyst at every distillation the reference ran.
   EXPECT_EQ(llama.stats().catalyst_runs, decoder.stats().catalyst_runs);
-  if (c.catalyst) EXPECT_GT(llama.stats().catalyst_runs, 0);
+  if (c.catalyst) {
+    EXPECT_GT(llama.stats().catalyst_runs, 0);
+  }
   const double expected_bpb = reference.loss().overall().bits_per_byte();
   const double actual_bpb = engine.loss().overall().bits_per_byte();
   EXPECT_NEAR(actual_bpb, expected_bpb, 1e-4 * expected_bpb)
