@@ -52,77 +52,6 @@ struct StreamOptions {
   std::int64_t limit_bytes = 0;
 };
 
-// "\n", "\t", "\r" and "\\" in a separator given on the command line.
-std::string unescape(std::string_view text) {
-  std::string out;
-  for (std::size_t i = 0; i < text.size(); ++i) {
-    if (text[i] != '\\' || i + 1 == text.size()) {
-      out += text[i];
-      continue;
-    }
-    const char next = text[++i];
-    switch (next) {
-      case 'n':
-        out += '\n';
-        break;
-      case 't':
-        out += '\t';
-        break;
-      case 'r':
-        out += '\r';
-        break;
-      case '\\':
-        out += '\\';
-        break;
-      default:
-        out += '\\';
-        out += next;
-    }
-  }
-  return out;
-}
-
-// A JSON number, or null for NaN (no bytes or tokens to divide by).
-nlohmann::ordered_json number_or_null(double value) {
-  return std::isfinite(value) ? nlohmann::ordered_json(value) : nlohmann::ordered_json(nullptr);
-}
-
-// Adds the totals' fields to `json`.
-void add_totals(nlohmann::ordered_json& json, const LossTotals& totals) {
-  json["tokens"] = totals.tokens;
-  json["bytes"] = totals.bytes;
-  json["bits"] = totals.bits;
-  json["bits_per_byte"] = number_or_null(totals.bits_per_byte());
-  json["perplexity"] = number_or_null(totals.perplexity());
-}
-
-void print_text_report(const StreamOptions& options, const std::string& policy,
-                       const WindowedLoss& loss, const TextStreamResult& streamed,
-                       const CacheReport& report) {
-  const LossTotals& overall = loss.overall();
-  std::string out;
-  out += fmt::format("input          {} ({} bytes)\n", options.input, streamed.input_bytes);
-  out += fmt::format("policy         {}\n", policy);
-  if (!options.turn_separator.empty()) out += fmt::format("turns          {}\n", streamed.turns);
-  if (options.insert_anchors) {
-    out += fmt::format("anchors        {} inserted (fed, not scored)\n", streamed.anchors);
-  }
-  out += fmt::format("tokens scored  {} ({} bytes)\n", overall.tokens, overall.bytes);
-  out += fmt::format("bits per byte  {:.4f}\n", overall.bits_per_byte());
-  out += fmt::format("perplexity     {:.4f} per token\n", overall.perplexity());
-  out += fmt::format("windows of {} positions:\n", loss.window());
-  out += fmt::format("  {:>23}  {:>10}  {:>10}  {:>10}\n", "positions", "tokens", "bits/byte",
-                     "perplexity");
-  for (const LossWindow& window : loss.windows()) {
-    const std::string positions =
-        fmt::format("{}-{}", window.first_position, window.first_position + loss.window() - 1);
-    out += fmt::format("  {:>23}  {:>10}  {:>10.4f}  {:>10.4f}\n", positions, window.totals.tokens,
-                       window.totals.bits_per_byte(), window.totals.perplexity());
-  }
-  out += format_cache_report(report) + '\n';
-  std::cout << out << std::flush;
-}
-
 int run_stream(const StreamOptions& options) {
   if (options.window < 1) {
     throw Error(fmt::format("--window must be at least 1, got {}", options.window));
@@ -156,30 +85,14 @@ int run_stream(const StreamOptions& options) {
                   tokenizer, scorer, decoder->options().max_chunk);
   if (!separator.empty()) warn_if_single_turn(decoder->cache().policy(), streamed.turns > 0);
   const CacheReport report = make_cache_report(*decoder, setup.name, streamed.seconds, &clock);
-  const WindowedLoss& loss = scorer.loss();
-  if (!options.json) {
-    print_text_report(options, describe_policy(setup, *decoder), loss, streamed, report);
-    return kExitOk;
-  }
-  nlohmann::ordered_json json;
-  json["model"] = options.model;
-  json["input"] = options.input;
-  json["input_bytes"] = streamed.input_bytes;
-  json["policy"] = policy_json(setup, *decoder);
-  if (!separator.empty()) json["turns"] = streamed.turns;
-  if (options.insert_anchors) json["anchors"] = streamed.anchors;
-  add_totals(json, loss.overall());
-  json["window"] = loss.window();
-  json["windows"] = nlohmann::ordered_json::array();
-  for (const LossWindow& window : loss.windows()) {
-    nlohmann::ordered_json entry;
-    entry["first_position"] = window.first_position;
-    add_totals(entry, window.totals);
-    json["windows"].push_back(std::move(entry));
-  }
-  json["cache"] = to_json(report);
-  std::cout << dump_json(json) << '\n' << std::flush;
-  if (!std::cout) throw Error("error while writing to stdout");
+  print_stream_report(options.json,
+                      StreamReportHeader{.model = options.model,
+                                         .input = options.input,
+                                         .turns = !separator.empty(),
+                                         .insert_anchors = options.insert_anchors,
+                                         .policy_description = describe_policy(setup, *decoder),
+                                         .policy = policy_json(setup, *decoder)},
+                      scorer.loss(), streamed, report);
   return kExitOk;
 }
 

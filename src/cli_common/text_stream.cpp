@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <iostream>
 #include <kvevict/error.hpp>
 #include <optional>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "cli_common/anchor_inserter.hpp"
@@ -106,11 +108,25 @@ class ChunkedStream {
 TextStreamResult stream_text(const TextStreamOptions& options, const model::Tokenizer& tokenizer,
                              StreamScorer& scorer, int chunk) {
   const bool sentencepiece = tokenizer.kind == model::Tokenizer::Kind::sentencepiece;
-  TextPieces pieces(options.input, TextPiecesOptions{.turn_separator = options.turn_separator,
-                                                     .cut_before_space = sentencepiece,
-                                                     .limit_bytes = options.limit_bytes});
+  const PieceEncoder encoder{
+      .encode = [&tokenizer](std::string_view text,
+                             bool add_bos) { return tokenizer.encode(text, add_bos); },
+      .cut_before_space = sentencepiece,
+      .drop_cut_space = sentencepiece};
   std::optional<AnchorInserter> anchors;
   if (options.insert_anchors) anchors = AnchorInserter::for_tokenizer(tokenizer);
+  return stream_text(options, encoder, std::move(anchors), scorer, chunk);
+}
+
+TextStreamResult stream_text(const TextStreamOptions& options, const PieceEncoder& encoder,
+                             std::optional<AnchorInserter> anchors, StreamScorer& scorer,
+                             int chunk) {
+  KVEVICT_REQUIRE(!options.insert_anchors || anchors.has_value(),
+                  "stream_text: anchors were asked for without an AnchorInserter");
+  if (!options.insert_anchors) anchors.reset();
+  TextPieces pieces(options.input, TextPiecesOptions{.turn_separator = options.turn_separator,
+                                                     .cut_before_space = encoder.cut_before_space,
+                                                     .limit_bytes = options.limit_bytes});
 
   const Clock::time_point start = Clock::now();
   Progress progress(options.progress, pieces.expected_bytes(), start);
@@ -120,10 +136,12 @@ TextStreamResult stream_text(const TextStreamOptions& options, const model::Toke
   std::vector<std::int32_t> anchored;
   bool first = true;
   while (pieces.next(piece)) {
-    // A piece cut before a space is encoded without it: the tokenizer's dummy prefix stands for it.
-    const std::string_view text =
-        piece.space_cut ? std::string_view(piece.text).substr(1) : std::string_view(piece.text);
-    const std::vector<std::int32_t> tokens = tokenizer.encode(text, /*add_bos=*/first);
+    // A piece cut before a space: SentencePiece encodes it without the space (its dummy prefix
+    // stands for it), byte-level BPE with it.
+    const std::string_view text = piece.space_cut && encoder.drop_cut_space
+                                      ? std::string_view(piece.text).substr(1)
+                                      : std::string_view(piece.text);
+    const std::vector<std::int32_t> tokens = encoder.encode(text, /*add_bos=*/first);
     first = false;
     if (piece.turn_start) ++result.turns;
     if (anchors) {
@@ -150,6 +168,107 @@ TextStreamResult stream_text(const TextStreamOptions& options, const model::Toke
     throw Error(fmt::format("input '{}' holds a single token: nothing to score", options.input));
   }
   return result;
+}
+
+std::string unescape(std::string_view text) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '\\' || i + 1 == text.size()) {
+      out += text[i];
+      continue;
+    }
+    const char next = text[++i];
+    switch (next) {
+      case 'n':
+        out += '\n';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      case '\\':
+        out += '\\';
+        break;
+      default:
+        out += '\\';
+        out += next;
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// A JSON number, or null for NaN (no bytes or tokens to divide by).
+nlohmann::ordered_json number_or_null(double value) {
+  return std::isfinite(value) ? nlohmann::ordered_json(value) : nlohmann::ordered_json(nullptr);
+}
+
+// Adds the totals' fields to `json`.
+void add_totals(nlohmann::ordered_json& json, const LossTotals& totals) {
+  json["tokens"] = totals.tokens;
+  json["bytes"] = totals.bytes;
+  json["bits"] = totals.bits;
+  json["bits_per_byte"] = number_or_null(totals.bits_per_byte());
+  json["perplexity"] = number_or_null(totals.perplexity());
+}
+
+void print_text_report(const StreamReportHeader& header, const WindowedLoss& loss,
+                       const TextStreamResult& streamed, const CacheReport& report) {
+  const LossTotals& overall = loss.overall();
+  std::string out;
+  out += fmt::format("input          {} ({} bytes)\n", header.input, streamed.input_bytes);
+  out += fmt::format("policy         {}\n", header.policy_description);
+  if (header.turns) out += fmt::format("turns          {}\n", streamed.turns);
+  if (header.insert_anchors) {
+    out += fmt::format("anchors        {} inserted (fed, not scored)\n", streamed.anchors);
+  }
+  out += fmt::format("tokens scored  {} ({} bytes)\n", overall.tokens, overall.bytes);
+  out += fmt::format("bits per byte  {:.4f}\n", overall.bits_per_byte());
+  out += fmt::format("perplexity     {:.4f} per token\n", overall.perplexity());
+  out += fmt::format("windows of {} positions:\n", loss.window());
+  out += fmt::format("  {:>23}  {:>10}  {:>10}  {:>10}\n", "positions", "tokens", "bits/byte",
+                     "perplexity");
+  for (const LossWindow& window : loss.windows()) {
+    const std::string positions =
+        fmt::format("{}-{}", window.first_position, window.first_position + loss.window() - 1);
+    out += fmt::format("  {:>23}  {:>10}  {:>10.4f}  {:>10.4f}\n", positions, window.totals.tokens,
+                       window.totals.bits_per_byte(), window.totals.perplexity());
+  }
+  out += format_cache_report(report) + '\n';
+  std::cout << out << std::flush;
+}
+
+}  // namespace
+
+void print_stream_report(bool json_output, const StreamReportHeader& header,
+                         const WindowedLoss& loss, const TextStreamResult& streamed,
+                         const CacheReport& report) {
+  if (!json_output) {
+    print_text_report(header, loss, streamed, report);
+    return;
+  }
+  nlohmann::ordered_json json;
+  json["model"] = header.model;
+  json["input"] = header.input;
+  json["input_bytes"] = streamed.input_bytes;
+  json["policy"] = header.policy;
+  if (header.turns) json["turns"] = streamed.turns;
+  if (header.insert_anchors) json["anchors"] = streamed.anchors;
+  add_totals(json, loss.overall());
+  json["window"] = loss.window();
+  json["windows"] = nlohmann::ordered_json::array();
+  for (const LossWindow& window : loss.windows()) {
+    nlohmann::ordered_json entry;
+    entry["first_position"] = window.first_position;
+    add_totals(entry, window.totals);
+    json["windows"].push_back(std::move(entry));
+  }
+  json["cache"] = to_json(report);
+  std::cout << dump_json(json) << '\n' << std::flush;
+  if (!std::cout) throw Error("error while writing to stdout");
 }
 
 }  // namespace kvevict::cli

@@ -6,10 +6,17 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <kvevict/model/model.hpp>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
+#include "cli_common/anchor_inserter.hpp"
 #include "cli_common/log_loss.hpp"
+#include "cli_common/report.hpp"
 
 namespace kvevict::cli {
 
@@ -32,5 +39,39 @@ struct TextStreamResult {
 /// time). Throws kvevict::Error for an empty input or one that holds a single token.
 TextStreamResult stream_text(const TextStreamOptions& options, const model::Tokenizer& tokenizer,
                              StreamScorer& scorer, int chunk);
+
+/// How a vocabulary kvevict does not hold (an engine's tokenizer) encodes the text's pieces.
+struct PieceEncoder {
+  /// Tokens of `text`, BOS first when `add_bos` (only the first piece asks).
+  std::function<std::vector<std::int32_t>(std::string_view text, bool add_bos)> encode;
+  /// Cut the text only before a space (TextPiecesOptions::cut_before_space).
+  bool cut_before_space = false;
+  /// Encode a piece cut before a space without that space (SentencePiece, whose dummy prefix
+  /// stands for it); else with it (byte-level BPE, whose tokens carry their leading space).
+  bool drop_cut_space = false;
+};
+
+/// stream_text with the engine's encoder; `anchors` (options.insert_anchors) must be given when
+/// anchors are asked for.
+TextStreamResult stream_text(const TextStreamOptions& options, const PieceEncoder& encoder,
+                             std::optional<AnchorInserter> anchors, StreamScorer& scorer,
+                             int chunk);
+
+/// "\n", "\t", "\r" and "\\" in a separator given on the command line.
+[[nodiscard]] std::string unescape(std::string_view text);
+
+/// What `stream`'s report says about the run besides the loss and the cache.
+struct StreamReportHeader {
+  std::string model;
+  std::string input;
+  bool turns = false;  ///< a turn separator was given: report the turns
+  bool insert_anchors = false;
+  std::string policy_description;  ///< the text report's policy line
+  nlohmann::ordered_json policy;   ///< the JSON report's "policy"
+};
+
+/// The report of `kvevict stream` and `kvevict-llama stream` on stdout: text, or one JSON object.
+void print_stream_report(bool json, const StreamReportHeader& header, const WindowedLoss& loss,
+                         const TextStreamResult& streamed, const CacheReport& report);
 
 }  // namespace kvevict::cli

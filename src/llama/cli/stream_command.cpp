@@ -2,7 +2,6 @@
 // chunks, same scoring and the same report, so the two executables' results compare line by line.
 #include <fmt/format.h>
 
-#include <chrono>
 #include <iostream>
 #include <kvevict/error.hpp>
 #include <memory>
@@ -17,7 +16,7 @@
 #include "cli_common/log_loss.hpp"
 #include "cli_common/policy_setup.hpp"
 #include "cli_common/report.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "cli_common/text_stream.hpp"
 #include "llama/cli/commands.hpp"
 #include "llama/cli/llama_options.hpp"
 
@@ -36,70 +35,26 @@ struct StreamOptions {
   std::int64_t limit_bytes = 0;
 };
 
-// The text read in pieces, tokenized (anchors inserted when asked) and fed in chunks of exactly
-// `chunk` tokens, a turn start flushing the partial chunk first: what `kvevict stream` does (to be
-// replaced by cli_common's stream_text once that is committed).
-StreamedText stream_text(const StreamOptions& options, const model::Tokenizer& tokenizer,
-                         cli::StreamScorer& scorer, int chunk) {
-  const auto start = std::chrono::steady_clock::now();
-  cli::TextPieces pieces(
-      options.input,
-      cli::TextPiecesOptions{
-          .turn_separator = unescape(options.turn_separator),
-          .cut_before_space = tokenizer.kind == model::Tokenizer::Kind::sentencepiece,
-          .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes)});
-  std::optional<cli::AnchorInserter> anchors;
-  if (options.insert_anchors) anchors = cli::AnchorInserter::for_tokenizer(tokenizer);
-  StreamedText result;
-  std::vector<std::int32_t> pending;
-  bool pending_turn = false;
-  const auto flush = [&] {
-    if (!pending.empty()) scorer.feed(pending, pending_turn);
-    pending.clear();
-    pending_turn = false;
-  };
-  const auto add = [&](std::span<const std::int32_t> tokens, bool turn_start) {
-    if (turn_start) {
-      flush();
-      pending_turn = true;
-    }
-    for (const std::int32_t token : tokens) {
-      pending.push_back(token);
-      if (static_cast<int>(pending.size()) == chunk) flush();
-    }
-  };
-  cli::TextPiece piece;
-  std::vector<std::int32_t> anchored;
-  bool first = true;
-  while (pieces.next(piece)) {
-    // A piece cut before a space is encoded without it: the dummy prefix stands for it.
-    const std::string_view text =
-        piece.space_cut ? std::string_view(piece.text).substr(1) : std::string_view(piece.text);
-    const std::vector<std::int32_t> tokens = tokenizer.encode(text, /*add_bos=*/first);
-    first = false;
-    if (piece.turn_start) ++result.turns;
-    if (anchors) {
-      anchored.clear();
-      anchors->push(tokens, anchored);
-      add(anchored, piece.turn_start);
-    } else {
-      add(tokens, piece.turn_start);
-    }
+// kvevict's tokenizer where it holds the vocabulary (the text cut and encoded exactly as `kvevict
+// stream` does); else llama.cpp's, the text cut only before a space and each piece encoded with
+// its leading space (byte-level BPE: Llama 3, Qwen, SmolLM2).
+cli::TextStreamResult stream_text(const StreamOptions& options, const std::string& separator,
+                                  const LlamaModel& model, cli::StreamScorer& scorer, int chunk) {
+  const cli::TextStreamOptions stream{
+      .input = options.input,
+      .turn_separator = separator,
+      .insert_anchors = options.insert_anchors,
+      .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
+      .progress = true};
+  if (const model::Tokenizer* tokenizer = model.kvevict_tokenizer()) {
+    return cli::stream_text(stream, *tokenizer, scorer, chunk);
   }
-  if (anchors) {
-    anchored.clear();
-    anchors->finish(anchored);
-    add(anchored, false);
-  }
-  flush();
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.input_bytes = pieces.bytes_read();
-  result.anchors = anchors ? anchors->inserted() : 0;
-  if (result.input_bytes == 0) throw Error(fmt::format("input '{}' is empty", options.input));
-  if (scorer.loss().overall().tokens == 0) {
-    throw Error(fmt::format("input '{}' holds a single token: nothing to score", options.input));
-  }
-  return result;
+  const cli::PieceEncoder encoder{
+      .encode = [&model](std::string_view text,
+                         bool add_bos) { return model.encode(text, add_bos); },
+      .cut_before_space = true,
+      .drop_cut_space = false};
+  return cli::stream_text(stream, encoder, std::nullopt, scorer, chunk);
 }
 
 int run_stream(const StreamOptions& options) {
@@ -110,31 +65,45 @@ int run_stream(const StreamOptions& options) {
     throw Error(
         fmt::format("--limit-bytes must be >= 0 (0 = no limit), got {}", options.limit_bytes));
   }
-  const std::string separator = unescape(options.turn_separator);
+  const std::string separator = cli::unescape(options.turn_separator);
   cli::validate_policy_options(options.policy);
 
   const LlamaModel model(options.model, options.llama.gpu_layers);
-  const model::Tokenizer* tokenizer = model.kvevict_tokenizer();
-  if (tokenizer == nullptr) {
-    throw Error("stream reads its text with kvevict's tokenizers (byte-level, SentencePiece); '" +
-                options.model + "' has another vocabulary: use generate");
-  }
   cli::PolicySetup setup = make_setup(options.policy, model);
+  cli::warn_if_single_turn(*setup.policy, !separator.empty());
   StageClock clock;
   const std::unique_ptr<llama::LlamaSequence> sequence =
       make_llama_sequence(model, options.llama, setup, &clock);
 
+  std::optional<std::int32_t> anchor_id;
+  if (options.insert_anchors) {
+    const model::Tokenizer* tokenizer = model.kvevict_tokenizer();
+    if (tokenizer == nullptr) {
+      throw Error("--insert-anchors needs a vocabulary with kvevict's <AC> anchor; '" +
+                  options.model + "' has none");
+    }
+    anchor_id = cli::AnchorInserter::for_tokenizer(*tokenizer).anchor_id();
+  }
   cli::StreamScorer scorer(
       [&sequence](std::span<const std::int32_t> tokens, bool turn_start) {
         return sequence->feed(tokens, turn_start, /*all_logits=*/true).values;
       },
-      sequence->vocab(), options.window, model.token_bytes(),
-      options.insert_anchors ? tokenizer->anchor_id : -1);
-  const StreamedText streamed = stream_text(options, *tokenizer, scorer, sequence->max_chunk());
+      sequence->vocab(), options.window, model.token_bytes(), anchor_id.value_or(-1));
+  const cli::TextStreamResult streamed =
+      stream_text(options, separator, model, scorer, sequence->max_chunk());
+  if (!separator.empty()) {
+    cli::warn_if_single_turn(sequence->sequence().policy(), streamed.turns > 0);
+  }
   const cli::CacheReport report = cache_report(*sequence, setup.name, streamed.seconds, clock);
-  print_stream_report(options.json, options.model, options.input, separator, options.insert_anchors,
-                      describe_policy(setup, *sequence), policy_json(setup, *sequence),
-                      scorer.loss(), streamed, report);
+  cli::print_stream_report(
+      options.json,
+      cli::StreamReportHeader{.model = options.model,
+                              .input = options.input,
+                              .turns = !separator.empty(),
+                              .insert_anchors = options.insert_anchors,
+                              .policy_description = describe_policy(setup, *sequence),
+                              .policy = policy_json(setup, *sequence)},
+      scorer.loss(), streamed, report);
   return 0;
 }
 
