@@ -6,8 +6,8 @@
 //     ids 0..255 the bytes, then BOS, EOS, <AC>), which llama.cpp does not know: loaded with the
 //     tokenizer model overridden to "none" (llama.cpp then runs on ids alone);
 //   - SentencePiece vocabularies ("llama": Llama 2, TinyLlama), rebuilt from llama.cpp's vocab.
-// Other vocabularies (BPE: Llama 3, Qwen, SmolLM2) are tokenized by llama.cpp (generate; stream
-// needs kvevict's tokenizer for its text pieces: cli_common/text_stream.hpp).
+// Other vocabularies (BPE: Llama 3, Qwen, SmolLM2) are tokenized by llama.cpp (stream cuts their
+// text only before a space: cli_common/text_stream.hpp, PieceEncoder).
 #pragma once
 
 #include <llama.h>
