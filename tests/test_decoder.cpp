@@ -509,6 +509,28 @@ TEST(DecoderCache, CachedDecodingEqualsRecomputation) {
   }
 }
 
+// A budget far larger than the stream reserves for the stream, not for the budget: the cache starts
+// at 1,024 slots + one chunk and doubles as tokens arrive (issue 14: --budget 16777216 over a
+// 300-byte input reached 5.9 GB).
+TEST(DecoderCache, MemoryFollowsTheStreamNotTheBudget) {
+  const Model model = kvevict::model::make_random_model(small_config(RopeLayout::half_split), 5);
+  kvevict::model::DecoderOptions options;
+  options.max_chunk = 16;
+  kvevict::model::Decoder decoder(
+      model, kvevict::make_policy("h2o", kvevict::budget_params("h2o", 1 << 24)), options);
+  EXPECT_EQ(decoder.cache().sequence().capacity(), 1024 + 16);
+  std::vector<std::int32_t> tokens(3000);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i % 250);
+  (void)decoder.feed(tokens);
+  // 3,000 tokens: 1,040 doubled once to 2,080, then to 4,160.
+  EXPECT_EQ(decoder.cache().live(0, 0), 3000);
+  EXPECT_EQ(decoder.cache().sequence().capacity(), 4160);
+  // A budget below the cap is reserved whole, as before: it never grows.
+  kvevict::model::Decoder small(
+      model, kvevict::make_policy("h2o", kvevict::budget_params("h2o", 64)), options);
+  EXPECT_EQ(small.cache().sequence().capacity(), 64 + 16);
+}
+
 TEST(DecoderCache, FeedSplitsAndConcatenates) {
   const Model model = model_for(kModelCases[0]);
   const std::vector<std::int32_t> tokens = tokens_for(50, 9);

@@ -46,6 +46,8 @@ struct CacheConfig {
   int max_chunk = 1;
   /// Slots reserved up front; 0 = retained_limit() + max_chunk, or 256 for unbounded policies.
   int initial_capacity = 0;
+  /// SequenceConfig::max_initial_capacity: 0 = reserve everything the policy may hold up front.
+  int max_initial_capacity = 0;
   /// See SequenceConfig::max_pending_rotations.
   int max_pending_rotations = 32;
 };
@@ -244,6 +246,7 @@ class EvictingCache {
     sequence.key_storage = config.key_storage;
     sequence.max_chunk = config.max_chunk;
     sequence.initial_capacity = config.initial_capacity;
+    sequence.max_initial_capacity = config.max_initial_capacity;
     sequence.max_pending_rotations = config.max_pending_rotations;
     return sequence;
   }

@@ -56,6 +56,10 @@ struct SequenceConfig {
   int max_chunk = 1;
   /// Slots reserved up front; 0 = retained_limit() + max_chunk, or 256 for unbounded policies.
   int initial_capacity = 0;
+  /// At most this many slots reserved up front (0 = no cap): the slots then grow by doubling as
+  /// tokens arrive, so that memory follows the stream rather than a large budget. Engines that must
+  /// not reallocate while running leave it at 0.
+  int max_initial_capacity = 0;
   /// post_rope keys under cache_index / reset_on_compact: the most different pending rotations a
   /// unit may carry (each costs the attention one query rotation per run) before kvevict folds them
   /// into the stored keys. 0: fold at every decision (engines whose attention cannot rotate the
@@ -312,19 +316,24 @@ class Sequence {
                         std::to_string(SlotTable::kMaxCapacity) + "], got " +
                         std::to_string(config.max_chunk));
     KVEVICT_REQUIRE(config.initial_capacity >= 0, "Sequence: negative initial_capacity");
+    KVEVICT_REQUIRE(config.max_initial_capacity >= 0, "Sequence: negative max_initial_capacity");
     KVEVICT_REQUIRE(config.max_pending_rotations >= 0,
                     "Sequence: max_pending_rotations must be >= 0");
     return config;
   }
 
   int initial_capacity() const {
-    if (config_.initial_capacity > 0) return config_.initial_capacity;
-    const std::optional<int> limit = policy_->retained_limit();
-    if (!limit) return std::max(256, config_.max_chunk);
-    return checked_int(
-        checked_sum({*limit, config_.max_chunk},
-                    "Sequence: the policy's retained limit + max_chunk", SlotTable::kMaxCapacity),
-        "Sequence: capacity");
+    const int capacity = [&] {
+      if (config_.initial_capacity > 0) return config_.initial_capacity;
+      const std::optional<int> limit = policy_->retained_limit();
+      if (!limit) return std::max(256, config_.max_chunk);
+      return checked_int(
+          checked_sum({*limit, config_.max_chunk},
+                      "Sequence: the policy's retained limit + max_chunk", SlotTable::kMaxCapacity),
+          "Sequence: capacity");
+    }();
+    return config_.max_initial_capacity > 0 ? std::min(capacity, config_.max_initial_capacity)
+                                            : capacity;
   }
 
   void require_usable() const {

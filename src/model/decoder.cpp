@@ -33,6 +33,9 @@ void check_norm(const std::vector<float>& norm, int dim, const char* name, int l
 }
 
 // Validates the model against its config and builds the cache configuration.
+// Slots the decoder's cache reserves before the stream needs more (besides one chunk).
+constexpr int kInitialSlots = 1024;
+
 CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   const ModelConfig& c = model.config;
   c.validate();
@@ -73,6 +76,13 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   config.granularity = options.granularity;
   config.key_storage = options.key_storage;
   config.max_chunk = options.max_chunk;
+  // Memory follows the stream, not the budget: the store starts at kInitialSlots + max_chunk slots
+  // and doubles as tokens arrive, up to what the policy may hold (a budget of 16M tokens over a
+  // 300-byte input allocates for the input).
+  config.max_initial_capacity =
+      checked_int(checked_sum({kInitialSlots, options.max_chunk},
+                              "Decoder: initial slots + max_chunk", SlotTable::kMaxCapacity),
+                  "Decoder: initial capacity");
   config.max_pending_rotations = options.max_pending_rotations;
   return config;
 }
