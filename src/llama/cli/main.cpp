@@ -4,6 +4,8 @@
 #include <CLI/CLI.hpp>
 #include <exception>
 #include <iostream>
+#include <kvevict/version.hpp>
+#include <string>
 #include <vector>
 
 #include "llama/cli/commands.hpp"
@@ -13,6 +15,7 @@ namespace {
 int run(int argc, char** argv) {
   CLI::App app{"kvevict-llama: KV-cache eviction policies over llama.cpp", "kvevict-llama"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("kvevict-llama ") + kvevict::kVersionString);
   const std::vector<kvevict::llama_cli::Command> commands = {
       kvevict::llama_cli::add_generate_command(app),
       kvevict::llama_cli::add_stream_command(app),
@@ -23,6 +26,8 @@ int run(int argc, char** argv) {
     return app.exit(help);
   } catch (const CLI::CallForAllHelp& help) {
     return app.exit(help);
+  } catch (const CLI::CallForVersion& version) {
+    return app.exit(version);
   } catch (const CLI::ParseError& error) {
     std::cerr << "kvevict-llama: error: " << error.what()
               << "\nRun with --help for more information.\n";
