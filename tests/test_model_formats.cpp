@@ -581,7 +581,9 @@ TEST(GgufRoundTrip, QuantisedWithinTheirBound) {
       const Bytes file = kvevict::model::serialize_gguf(original, options);
       const Model loaded = kvevict::model::load_gguf(file);
       expect_same_config(original.config, loaded.config);
-      const gguf::TensorInfo* wq = gguf::parse(file).find_tensor("blk.0.attn_q.weight");
+      const auto parsed = gguf::parse(file);  // owns the tensor infos find_tensor points into
+      const gguf::TensorInfo* wq = parsed.find_tensor("blk.0.attn_q.weight");
+      ASSERT_NE(wq, nullptr);
       EXPECT_EQ(wq->type,
                 static_cast<std::uint32_t>(quantised_type == DType::q8_0 ? gguf::TensorType::q8_0
                                                                          : gguf::TensorType::q4_0));
