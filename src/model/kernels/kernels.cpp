@@ -75,33 +75,33 @@ HWY_INLINE float weight_value(const hwy::bfloat16_t* p) {
   return bf16_to_float(bits);
 }
 
-// y[r] = W[r] . x for kRows consecutive rows starting at w (row length cols): one accumulator per
-// row, so that kRows independent read streams and FMA chains run at once.
-template <int kRows, typename T>
-HWY_INLINE void dot_rows(const T* w, std::int64_t cols, const float* x, float* y) {
+// W[r] . x for one row, read front to back with four accumulators.
+template <typename T>
+HWY_INLINE float dot_row(const T* w, std::int64_t cols, const float* x) {
   const D d;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  V acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = hn::Zero(d);
+  V acc0 = hn::Zero(d);
+  V acc1 = hn::Zero(d);
+  V acc2 = hn::Zero(d);
+  V acc3 = hn::Zero(d);
   std::int64_t j = 0;
-  for (; j + lanes <= cols; j += lanes) {
-    const V xv = hn::LoadU(d, x + j);
-    for (int r = 0; r < kRows; ++r)
-      acc[r] = hn::MulAdd(load_weights(d, w + r * cols + j), xv, acc[r]);
+  for (; j + 4 * lanes <= cols; j += 4 * lanes) {
+    acc0 = hn::MulAdd(load_weights(d, w + j), hn::LoadU(d, x + j), acc0);
+    acc1 = hn::MulAdd(load_weights(d, w + j + lanes), hn::LoadU(d, x + j + lanes), acc1);
+    acc2 = hn::MulAdd(load_weights(d, w + j + 2 * lanes), hn::LoadU(d, x + j + 2 * lanes), acc2);
+    acc3 = hn::MulAdd(load_weights(d, w + j + 3 * lanes), hn::LoadU(d, x + j + 3 * lanes), acc3);
   }
-  for (int r = 0; r < kRows; ++r) {
-    float total = sum_lanes(d, acc[r]);
-    for (std::int64_t t = j; t < cols; ++t) total += weight_value(w + r * cols + t) * x[t];
-    y[r] = total;
-  }
+  for (; j + lanes <= cols; j += lanes)
+    acc0 = hn::MulAdd(load_weights(d, w + j), hn::LoadU(d, x + j), acc0);
+  float total = sum_lanes(d, hn::Add(hn::Add(acc0, acc1), hn::Add(acc2, acc3)));
+  for (; j < cols; ++j) total += weight_value(w + j) * x[j];
+  return total;
 }
 
 template <typename T>
 void matvec_elements(const T* w, std::int64_t cols, const float* x, float* y, std::int64_t begin,
                      std::int64_t end) {
-  std::int64_t r = begin;
-  for (; r + 4 <= end; r += 4) dot_rows<4>(w + r * cols, cols, x, y + r);
-  for (; r < end; ++r) dot_rows<1>(w + r * cols, cols, x, y + r);
+  for (std::int64_t r = begin; r < end; ++r) y[r] = dot_row(w + r * cols, cols, x);
 }
 
 template <typename T>
@@ -179,21 +179,24 @@ struct Q4_0 {
   }
 };
 
-template <class Format, int kRows>
-HWY_INLINE void dot_block_rows(const std::uint8_t* w, std::size_t row_bytes, std::int64_t blocks,
-                               const float* x, float* y) {
+// W[r] . x for one row of blocks, read front to back; even and odd blocks in two accumulators.
+template <class Format>
+HWY_INLINE float dot_block_row(const std::uint8_t* row, std::int64_t blocks, const float* x) {
   const D d;
-  V acc[kRows];
-  for (int r = 0; r < kRows; ++r) acc[r] = hn::Zero(d);
-  for (std::int64_t b = 0; b < blocks; ++b) {
-    for (int r = 0; r < kRows; ++r) {
-      const std::uint8_t* block =
-          w + r * row_bytes + static_cast<std::size_t>(b) * Format::kBlockBytes;
-      acc[r] =
-          hn::MulAdd(hn::Set(d, block_scale(block)), Format::dot(d, block, x + 32 * b), acc[r]);
-    }
+  V even = hn::Zero(d);
+  V odd = hn::Zero(d);
+  std::int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    const std::uint8_t* block = row + static_cast<std::size_t>(b) * Format::kBlockBytes;
+    const std::uint8_t* next = block + Format::kBlockBytes;
+    even = hn::MulAdd(hn::Set(d, block_scale(block)), Format::dot(d, block, x + 32 * b), even);
+    odd = hn::MulAdd(hn::Set(d, block_scale(next)), Format::dot(d, next, x + 32 * (b + 1)), odd);
   }
-  for (int r = 0; r < kRows; ++r) y[r] = sum_lanes(d, acc[r]);
+  if (b < blocks) {
+    const std::uint8_t* block = row + static_cast<std::size_t>(b) * Format::kBlockBytes;
+    even = hn::MulAdd(hn::Set(d, block_scale(block)), Format::dot(d, block, x + 32 * b), even);
+  }
+  return sum_lanes(d, hn::Add(even, odd));
 }
 
 template <class Format>
@@ -201,10 +204,8 @@ void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, flo
                    std::int64_t begin, std::int64_t end) {
   const std::int64_t blocks = cols / 32;
   const std::size_t row_bytes = static_cast<std::size_t>(blocks) * Format::kBlockBytes;
-  std::int64_t r = begin;
-  for (; r + 4 <= end; r += 4)
-    dot_block_rows<Format, 4>(w + r * row_bytes, row_bytes, blocks, x, y + r);
-  for (; r < end; ++r) dot_block_rows<Format, 1>(w + r * row_bytes, row_bytes, blocks, x, y + r);
+  for (std::int64_t r = begin; r < end; ++r)
+    y[r] = dot_block_row<Format>(w + static_cast<std::size_t>(r) * row_bytes, blocks, x);
 }
 
 template <class Format>
