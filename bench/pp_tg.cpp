@@ -8,7 +8,7 @@
 // "<test> <mean tokens/s> <standard deviation>" over those, wall time, like llama-bench's avg_ts.
 // The policy is "full" (no eviction), keys stored after RoPE (the decoder's default).
 //
-//   pp_tg --model m.gguf [-p 512] [-n 128] [-r 5] [--target AVX2]
+//   pp_tg --model m.gguf [-p 512] [-n 128] [-r 5] [-t 1] [--target AVX2]
 //   pp_tg --write-stories15m out.gguf --dtype f32|f16|bf16|q8_0|q4_0
 //
 // --write-stories15m writes a stories15M-shaped Llama (dim 288, 6 layers, 6 heads, hidden 768,
@@ -47,6 +47,7 @@ struct Options {
   int prompt = 512;
   int generate = 128;
   int repetitions = 5;
+  int threads = 1;
 };
 
 DType parse_dtype(const std::string& text) {
@@ -84,6 +85,8 @@ Options parse(int argc, char** argv) {
       options.generate = parse_count(flag, value);
     } else if (flag == "-r") {
       options.repetitions = parse_count(flag, value);
+    } else if (flag == "-t") {
+      options.threads = parse_count(flag, value);
     } else {
       throw Error("unknown option '" + flag + "' (see bench/pp_tg.cpp)");
     }
@@ -173,6 +176,7 @@ void run_tests(const Options& options) {
   };
   model::DecoderOptions decoder_options;
   decoder_options.max_chunk = options.prompt;
+  decoder_options.threads = options.threads;
   const auto fresh_decoder = [&] {
     return std::make_unique<model::Decoder>(m, make_policy("full", PolicyParams()),
                                             decoder_options);

@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "model/half.hpp"
 #include "model/kernels/kernels.hpp"
 #include "model/matmul.hpp"
@@ -631,6 +633,67 @@ TEST(DecoderPolicies, EveryPolicyWithoutEvictionEqualsFullBitwise) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Threads
+// ---------------------------------------------------------------------------------------------
+
+// Products are split by rows of W and attention by KV heads, each value computed as on one thread:
+// 1, 2 and 3 threads give the same bits, for every weight type, both key storages, and a policy
+// that reads every attention row and evicts (its decisions must not change either). The model is
+// wide enough (output 2,048 x 128) that single-row products are split too.
+TEST(DecoderThreads, LogitsAreBitIdenticalForAnyThreadCount) {
+  ModelConfig config = small_config(RopeLayout::half_split);
+  config.dim = 128;
+  config.hidden_dim = 384;
+  config.vocab_size = 2048;
+  const std::vector<std::int32_t> tokens = tokens_for(70, 5);
+  const std::vector<int> chunks{12, 1, 1, 7, 1};
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16, DType::q8_0, DType::q4_0}) {
+    const Model model = kvevict::model::make_random_model(config, 9, dtype);
+    for (const KeyStorage storage : {KeyStorage::pre_rope, KeyStorage::post_rope}) {
+      std::vector<float> one_thread;
+      std::int64_t one_thread_evicted = 0;
+      for (const int threads : {1, 2, 3}) {
+        SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)) + " " +
+                     std::string(kvevict::to_string(storage)) + " threads " +
+                     std::to_string(threads));
+        DecoderOptions options;
+        options.key_storage = storage;
+        options.max_chunk = 12;
+        options.threads = threads;
+        Decoder decoder(
+            model, kvevict::make_policy("h2o", PolicyParams().set("heavy", 8).set("recent", 8)),
+            options);
+        const std::vector<float> logits = all_logits(decoder, tokens, chunks);
+        const std::int64_t evicted = decoder.cache().sequence().stats().evicted_slots;
+        EXPECT_GT(evicted, 0);
+        if (threads == 1) {
+          one_thread = logits;
+          one_thread_evicted = evicted;
+          continue;
+        }
+        ASSERT_EQ(logits.size(), one_thread.size());
+        EXPECT_EQ(std::memcmp(logits.data(), one_thread.data(), logits.size() * sizeof(float)), 0)
+            << "max relative difference "
+            << max_relative_difference(logits, one_thread,
+                                       static_cast<std::size_t>(config.vocab_size));
+        EXPECT_EQ(evicted, one_thread_evicted);
+      }
+    }
+  }
+}
+
+TEST(DecoderThreads, ThreadCountOutsideItsRangeIsNamed) {
+  const Model model = model_for(kModelCases[0]);
+  for (const int threads : {0, -1, 1025}) {
+    DecoderOptions options;
+    options.threads = threads;
+    kvevict::test::expect_error(
+        [&] { Decoder decoder(model, full_policy(), options); },
+        "Decoder: threads must be in [1, 1024], got " + std::to_string(threads));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Pre- and post-RoPE key storage under real eviction
 // ---------------------------------------------------------------------------------------------
 
@@ -723,6 +786,38 @@ TEST(DecoderMemory, BoundedPolicyKeepsPeakConstantOnALongStream) {
   EXPECT_EQ(decoder.cache().memory().reserved_bytes, reserved);
   EXPECT_EQ(decoder.stats().tokens_fed, 2000);
   EXPECT_GT(decoder.cache().sequence().stats().evicted_slots, 0);
+}
+
+// Resident bytes of this process (Linux /proc/self/statm), or -1 where it cannot be read.
+long long resident_bytes() {
+  std::FILE* file = std::fopen("/proc/self/statm", "r");
+  if (file == nullptr) return -1;
+  long long size = 0;
+  long long resident = -1;
+  if (std::fscanf(file, "%lld %lld", &size, &resident) != 2) resident = -1;
+  std::fclose(file);
+  return resident < 0 ? -1 : resident * sysconf(_SC_PAGESIZE);
+}
+
+// Issue 14: the buffers follow the chunks fed, not max_chunk. With toy-base's shape (dim 128,
+// hidden 384, 4 layers, 4 heads, 2 KV heads of 32) and max_chunk 65,536 (the CLI's largest
+// --chunk), the decoder reserved about 505 MB before its first token: activations of 65,536 rows
+// of 2 x (128 + 384 + 128 + 64) floats (369 MB) and slots for 1,024 + 65,536 tokens at 2 KiB each
+// (136 MB). 300 tokens need 1.7 MB of activations and 2,048 slots (4 MB).
+TEST(DecoderMemory, MaxChunkDoesNotSizeTheBuffers) {
+  ModelConfig config = small_config(RopeLayout::half_split);
+  config.dim = 128;
+  config.hidden_dim = 384;
+  config.layers = 4;
+  const Model model = kvevict::model::make_random_model(config, 3);
+  const long long before = resident_bytes();
+  ASSERT_GE(before, 0) << "reads /proc/self/statm (Linux)";
+  DecoderOptions options;
+  options.max_chunk = 65536;
+  Decoder decoder(model, full_policy(), options);
+  (void)decoder.feed(tokens_for(300));
+  EXPECT_LT(resident_bytes() - before, 100LL << 20);
+  EXPECT_EQ(decoder.cache().sequence().capacity(), 2048);
 }
 
 TEST(DecoderMemory, InfiniPotPrefillStaysWithinPotPlusCatalyst) {

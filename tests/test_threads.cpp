@@ -60,11 +60,13 @@ struct DecoderRun {
 // turns, and the catalyst prompt.
 const std::vector<std::string> kPolicies = {"streaming_llm", "h2o", "tova", "sirllm", "infinipot"};
 
-DecoderRun run_decoder(const Model& model, const std::string& policy, std::uint32_t seed) {
+DecoderRun run_decoder(const Model& model, const std::string& policy, std::uint32_t seed,
+                       int decoder_threads = 1) {
   DecoderRun run;
   try {
     DecoderOptions options;
     options.max_chunk = 8;
+    options.threads = decoder_threads;
     Decoder decoder(model, kvevict::make_policy(policy, kvevict::budget_params(policy, 24, 2)),
                     options);
     if (policy == "infinipot") decoder.set_catalyst(stream(4, 99));
@@ -94,12 +96,15 @@ TEST(Threads, DecodersOverOneSharedModelComputeWhatTheyComputeAlone) {
       ASSERT_GT(alone.back().evicted_slots, 0) << policy << ": the stream should overflow 24";
     }
   }
+  // Together, each decoder runs its forwards on two threads of its own (DecoderOptions::threads:
+  // products split by rows, attention by KV heads), which must not change a bit either.
   std::vector<DecoderRun> together(alone.size());
   std::vector<std::thread> threads;
   for (std::size_t i = 0; i < alone.size(); ++i) {
     threads.emplace_back([&, i] {
       together[i] = run_decoder(model, kPolicies[i % kPolicies.size()],
-                                17u + static_cast<std::uint32_t>(i / kPolicies.size()));
+                                17u + static_cast<std::uint32_t>(i / kPolicies.size()),
+                                /*decoder_threads=*/2);
     });
   }
   for (std::thread& thread : threads) thread.join();

@@ -34,6 +34,7 @@ struct CompareOptions {
   std::vector<std::string> policies = {"full", "window", "streaming_llm", "h2o", "tova"};
   std::int64_t limit_bytes = 8192;
   int chunk = kDefaultChunk;
+  int threads = 1;
   bool json = false;
 };
 
@@ -51,6 +52,7 @@ PolicyOptions policy_options(const CompareOptions& options, const std::string& n
   policy.policy = name;
   if (name != "full") policy.budget = options.budget;
   policy.chunk = options.chunk;
+  policy.threads = options.threads;
   return policy;
 }
 
@@ -185,6 +187,7 @@ Command add_compare_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--chunk", options->chunk, "prefill chunk size: tokens per forward")
       ->capture_default_str();
+  add_threads_option(*app, options->threads);
   app->add_flag("--json", options->json, "print one JSON object instead of the table");
   app->footer(
       "Streams the same text through the reference decoder once per policy, the full cache\n"

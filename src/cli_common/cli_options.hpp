@@ -30,6 +30,16 @@ inline std::string budget_mapping_help() {
   return help;
 }
 
+/// -t/--threads (group "Decoder" in --help): 1 by default, so that the tokens/s a command reports
+/// compare across runs and `kvevict eval --jobs` or shards can use the other cores.
+inline void add_threads_option(CLI::App& app, int& threads) {
+  app.add_option("-t,--threads", threads,
+                 "threads of each forward (products split by rows, attention by KV heads: the "
+                 "same logits for any number)")
+      ->group("Decoder")
+      ->capture_default_str();
+}
+
 /// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --chunk, --catalyst
 /// (group "Policy" in --help).
 inline void add_policy_options(CLI::App& app, PolicyOptions& options) {

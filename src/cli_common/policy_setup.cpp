@@ -66,6 +66,9 @@ void validate_policy_options(const PolicyOptions& options) {
     throw Error(fmt::format("--chunk must be in [1, {}], got {}", kMaxChunk, options.chunk));
   }
   if (options.sinks < 0) throw Error(fmt::format("--sinks must be >= 0, got {}", options.sinks));
+  if (options.threads < 1 || options.threads > 1024) {
+    throw Error(fmt::format("--threads must be in [1, 1024], got {}", options.threads));
+  }
   if (options.sinks_given && !has_sinks(spec)) {
     throw Error(
         fmt::format("--sinks does not apply to policy '{}' (it has no sinks)", options.policy));
@@ -111,6 +114,7 @@ PolicySetup make_policy_setup(const PolicyOptions& options, const model::Model& 
   }
   setup.decoder_options.key_storage = parse_key_storage(options.keys);
   setup.decoder_options.max_chunk = options.chunk;
+  setup.decoder_options.threads = options.threads;
   if (setup.policy->signals().contains(Signal::catalyst_attention)) {
     const std::string text =
         options.catalyst.value_or(std::string(kInfiniPotGeneralCatalystPrompt));

@@ -38,6 +38,7 @@ struct PolicyOptions {
   std::string keys = "post_rope";
   int chunk = kDefaultChunk;
   std::optional<std::string> catalyst;  ///< InfiniPot's catalyst prompt; nullopt = the paper's
+  int threads = 1;                      ///< -t/--threads: model::DecoderOptions::threads
 };
 
 /// Names of the policies, comma-separated, for messages and --help.

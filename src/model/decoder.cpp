@@ -10,6 +10,7 @@
 #include "kvevict/error.hpp"
 #include "kvevict/signals.hpp"
 #include "matmul.hpp"
+#include "thread_pool.hpp"
 
 namespace kvevict::model {
 namespace {
@@ -35,6 +36,12 @@ void check_norm(const std::vector<float>& norm, int dim, const char* name, int l
 // Validates the model against its config and builds the cache configuration.
 // Slots the decoder's cache reserves before the stream needs more (besides one chunk).
 constexpr int kInitialSlots = 1024;
+// More threads than any machine the decoder runs on has cores: a typo, not a request.
+constexpr int kMaxThreads = 1024;
+// Largest scratch buffer a forward may allocate (activations of a chunk, one KV head's attention
+// probabilities): 2^28 floats, 1 GiB. Buffers are sized by the chunk actually fed, not by
+// max_chunk, so only a long input fed in huge chunks (or a huge model) reaches it.
+constexpr std::int64_t kMaxScratchFloats = std::int64_t{1} << 28;
 
 CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   const ModelConfig& c = model.config;
@@ -62,6 +69,9 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   KVEVICT_REQUIRE(options.max_chunk > 0,
                   "Decoder: max_chunk must be positive, got " + std::to_string(options.max_chunk));
   KVEVICT_REQUIRE(options.rope_table_positions >= 0, "Decoder: rope_table_positions must be >= 0");
+  KVEVICT_REQUIRE(options.threads >= 1 && options.threads <= kMaxThreads,
+                  "Decoder: threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                      std::to_string(options.threads));
 
   CacheConfig config;
   config.shape = CacheShape{c.layers, c.heads, c.kv_heads, c.head_dim()};
@@ -76,13 +86,11 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   config.granularity = options.granularity;
   config.key_storage = options.key_storage;
   config.max_chunk = options.max_chunk;
-  // Memory follows the stream, not the budget: the store starts at kInitialSlots + max_chunk slots
-  // and doubles as tokens arrive, up to what the policy may hold (a budget of 16M tokens over a
-  // 300-byte input allocates for the input).
-  config.max_initial_capacity =
-      checked_int(checked_sum({kInitialSlots, options.max_chunk},
-                              "Decoder: initial slots + max_chunk", SlotTable::kMaxCapacity),
-                  "Decoder: initial capacity");
+  // Memory follows the stream, not the budget nor max_chunk: the store starts at kInitialSlots
+  // plus one chunk of at most kInitialSlots and doubles as tokens arrive, up to what the policy
+  // may hold (a budget of 16M tokens or a max_chunk of 65,536 over a 300-byte input allocates for
+  // the input).
+  config.max_initial_capacity = kInitialSlots + std::min(options.max_chunk, kInitialSlots);
   config.max_pending_rotations = options.max_pending_rotations;
   return config;
 }
@@ -105,24 +113,36 @@ float negative_log_softmax(const float* logits, int vocab, std::int32_t token) {
 
 }  // namespace
 
-struct Decoder::AttentionScratch {
-  explicit AttentionScratch(const Rope& rope) : angles(rope) {}
+namespace {
+
+// What one thread needs for the attention of one KV head at a time.
+struct HeadScratch {
+  explicit HeadScratch(const Rope& rope) : angles(rope) {}
   QueryAngles angles;                        // query rotations of this forward
   std::vector<KeyRun> runs;                  // one KV head's live slots
   std::vector<float> probabilities;          // [group * n, slot_limit] one KV head's softmax rows
   AttentionBuffers buffers;                  // attend()'s scratch
   EvictingCache<float>::Matrix key_scratch;  // rotated keys of one KV head (pre-RoPE storage)
+  std::vector<std::int64_t> positions;       // [n] query positions in one KV head
+};
+
+}  // namespace
+
+struct Decoder::AttentionScratch {
+  AttentionScratch(const Rope& rope, int threads) {
+    for (int t = 0; t < threads; ++t) per_thread.emplace_back(rope);
+  }
+  std::vector<HeadScratch> per_thread;  // [threads]
   std::vector<float> rows;              // [heads][queries][stride] probabilities for the policy
   std::vector<int> keys_per_kv_head;    // [kv_heads]
-  std::vector<std::int64_t> positions;  // [n] query positions in one KV head
 };
 
 Decoder::Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOptions options)
     : model_(model),
       options_(options),
       cache_(cache_config(model, options), std::move(policy), options.observer),
-      attention_(std::make_unique<AttentionScratch>(cache_.rope())) {
-  reserve_rows(options_.max_chunk);
+      attention_(std::make_unique<AttentionScratch>(cache_.rope(), options.threads)),
+      pool_(options.threads > 1 ? std::make_unique<ThreadPool>(options.threads) : nullptr) {
   attention_->keys_per_kv_head.assign(static_cast<std::size_t>(model_.config.kv_heads), 0);
 }
 
@@ -130,10 +150,17 @@ Decoder::~Decoder() = default;
 
 void Decoder::reserve_rows(int rows) {
   if (rows <= scratch_rows_) return;
+  // Grown geometrically up to max_chunk, so that a stream of growing chunks reallocates rarely.
+  rows = std::max(rows, std::min(2 * scratch_rows_, options_.max_chunk));
   const ModelConfig& c = model_.config;
   const auto n = static_cast<std::size_t>(rows);
   const auto q_dim = static_cast<std::size_t>(c.heads) * c.head_dim();
   const auto kv_dim = static_cast<std::size_t>(c.kv_heads) * c.head_dim();
+  (void)checked_allocation(
+      {rows, 2 * (std::int64_t{c.dim} + c.hidden_dim + static_cast<std::int64_t>(q_dim + kv_dim))},
+      "Decoder: activations of a " + std::to_string(rows) +
+          "-token chunk (max_chunk, --chunk, sets the largest)",
+      kMaxScratchFloats);
   x_.resize(n * c.dim);
   xb_.resize(n * c.dim);
   q_.resize(n * q_dim);
@@ -174,10 +201,11 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
                       " tokens exceeds max_chunk = " + std::to_string(options_.max_chunk) +
                       " (use feed() to split it)");
   check_tokens(tokens, "forward:");
+  reserve_rows(n);
   const bool wants_surprisal = cache_.wants(Signal::surprisal);
   const bool all_rows = request.all_logits || wants_surprisal;
   StageObserver* observer = options_.observer;
-  attention_->angles.clear();
+  for (HeadScratch& thread : attention_->per_thread) thread.angles.clear();
 
   // 1. Slots for the chunk (the policy may evict first, before a turn).
   cache_.begin_chunk(tokens, request.turn_start);
@@ -313,9 +341,9 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       // Attention RMSNorm.                                                      // [n, dim]
       rmsnorm(xb, x, w.attention_norm, c.norm_eps);
       // Q, K, V projections.                               // [n, q_dim], [n, kv_dim], [n, kv_dim]
-      matmul(w.wq, xb, q);
-      matmul(w.wk, xb, k);
-      matmul(w.wv, xb, v);
+      matmul(w.wq, xb, q, pool_.get());
+      matmul(w.wk, xb, k, pool_.get());
+      matmul(w.wv, xb, v, pool_.get());
       // The chunk's keys (rotated by the cache for post-RoPE storage) and values.  // [n, head_dim]
       for (int g = 0; g < c.kv_heads; ++g) {
         cache_.write_chunk(l, g, k.middleCols(g * hd, hd), v.middleCols(g * hd, hd));
@@ -323,7 +351,7 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       // Attention of every query head over its KV head's cache; rows to the policy. // [n, q_dim]
       attention(l, n, pass);
       // Output projection and residual.                                         // [n, dim]
-      matmul(w.wo, att, xb);
+      matmul(w.wo, att, xb, pool_.get());
       kernels::add(x.data(), xb.data(), x.size());
     }
     {
@@ -331,12 +359,12 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       // FFN RMSNorm.                                                            // [n, dim]
       rmsnorm(xb, x, w.ffn_norm, c.norm_eps);
       // Gate and up projections.                                                // [n, hidden_dim]
-      matmul(w.w_gate, xb, hb);
-      matmul(w.w_up, xb, hb2);
+      matmul(w.w_gate, xb, hb, pool_.get());
+      matmul(w.w_up, xb, hb2, pool_.get());
       // SwiGLU: silu(gate) * up.                                                // [n, hidden_dim]
       kernels::swiglu(hb.data(), hb2.data(), hb.size());
       // Down projection and residual.                                           // [n, dim]
-      matmul(w.w_down, hb, xb);
+      matmul(w.w_down, hb, xb, pool_.get());
       kernels::add(x.data(), xb.data(), x.size());
     }
   }
@@ -350,7 +378,7 @@ void Decoder::attention(int layer, int n, Pass pass) {
   const int hd = c.head_dim();
   const int group = c.heads / c.kv_heads;
   const std::ptrdiff_t q_dim = static_cast<std::ptrdiff_t>(c.heads) * hd;
-  AttentionScratch& scratch = *attention_;
+  AttentionScratch& shared = *attention_;
   const bool all_queries = pass == Pass::stream ? cache_.wants(Signal::attention_rows)
                                                 : cache_.wants(Signal::catalyst_attention);
   const bool last_query =
@@ -363,14 +391,16 @@ void Decoder::attention(int layer, int n, Pass pass) {
   int stride = 0;
   for (int g = 0; g < c.kv_heads; ++g) stride = std::max(stride, cache_.slot_limit(layer, g));
   if (give_rows) {
-    scratch.rows.resize(checked_allocation({c.heads, queries, stride},
-                                           "Decoder: attention rows for the policy",
-                                           std::int64_t{1} << 32));
+    shared.rows.resize(checked_allocation({c.heads, queries, stride},
+                                          "Decoder: attention rows for the policy",
+                                          std::int64_t{1} << 32));
   }
 
-  for (int g = 0; g < c.kv_heads; ++g) {
+  // One task per KV head, on the scratch of the thread that runs it.
+  const auto attend_kv_head = [&](int g, int thread) {
+    HeadScratch& scratch = attention_->per_thread[static_cast<std::size_t>(thread)];
     const int limit = cache_.slot_limit(layer, g);
-    scratch.keys_per_kv_head[static_cast<std::size_t>(g)] = limit;
+    shared.keys_per_kv_head[static_cast<std::size_t>(g)] = limit;
     // The live slots, by run of equal pending rotation (pre-RoPE keys: rotated to their positions).
     scratch.runs.clear();
     const bool post_rope = options_.key_storage == KeyStorage::post_rope;
@@ -401,28 +431,37 @@ void Decoder::attention(int layer, int n, Pass pass) {
     heads.slot_limit = limit;
     heads.head_dim = hd;
     heads.runs = scratch.runs;
-    scratch.probabilities.resize(static_cast<std::size_t>(group) * n * limit);
+    scratch.probabilities.resize(checked_allocation(
+        {group, n, limit},
+        "Decoder: attention probabilities of a " + std::to_string(n) +
+            "-token chunk over one KV head (max_chunk, --chunk, sets the largest chunk)",
+        kMaxScratchFloats));
     attend(heads, scratch.angles, scratch.probabilities.data(),
            att_.data() + static_cast<std::ptrdiff_t>(g) * group * hd, q_dim, scratch.buffers);
-    if (!give_rows) continue;
+    if (!give_rows) return;
     // Hand the probabilities over, zero past this KV head's slots.   // [group, queries, stride]
     for (int hh = 0; hh < group; ++hh) {
       const int h = g * group + hh;
       for (int i = 0; i < queries; ++i) {
         const float* row = scratch.probabilities.data() +
                            (static_cast<std::size_t>(hh) * n + first_row + i) * limit;
-        float* out = scratch.rows.data() + (static_cast<std::size_t>(h) * queries + i) * stride;
+        float* out = shared.rows.data() + (static_cast<std::size_t>(h) * queries + i) * stride;
         std::copy_n(row, limit, out);
         std::fill(out + limit, out + stride, 0.0f);
       }
     }
+  };
+  if (pool_ != nullptr) {
+    pool_->run(c.kv_heads, attend_kv_head);
+  } else {
+    for (int g = 0; g < c.kv_heads; ++g) attend_kv_head(g, 0);
   }
   if (!give_rows) return;
   const std::int32_t first_slot = cache_.chunk_slots(layer, 0)[static_cast<std::size_t>(first_row)];
   const std::int64_t first_position = cache_.slots().original_positions(
       cache_.sequence().unit_of(layer, 0))[static_cast<std::size_t>(first_slot)];
-  const AttentionRows rows(scratch.rows.data(), c.heads, group, queries, stride,
-                           scratch.keys_per_kv_head, first_position);
+  const AttentionRows rows(shared.rows.data(), c.heads, group, queries, stride,
+                           shared.keys_per_kv_head, first_position);
   if (pass == Pass::stream) {
     cache_.observe_attention(layer, rows);
   } else {
@@ -446,9 +485,9 @@ void Decoder::output_head(int n, bool all_rows) {
   // Final RMSNorm.                                                              // [rows, dim]
   rmsnorm(xb, x, model_.final_norm, c.norm_eps);
   // Classifier: logits = W_out x.                                               // [rows, vocab]
-  if (rows > 1) matmul(model_.output, xb.topRows(rows - 1), logits.topRows(rows - 1));
+  if (rows > 1) matmul(model_.output, xb.topRows(rows - 1), logits.topRows(rows - 1), pool_.get());
   matvec(model_.output, xb_.data() + static_cast<std::size_t>(rows - 1) * c.dim,
-         logits_.data() + static_cast<std::size_t>(rows - 1) * c.vocab_size);
+         logits_.data() + static_cast<std::size_t>(rows - 1) * c.vocab_size, pool_.get());
   logit_rows_ = rows;
 }
 

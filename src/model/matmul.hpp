@@ -4,10 +4,15 @@
 // is a fused dequantise-and-dot per row of W (kernels::matvec); several rows convert W a block of
 // rows at a time into an f32 buffer of about 64 KiB (f32 W is used in place) and multiply every
 // row of X with it (kernels::matmul_transposed), so each weight is converted once per product.
+//
+// With a pool, the rows of W are split among its threads: every output value is computed exactly
+// as on one thread, so the result is bit-identical for any number of threads.
 #pragma once
 
 #include <Eigen/Core>
 #include <kvevict/model/model.hpp>
+
+#include "thread_pool.hpp"
 
 namespace kvevict::model {
 
@@ -15,10 +20,11 @@ namespace kvevict::model {
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 /// y = W x: `x` has W.cols values, `y` W.rows values (they must not overlap).
-void matvec(const WeightMatrix& w, const float* x, float* y);
+void matvec(const WeightMatrix& w, const float* x, float* y, ThreadPool* pool = nullptr);
 
 /// Y = X W^T, X [n, W.cols], Y [n, W.rows] (row i of Y is W times row i of X). n == 1 takes the
 /// matvec path.
-void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::Ref<RowMatrix> y);
+void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::Ref<RowMatrix> y,
+            ThreadPool* pool = nullptr);
 
 }  // namespace kvevict::model

@@ -1,4 +1,5 @@
-// Reference Llama decoder over a kvevict::EvictingCache: one sequence, f32 math, Eigen, one thread.
+// Reference Llama decoder over a kvevict::EvictingCache: one sequence, f32 math, Eigen, and
+// DecoderOptions::threads threads.
 //
 // Written like llama2.c: forward() is one plain loop (embedding, then per layer RMSNorm, grouped-
 // query attention with RoPE over the evicting cache, SwiGLU MLP, then the output head and the
@@ -54,6 +55,9 @@ struct DecoderOptions {
   int rope_table_positions = 0;
   /// See kvevict::SequenceConfig::max_pending_rotations.
   int max_pending_rotations = 32;
+  /// Threads of a forward, the caller's included: products split by rows of W, attention by KV
+  /// heads. The logits are bit-identical for any number (docs/kernels.md).
+  int threads = 1;
   /// Stage timing; must outlive the decoder. Null: nothing is timed.
   StageObserver* observer = nullptr;
 };
@@ -86,6 +90,8 @@ struct DecoderStats {
   std::int64_t catalyst_runs = 0;  ///< catalyst prompts run (pot distillations)
   std::size_t peak_kv_bytes = 0;   ///< largest live key + value bytes, taken right after appends
 };
+
+class ThreadPool;  // src/model/thread_pool.hpp
 
 class Decoder {
  public:
@@ -148,6 +154,7 @@ class Decoder {
   std::vector<float> logits_;                    // [rows, vocab]
   std::vector<float> surprisal_;                 // [n]
   std::unique_ptr<AttentionScratch> attention_;  // sized on first use by the slot limit
+  std::unique_ptr<ThreadPool> pool_;             // options.threads > 1
   // feed(): every chunk's logits / surprisal when asked for.
   std::vector<float> feed_logits_;
   std::vector<float> feed_surprisal_;
