@@ -308,6 +308,15 @@ HWY_INLINE void product_columns(const float* x, std::ptrdiff_t x_stride, std::in
 void MatmulTransposed(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const float* w,
                       std::ptrdiff_t w_stride, std::int64_t n, std::int64_t k, float* y,
                       std::ptrdiff_t y_stride) {
+  // A few rows of X (a decode step's stacked queries against a KV head's keys): one row of W at a
+  // time, read front to back. Tiles of kWideTile rows of W read them as interleaved short streams,
+  // which the prefetcher does not follow (as in matvec); with so few rows of X the tiles save
+  // little. Each value is summed in the same order either way.
+  if (m <= 4) {
+    for (std::int64_t c = 0; c < n; ++c)
+      product_columns<1>(x, x_stride, m, w + c * w_stride, w_stride, k, y + c, y_stride);
+    return;
+  }
   // Blocks of 64 rows of X (64 x k floats, in L2) against every row of W.
   constexpr std::int64_t kRowBlock = 64;
   for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
