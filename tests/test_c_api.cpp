@@ -53,12 +53,14 @@ struct Engine {
   int applies = 0;
   std::int64_t evicted = 0;
   int fail_apply = 0;
+  int fail_reserve = 0;
 
   std::int64_t& at(std::int32_t slot, int l, int g) {
     return rows[(static_cast<std::size_t>(slot) * layers + l) * kv_heads + g];
   }
   static int reserve(void* self, int capacity) {
     Engine& e = *static_cast<Engine*>(self);
+    if (e.fail_reserve != 0) return e.fail_reserve;
     e.rows.resize(static_cast<std::size_t>(capacity) * e.layers * e.kv_heads, -1);
     e.capacity = capacity;
     return 0;
@@ -297,7 +299,11 @@ TEST(CApi, RejectedSurprisalCanBeGivenAgain) {
     const float bad[] = {first_surprisal, 1.0f};
     if (std::isnan(first_surprisal)) {
       EXPECT_EQ(kvevict_sequence_observe_surprisal(s.get(), bad, 2), KVEVICT_INVALID_ARGUMENT);
-      EXPECT_NE(std::string(kvevict_last_error()).find("is NaN"), std::string::npos);
+      EXPECT_NE(std::string(kvevict_last_error())
+                    .find("token 0 of the chunk (original position " + std::to_string(fed - 2) +
+                          "): NaN is not a surprisal"),
+                std::string::npos)
+          << kvevict_last_error();
       EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_INVALID_ARGUMENT);
       EXPECT_NE(std::string(kvevict_last_error()).find("needs the surprisal"), std::string::npos);
     }
@@ -400,8 +406,56 @@ TEST(CApi, ABackendFailureIsReportedAndFinal) {
   EXPECT_NE(std::string(kvevict_last_error()).find("unusable"), std::string::npos);
 }
 
+// A reserve callback that fails fails the call with KVEVICT_BACKEND_ERROR and leaves the sequence
+// unusable (the engine's buffers may be anywhere between the two sizes), as a failed apply does.
+TEST(CApi, AFailedReserveIsReportedAndFinal) {
+  Engine engine(1, 1);
+  const kvevict_backend backend = engine.backend();
+  CSequence s = create("full", nullptr, config(1, 1, 1, 4), &backend);
+  const int capacity = kvevict_sequence_capacity(s.get());
+  std::int64_t fed = 0;
+  while (fed < capacity) feed(s.get(), engine, fed, 4);
+  engine.fail_reserve = 9;
+  const std::int32_t id = 1;
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_BACKEND_ERROR);
+  const std::string reserve = "reserve(" + std::to_string(2 * capacity) + ") returned 9";
+  EXPECT_NE(std::string(kvevict_last_error()).find(reserve), std::string::npos)
+      << kvevict_last_error();
+  engine.fail_reserve = 0;
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("unusable after growing"), std::string::npos)
+      << kvevict_last_error();
+  EXPECT_EQ(kvevict_sequence_capacity(s.get()), capacity);
+}
+
+// Rows the policy reads hold probabilities: a NaN, an infinity, a negative value or one above 1
+// fails with a message naming where it is, and the layer can be observed again.
+TEST(CApi, AttentionOutsideZeroToOneIsAnErrorThatChangesNothing) {
+  CSequence s = create("h2o", "heavy=2 recent=2", config(1, 2, 1, 2));
+  const std::int32_t ids[] = {1, 2};
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 2, 0), KVEVICT_OK);
+  const int limit = kvevict_sequence_slot_limit(s.get(), 0, 0);
+  ASSERT_EQ(limit, 2);
+  std::vector<float> rows(static_cast<std::size_t>(2 * 2 * limit), 0.5f);  // [2 heads][2][limit]
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(),
+                          -std::numeric_limits<float>::infinity(), -1.0f, 2.0f}) {
+    rows[3 * limit + 1] = bad;  // query head 1, query 1, slot 1
+    EXPECT_EQ(kvevict_sequence_observe_attention(s.get(), 0, rows.data(), 2, limit),
+              KVEVICT_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvevict_last_error())
+                  .find("observe_attention: layer 0, query head 1, query 1 (original position 1), "
+                        "slot 1: "),
+              std::string::npos)
+        << kvevict_last_error();
+  }
+  rows[3 * limit + 1] = 0.5f;
+  ASSERT_EQ(kvevict_sequence_observe_attention(s.get(), 0, rows.data(), 2, limit), KVEVICT_OK)
+      << kvevict_last_error();
+  ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK) << kvevict_last_error();
+}
+
 // Without a reserve callback the engine sized its buffers for kvevict_sequence_capacity(): an
-// unbounded policy that outgrows it is an error naming the fix.
+// unbounded policy that outgrows it fails as a failed reserve does, with a message naming the fix.
 TEST(CApi, NoReserveCallbackMeansAFixedCapacity) {
   kvevict_backend backend{nullptr, nullptr, nullptr};
   CSequence s = create("full", nullptr, config(1, 1, 1, 1), &backend);
@@ -411,8 +465,10 @@ TEST(CApi, NoReserveCallbackMeansAFixedCapacity) {
     ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_OK);
     ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK);
   }
-  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_BACKEND_ERROR);
   EXPECT_NE(std::string(kvevict_last_error()).find("reserve callback"), std::string::npos);
+  EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("unusable"), std::string::npos);
 }
 
 }  // namespace

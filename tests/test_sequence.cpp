@@ -5,14 +5,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <kvevict/kvevict.hpp>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -287,6 +290,35 @@ TEST(Sequence, AFailingBackendLeavesTheSequenceUnusable) {
   expect_error([&] { s.begin_chunk(ids(1)); }, "unusable");
 }
 
+// A reserve that fails may leave the engine's buffers anywhere between the two sizes: the sequence
+// refuses every later call, naming the failure, even once the engine could reserve again.
+TEST(Sequence, AFailedReserveLeavesTheSequenceUnusable) {
+  struct FailingReserve final : kvevict::KvBackend {
+    void reserve(int capacity) override {
+      if (fail) throw kvevict::Error("out of device memory");
+      reserved = capacity;
+    }
+    void apply(const kvevict::AppliedDecision&) override {}
+    bool fail = false;
+    int reserved = 0;
+  } backend;
+  SequenceConfig c = config(1, 1, 1, 4);
+  c.initial_capacity = 4;
+  Sequence s(c, kvevict::make_policy("full"), &backend);
+  feed(s, 4);
+  backend.fail = true;
+  expect_error([&] { s.begin_chunk(ids(1)); }, "out of device memory");
+  EXPECT_EQ(s.capacity(), 4);
+  backend.fail = false;
+  const std::string unusable =
+      "Sequence: unusable after growing to 8 slots per head failed: out of device memory";
+  expect_error([&] { s.begin_chunk(ids(1)); }, unusable);
+  expect_error([&] { s.roll_back(1); }, unusable);
+  expect_error([&] { s.begin_catalyst(ids(1)); }, unusable);
+  EXPECT_EQ(backend.reserved, 4);
+  EXPECT_EQ(s.stats().tokens_fed, 4);
+}
+
 TEST(Sequence, EventsOutOfOrderAreErrors) {
   Sequence s(config(1, 1, 1), kvevict::make_policy("full"));
   expect_error([&] { s.end_forward(); }, "no forward is open");
@@ -333,6 +365,138 @@ TEST(Sequence, ALayerObservedTwiceOrRowsOfTheWrongShapeAreErrors) {
   expect_error(
       [&] { s.observe_attention(0, kvevict::AttentionRows(one.data(), 1, 1, 1, 1, keys, 0)); },
       "attention rows have 1 query heads, the sequence has 2");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signal values: checked before a policy stores any (issue 14, findings 9 and 10)
+// ---------------------------------------------------------------------------------------------
+
+// Every score of every unit, as bits (NaN marks "not observed" in some columns).
+std::vector<std::uint32_t> score_bits(const Sequence& s) {
+  std::vector<std::uint32_t> out;
+  for (int unit = 0; unit < s.layout().units(); ++unit) {
+    for (int column = 0; column < s.policy().score_columns(); ++column) {
+      for (const float score : kvevict::test::score_column(s.slots(), unit, column)) {
+        out.push_back(std::bit_cast<std::uint32_t>(score));
+      }
+    }
+  }
+  return out;
+}
+
+std::string text(float value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+// Attention values are softmax probabilities, in [0, 1]. H2O sums them for ever and TOVA over the
+// layers of a forward: anything else is refused before it reaches the scores, the message names the
+// layer, query head, query, slot and value, and the same layer may then be observed again. The
+// result is that of a sequence that never saw the bad rows.
+TEST(Sequence, AttentionOutsideZeroToOneIsRefusedBeforeThePolicyStoresIt) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const kvevict::test::HeadRows good{{1.0f, 0.0f, 0.0f}, {0.5f, 0.5f, 0.0f}, {0.2f, 0.3f, 0.5f}};
+  for (const std::string name : {"h2o", "tova"}) {
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), inf, -inf, -0.25f, 1.5f}) {
+      SCOPED_TRACE(name + " with " + text(bad));
+      const auto make = [&] {
+        return Sequence(config(2, 2, 1),
+                        kvevict::make_policy(name, kvevict::budget_params(name, 2)));
+      };
+      Sequence s = make();
+      Sequence clean = make();
+      kvevict::test::SlotRows rows;
+      for (Sequence* sequence : {&s, &clean}) sequence->begin_chunk(ids(3));
+      // TOVA reads only the last query: the bad value goes there, in query head 1, token 1.
+      kvevict::test::LayerRows poisoned = kvevict::test::every_head(2, good);
+      poisoned[1][2][1] = bad;
+      const std::vector<std::uint32_t> before = score_bits(s);
+      const std::int32_t slot = s.chunk_slots(0, 0)[1];
+      expect_error([&] { s.observe_attention(0, rows.make(s, 0, poisoned, 0)); },
+                   "observe_attention: layer 0, query head 1, query 2 (original position 2), "
+                   "slot " +
+                       std::to_string(slot) + ": " + text(bad) +
+                       " is not an attention probability in [0, 1]; nothing was recorded");
+      EXPECT_EQ(score_bits(s), before);
+      for (Sequence* sequence : {&s, &clean}) {
+        for (int layer = 0; layer < 2; ++layer) {
+          sequence->observe_attention(
+              layer, rows.make(*sequence, layer, kvevict::test::every_head(2, good), 0));
+        }
+        sequence->end_forward();
+      }
+      EXPECT_EQ(score_bits(s), score_bits(clean));
+      // H2O (heavy 1, recent 1) sums every row: token 0 has 1.7 per head, token 1 0.8. TOVA reads
+      // the last row: 0.2, 0.3, 0.5.
+      EXPECT_EQ(kvevict::test::kept_positions(s.slots(), 0),
+                (name == "h2o" ? Positions{0, 2} : Positions{1, 2}));
+    }
+  }
+}
+
+// Surprisal is -log p. NaN is refused before SirLLM keeps it for its next turns (where it made
+// every later decision fail) or InfiniPot for its next distillation; +inf (p = 0) is accepted and
+// ranks first.
+TEST(Sequence, NaNSurprisalIsRefusedBeforeThePolicyStoresIt) {
+  for (const std::string name : {"sirllm", "infinipot"}) {
+    SCOPED_TRACE(name);
+    Sequence s(
+        config(1, 1, 1),
+        name == "sirllm"
+            ? kvevict::make_policy("sirllm", PolicyParams().set("sinks", 0).set("entropy", 4))
+            : kvevict::make_policy("infinipot", PolicyParams().set("pot", 8).set("keep", 4)));
+    s.begin_chunk(ids(3), true);
+    const std::vector<std::uint32_t> before = score_bits(s);
+    expect_error(
+        [&] {
+          s.observe_surprisal(
+              std::vector<float>{0.5f, std::numeric_limits<float>::quiet_NaN(), 0.5f});
+        },
+        "observe_surprisal: token 1 of the chunk (original position 1): NaN is not a surprisal; "
+        "nothing was recorded");
+    EXPECT_EQ(score_bits(s), before);
+    s.observe_surprisal(std::vector<float>{0.5f, std::numeric_limits<float>::infinity(), 0.25f});
+    s.end_forward();
+    if (name == "sirllm") {
+      // A turn of 2 leaves room for 2 of the 3 tokens: the highest surprisals, +inf and 0.5.
+      s.begin_chunk(ids(2), true);
+      EXPECT_EQ(kvevict::test::kept_positions(s.slots(), 0), (Positions{0, 1, 3, 4}));
+    }
+  }
+}
+
+// InfiniPot's catalyst rows alike: refused when observed, so the distillation after them never
+// fails half-way (finding 10: the catalyst was rolled back, the pot not distilled, and the engine
+// never told).
+TEST(Sequence, CatalystAttentionOutsideZeroToOneIsRefusedWhenObserved) {
+  RecordingBackend backend;
+  Sequence s(config(1, 1, 1),
+             kvevict::make_policy("infinipot",
+                                  PolicyParams().set("pot", 4).set("keep", 2).set("novel", 0)),
+             &backend);
+  s.begin_chunk(ids(4), true);
+  s.observe_surprisal(std::vector<float>{1.0f, 1.0f, 1.0f, 1.0f});
+  s.end_forward();
+  ASSERT_TRUE(s.catalyst_pending());
+  s.begin_catalyst(ids(2, 90));
+  // Two catalyst queries over the 4 pot tokens and the 2 catalyst tokens: pot tokens 1 and 2 get
+  // 0.7 and 0.5, tokens 0 and 3 0.4 and 0.3.
+  kvevict::test::LayerRows rows{
+      {{0.1f, 0.6f, 0.1f, 0.2f, 0.0f, 0.0f}, {0.3f, 0.1f, 0.4f, 0.1f, 0.1f, 0.0f}}};
+  kvevict::test::LayerRows poisoned = rows;
+  poisoned[0][1][3] = std::numeric_limits<float>::quiet_NaN();
+  kvevict::test::SlotRows slot_rows;
+  expect_error([&] { s.observe_catalyst(0, slot_rows.make(s, 0, poisoned, 4)); },
+               "observe_catalyst: layer 0, query head 0, query 1 (original position 5), slot " +
+                   std::to_string(s.slots().stream_order(0)[3]) + ": nan is not an attention");
+  s.observe_catalyst(0, slot_rows.make(s, 0, rows, 4));
+  s.end_catalyst();
+  EXPECT_EQ(backend.applies, 1);
+  EXPECT_EQ(backend.evicted, 2 + 2);  // the catalyst and the pot's two least attended
+  EXPECT_EQ(kvevict::test::kept_positions(s.slots(), 0), (Positions{1, 2}));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ typedef enum kvevict_status {
   KVEVICT_INVALID_ARGUMENT = 1, /* bad configuration, malformed input or misuse */
   KVEVICT_OUT_OF_MEMORY = 2,
   KVEVICT_INTERNAL_ERROR = 3,
-  KVEVICT_BACKEND_ERROR = 4 /* a backend callback failed; the sequence is unusable */
+  KVEVICT_BACKEND_ERROR = 4 /* a backend callback failed (or, without a reserve callback, the
+                             * sequence needed more slots than it started with): the sequence is
+                             * unusable, every later call on it fails; destroy it */
 } kvevict_status;
 
 /* Signals a policy may want (kvevict_sequence_signals); same bits as kvevict::Signal. */
@@ -136,7 +138,11 @@ kvevict_status kvevict_sequence_key_runs(const kvevict_sequence* sequence, int l
                                          int32_t* begins, int32_t* ends, int64_t* rotations,
                                          int capacity, int* count);
 /* Softmax rows of one layer, layout [q_heads][queries][row_stride], row of query head h over the
- * slots [0, slot_limit) of KV head h / (q_heads / kv_heads); free slots 0. */
+ * slots [0, slot_limit) of KV head h / (q_heads / kv_heads); free slots 0. Rows the policy reads
+ * must hold probabilities in [0, 1]: NaN, infinities, negative values and values above 1 fail the
+ * call with KVEVICT_INVALID_ARGUMENT, a message naming the layer, query head, query, slot and
+ * value, and nothing recorded (the layer may be observed again). The same for observe_catalyst;
+ * observe_surprisal refuses NaN alike (+inf, p = 0, is accepted). */
 kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
                                                   const float* rows, int queries,
                                                   ptrdiff_t row_stride);

@@ -14,10 +14,16 @@
 //                                    layer, rows) per layer, end_catalyst(): rolled back, distilled
 // Misuse (a call out of order, a wanted signal missing when the policy decides, a layer observed
 // twice, rows of the wrong shape) is a kvevict::Error with a message, never a silent default.
+// Signal values are checked here, before the policy stores any (attention probabilities in [0, 1],
+// surprisal not NaN): a refused observation changes nothing and may be given again. A KvBackend
+// that fails (reserve or apply) leaves the sequence unusable: every later call is refused.
 #pragma once
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <span>
@@ -25,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvevict/attention_scores.hpp"
 #include "kvevict/checked.hpp"
 #include "kvevict/decision.hpp"
 #include "kvevict/error.hpp"
@@ -186,9 +193,17 @@ class Sequence {
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_attention: no forward is open (call begin_chunk first)");
     check_rows(rows);
-    mark_layer(layer, "observe_attention");
-    const StageScope scope(observer_, Stage::policy);
-    policy_->observe_attention(slots_, layer, rows);
+    check_layer_unobserved(layer, "observe_attention");
+    {
+      const StageScope scope(observer_, Stage::policy);
+      if (wants(Signal::attention_rows)) {
+        check_probabilities(layer, rows, "observe_attention", /*last_query_only=*/false);
+      } else if (wants(Signal::last_attention_row)) {
+        check_probabilities(layer, rows, "observe_attention", /*last_query_only=*/true);
+      }
+      policy_->observe_attention(slots_, layer, rows);
+    }
+    mark_observed(layer);  // only once the policy took them: a rejected call may be retried
   }
 
   void observe_surprisal(std::span<const float> surprisal) {
@@ -201,6 +216,7 @@ class Sequence {
                         std::to_string(chunk_.size()) + "), got " +
                         std::to_string(surprisal.size()));
     const StageScope scope(observer_, Stage::policy);
+    if (wants(Signal::surprisal)) check_surprisal(surprisal);
     policy_->observe_surprisal(slots_, chunk_, surprisal);
     surprisal_observed_ = true;  // only once the policy took them: a rejected call may be retried
   }
@@ -282,9 +298,15 @@ class Sequence {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
     check_rows(rows);
-    mark_layer(layer, "observe_catalyst");
-    const StageScope scope(observer_, Stage::policy);
-    policy_->observe_catalyst(slots_, layer, rows);
+    check_layer_unobserved(layer, "observe_catalyst");
+    {
+      const StageScope scope(observer_, Stage::policy);
+      if (wants(Signal::catalyst_attention)) {
+        check_probabilities(layer, rows, "observe_catalyst", /*last_query_only=*/false);
+      }
+      policy_->observe_catalyst(slots_, layer, rows);
+    }
+    mark_observed(layer);
   }
   /// Rolls the catalyst back and lets the policy distill the pot; one KvBackend::apply covers both
   /// (the catalyst's slots are among the evicted).
@@ -337,7 +359,17 @@ class Sequence {
   }
 
   void require_usable() const {
-    KVEVICT_REQUIRE(!broken_, "Sequence: unusable after the KvBackend failed to apply a decision");
+    KVEVICT_REQUIRE(unusable_because_.empty(), "Sequence: unusable after " + unusable_because_);
+  }
+  // Called from a catch block: from now on every call is refused with `reason` and the error.
+  void become_unusable(std::string reason) {
+    try {
+      throw;
+    } catch (const std::exception& error) {
+      reason += std::string(": ") + error.what();
+    } catch (...) {
+    }
+    unusable_because_ = std::move(reason);
   }
   void check_head(int layer, int kv_head) const {
     KVEVICT_REQUIRE(
@@ -351,14 +383,60 @@ class Sequence {
                     "attention rows have " + std::to_string(rows.q_heads()) +
                         " query heads, the sequence has " + std::to_string(config_.q_heads));
   }
-  void mark_layer(int layer, const char* call) {
+  void check_layer_unobserved(int layer, const char* call) const {
     KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
                     std::string(call) + ": layer " + std::to_string(layer) + " outside [0, " +
                         std::to_string(config_.layers) + ")");
-    std::uint8_t& seen = observed_layers_[static_cast<std::size_t>(layer)];
-    KVEVICT_REQUIRE(seen == 0, std::string(call) + ": layer " + std::to_string(layer) +
-                                   " was already observed in this forward");
-    seen = 1;
+    KVEVICT_REQUIRE(observed_layers_[static_cast<std::size_t>(layer)] == 0,
+                    std::string(call) + ": layer " + std::to_string(layer) +
+                        " was already observed in this forward");
+  }
+  void mark_observed(int layer) { observed_layers_[static_cast<std::size_t>(layer)] = 1; }
+
+  // Softmax outputs are at most 1 in exact arithmetic; the slack admits an engine's rounding (a
+  // half-precision softmax is off by at most a few units of 2^-10 near 1).
+  static constexpr float kMaxProbability = 1.0f + 1.0f / 256;
+
+  static std::string describe(float value) {
+    char text[32];
+    const std::to_chars_result end = std::to_chars(text, text + sizeof text, value);
+    return {text, end.ptr};
+  }
+
+  // Attention values are probabilities: NaN, infinities, negatives and values above 1 are refused
+  // before the policy adds any to its scores (H2O keeps sums for ever; sums of arbitrary floats
+  // overflow to inf - inf = NaN). Only the rows the policy reads are checked.
+  void check_probabilities(int layer, const AttentionRows& rows, const char* call,
+                           bool last_query_only) const {
+    check_attention_rows(slots_, layer, rows, call);  // rows cover each unit's slots exactly
+    const int first_query = last_query_only ? rows.queries() - 1 : 0;
+    for (int h = 0; h < rows.q_heads(); ++h) {
+      for (int q = first_query; q < rows.queries(); ++q) {
+        const std::span<const float> row = rows.row(h, q);
+        bool in_range = true;
+        for (const float p : row) in_range &= (p >= 0.0f) & (p <= kMaxProbability);
+        if (in_range) continue;  // one vectorised pass; the loop below only names the culprit
+        const auto bad = std::find_if(row.begin(), row.end(),
+                                      [](float p) { return !(p >= 0.0f && p <= kMaxProbability); });
+        throw Error(std::string(call) + ": layer " + std::to_string(layer) + ", query head " +
+                    std::to_string(h) + ", query " + std::to_string(q) + " (original position " +
+                    std::to_string(rows.first_query_position() + q) + "), slot " +
+                    std::to_string(bad - row.begin()) + ": " + describe(*bad) +
+                    " is not an attention probability in [0, 1]; nothing was recorded");
+      }
+    }
+  }
+
+  // Surprisal is -log p: NaN would make every ranking over it undefined, and SirLLM keeps scores
+  // across turns. +inf (p = 0) ranks first and is kept.
+  void check_surprisal(std::span<const float> surprisal) const {
+    for (std::size_t k = 0; k < surprisal.size(); ++k) {
+      KVEVICT_REQUIRE(
+          !std::isnan(surprisal[k]),
+          "observe_surprisal: token " + std::to_string(k) + " of the chunk (original position " +
+              std::to_string(chunk_.first_original_position + static_cast<std::int64_t>(k)) +
+              "): NaN is not a surprisal; nothing was recorded");
+    }
   }
   void require_every_layer(const char* signal, const char* call) const {
     for (int l = 0; l < config_.layers; ++l) {
@@ -379,8 +457,14 @@ class Sequence {
       const int grown = static_cast<int>(std::min<std::int64_t>(
           std::max<std::int64_t>(needed, 2 * std::int64_t{slots_.capacity()}),
           SlotTable::kMaxCapacity));
-      if (backend_ != nullptr) backend_->reserve(grown);
-      slots_.reserve(grown);
+      // A failed reserve may have left the engine's buffers anywhere between the two sizes.
+      try {
+        if (backend_ != nullptr) backend_->reserve(grown);
+        slots_.reserve(grown);
+      } catch (...) {
+        become_unusable("growing to " + std::to_string(grown) + " slots per head failed");
+        throw;
+      }
     }
     chunk_ids_.assign(token_ids.begin(), token_ids.end());
     originals_.resize(static_cast<std::size_t>(n));
@@ -442,7 +526,7 @@ class Sequence {
       try {
         backend_->apply(applied_);
       } catch (...) {
-        broken_ = true;
+        become_unusable("the KvBackend failed to apply a decision");
         throw;
       }
     }
@@ -498,7 +582,7 @@ class Sequence {
   AppliedDecision applied_;
   SequenceStats stats_;
   State state_ = State::idle;
-  bool broken_ = false;
+  std::string unusable_because_;  // empty while usable
   ChunkInfo chunk_;
   int chunk_size_ = 0;
   int catalyst_size_ = 0;

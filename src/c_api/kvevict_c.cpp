@@ -64,11 +64,13 @@ class CallbackBackend final : public kvevict::KvBackend {
   explicit CallbackBackend(const kvevict_backend& callbacks) : callbacks_(callbacks) {}
   void reserve(int capacity) override {
     if (callbacks_.reserve == nullptr) {
-      KVEVICT_REQUIRE(reserved_ == 0 || capacity <= reserved_,
-                      "the policy needs " + std::to_string(capacity) +
-                          " slots per head, more than the " + std::to_string(reserved_) +
-                          " the sequence started with: give the backend a reserve callback, or a "
-                          "larger max_chunk");
+      // The engine's buffers cannot grow: like a failed reserve, this leaves the sequence unusable.
+      if (reserved_ != 0 && capacity > reserved_) {
+        throw BackendError("the sequence needs " + std::to_string(capacity) +
+                           " slots per head, more than the " + std::to_string(reserved_) +
+                           " it started with, and the backend has no reserve callback: give it "
+                           "one, or a larger max_chunk");
+      }
       reserved_ = std::max(reserved_, capacity);
       return;
     }

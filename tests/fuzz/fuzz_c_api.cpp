@@ -13,8 +13,10 @@
 //   count, and live <= slot_limit <= capacity == what reserve() was last asked;
 // - key runs are sorted, disjoint, inside [0, slot_limit) and cover every live slot once;
 // - a live slot's position lies in [0, tokens fed (+ an open catalyst));
-// - a well-formed forward of a usable sequence succeeds, and after a backend failure every call
-//   that changes the sequence fails.
+// - a well-formed forward of a usable sequence succeeds, also after refused calls: a refused
+//   observation (NaN, infinite, negative or > 1 attention, NaN surprisal) changes nothing;
+// - a failed callback fails its call with KVEVICT_BACKEND_ERROR, and after one every call that
+//   changes the sequence fails.
 #include <kvevict/c_api.h>
 
 #include <algorithm>
@@ -73,10 +75,8 @@ class Bytes {
   float score() {
     switch (byte() % 8) {
       case 0:
-        nonfinite = true;
         return std::numeric_limits<float>::quiet_NaN();
       case 1:
-        nonfinite = true;
         return std::numeric_limits<float>::infinity();
       case 2:
         return -1.0f;
@@ -86,7 +86,6 @@ class Bytes {
         return static_cast<float>(byte()) / 255.0f;
     }
   }
-  bool nonfinite = false;  ///< score() returned NaN or an infinity since it was last cleared
 
   std::string text(std::size_t most) {
     const std::size_t length = std::min<std::size_t>(below(static_cast<int>(most) + 1),
@@ -135,8 +134,8 @@ struct Engine {
   std::vector<std::vector<std::uint8_t>> held;  // [head][capacity]
   bool fail_reserve = false;
   bool fail_apply = false;
-  bool apply_failed = false;  // the sequence is unusable from then on
-  bool can_grow = true;       // the backend has a reserve callback
+  bool callback_failed = false;  // since the last call the session checked
+  bool can_grow = true;          // the backend has a reserve callback
 
   std::vector<std::uint8_t>& head(int layer, int kv_head) {
     return held[static_cast<std::size_t>(layer) * kv_heads + kv_head];
@@ -148,7 +147,10 @@ struct Engine {
 
   static int reserve(void* self, int capacity) {
     Engine& engine = *static_cast<Engine*>(self);
-    if (engine.fail_reserve) return 3;
+    if (engine.fail_reserve) {
+      engine.callback_failed = true;
+      return 3;
+    }
     if (capacity < engine.capacity) {
       property_failed("reserve(" + std::to_string(capacity) + ") shrinks the capacity " +
                       std::to_string(engine.capacity));
@@ -161,7 +163,7 @@ struct Engine {
   static int apply(void* self, const kvevict_decision* decision) {
     Engine& engine = *static_cast<Engine*>(self);
     if (engine.fail_apply) {
-      engine.apply_failed = true;
+      engine.callback_failed = true;
       return 5;
     }
     for (int l = 0; l < engine.layers; ++l) {
@@ -256,7 +258,7 @@ class Session {
           observe_surprisal();
           break;
         case 6:
-          call_end(checked_status(kvevict_sequence_end_forward(s_), "end_forward"), State::forward);
+          call_end(checked(kvevict_sequence_end_forward(s_), "end_forward"), State::forward);
           break;
         case 7:
           begin_catalyst();
@@ -265,8 +267,7 @@ class Session {
           observe_attention(/*catalyst=*/true);
           break;
         case 9:
-          call_end(checked_status(kvevict_sequence_end_catalyst(s_), "end_catalyst"),
-                   State::catalyst);
+          call_end(checked(kvevict_sequence_end_catalyst(s_), "end_catalyst"), State::catalyst);
           break;
         case 10:
           read_head();
@@ -276,10 +277,6 @@ class Session {
           engine_.fail_apply = in_.below(8) == 0;
           break;
       }
-      // Known limitation (docs/reliability.md, finding 9): NaN or infinite values stay in the
-      // policy's scores, refused now (H2O, TOVA) or at the next decision (InfiniPot's catalyst,
-      // SirLLM's surprisal), and later decisions fail: a well-formed forward may fail after that.
-      scores_poisoned_ = scores_poisoned_ || in_.nonfinite;
       check_invariants();
     }
   }
@@ -287,11 +284,30 @@ class Session {
  private:
   enum class State { idle, forward, catalyst, unknown };
 
-  [[nodiscard]] bool usable() const { return !engine_.apply_failed && !mirror_lost_; }
+  [[nodiscard]] bool usable() const { return !backend_failed_; }
+
+  // checked_status, and the backend's promise: a failed callback fails the call that made it with
+  // KVEVICT_BACKEND_ERROR (so does a sequence outgrowing a backend without reserve), and the
+  // sequence is unusable from then on.
+  kvevict_status checked(kvevict_status status, const char* call) {
+    checked_status(status, call);
+    const bool callback_failed = std::exchange(engine_.callback_failed, false);
+    if (callback_failed && status != KVEVICT_BACKEND_ERROR) {
+      property_failed(std::string(call) + " returned status " + std::to_string(status) +
+                      " after a backend callback failed");
+    }
+    if (status == KVEVICT_BACKEND_ERROR) {
+      if (!callback_failed && engine_.can_grow) {
+        property_failed(std::string(call) + " reported a backend error no callback made");
+      }
+      backend_failed_ = true;
+    }
+    return status;
+  }
 
   // After a backend failure the sequence refuses every change.
   void expect_refused(kvevict_status status, const char* call) const {
-    if (engine_.apply_failed && status == KVEVICT_OK) {
+    if (backend_failed_ && status == KVEVICT_OK) {
       property_failed(std::string(call) + " succeeded on a sequence whose backend failed");
     }
   }
@@ -310,7 +326,7 @@ class Session {
       for (int g = 0; g < config_.kv_heads; ++g) {
         const std::int32_t* slots = nullptr;
         int n = -1;
-        checked_status(kvevict_sequence_chunk_slots(s_, l, g, &slots, &n), "chunk_slots");
+        checked(kvevict_sequence_chunk_slots(s_, l, g, &slots, &n), "chunk_slots");
         if (n != count) {
           property_failed("chunk_slots lists " + std::to_string(n) + " slots for " +
                           std::to_string(count) + " tokens");
@@ -334,9 +350,9 @@ class Session {
     const std::vector<std::int32_t> ids = token_ids(std::min(count, 4 * config_.max_chunk + 8));
     const int passed = std::min<int>(count, static_cast<int>(ids.size()));
     const kvevict_status status =
-        checked_status(kvevict_sequence_begin_chunk(s_, null_ids ? nullptr : ids.data(),
-                                                    count < 0 ? count : passed, in_.below(2)),
-                       "begin_chunk");
+        checked(kvevict_sequence_begin_chunk(s_, null_ids ? nullptr : ids.data(),
+                                             count < 0 ? count : passed, in_.below(2)),
+                "begin_chunk");
     expect_refused(status, "begin_chunk");
     if (status == KVEVICT_OK) {
       take_chunk_slots(passed);
@@ -351,8 +367,8 @@ class Session {
     const std::vector<std::int32_t> ids = token_ids(std::min(count, 4 * config_.max_chunk + 8));
     const int passed = std::min<int>(count, static_cast<int>(ids.size()));
     const kvevict_status status =
-        checked_status(kvevict_sequence_begin_catalyst(s_, ids.data(), count < 0 ? count : passed),
-                       "begin_catalyst");
+        checked(kvevict_sequence_begin_catalyst(s_, ids.data(), count < 0 ? count : passed),
+                "begin_catalyst");
     expect_refused(status, "begin_catalyst");
     if (status == KVEVICT_OK) {
       take_chunk_slots(passed);
@@ -368,9 +384,6 @@ class Session {
       state_ = State::idle;
       catalyst_ = 0;
     } else if (state_ == from) {
-      // Known limitation (docs/reliability.md): a distillation the policy refuses (NaN catalyst
-      // scores) fails after the catalyst was rolled back, and the backend is not told.
-      if (from == State::catalyst && engine_.apply_failed == false) mirror_lost_ = true;
       state_ = State::unknown;  // a failed decision may have ended it
     }
   }
@@ -420,9 +433,8 @@ class Session {
     const int widest = widest_slot_limit(std::clamp(layer, 0, config_.layers - 1));
     const std::ptrdiff_t stride = std::max(widest + std::clamp(in_.size(-2, 3), -2, 3), 0);
     const bool uniform = in_.below(2) == 0;
-    const kvevict_status status =
-        checked_status(attend(layer, queries, stride, catalyst, uniform),
-                       catalyst ? "observe_catalyst" : "observe_attention");
+    const kvevict_status status = checked(attend(layer, queries, stride, catalyst, uniform),
+                                          catalyst ? "observe_catalyst" : "observe_attention");
     expect_refused(status, "observe");
   }
 
@@ -431,11 +443,11 @@ class Session {
     std::vector<float> values(static_cast<std::size_t>(std::clamp(count, 1, 1 << 12)));
     for (float& value : values) value = in_.score();
     const bool null_values = in_.below(16) == 0;
-    const kvevict_status status = checked_status(
-        kvevict_sequence_observe_surprisal(
-            s_, null_values ? nullptr : values.data(),
-            count < 0 ? count : std::min<int>(count, static_cast<int>(values.size()))),
-        "observe_surprisal");
+    const kvevict_status status =
+        checked(kvevict_sequence_observe_surprisal(
+                    s_, null_values ? nullptr : values.data(),
+                    count < 0 ? count : std::min<int>(count, static_cast<int>(values.size()))),
+                "observe_surprisal");
     expect_refused(status, "observe_surprisal");
   }
 
@@ -450,7 +462,7 @@ class Session {
     const std::int32_t slot = in_.size(-1, std::max(widest_slot_limit(std::max(layer, 0)), 1));
     std::int64_t position = -1;
     std::int64_t key_position = -1;
-    const kvevict_status status = checked_status(
+    const kvevict_status status = checked(
         kvevict_sequence_position(s_, layer, kv_head, slot, &position, &key_position), "position");
     if (status == KVEVICT_OK) {
       if (!valid) property_failed("position() of an invalid head succeeded");
@@ -469,9 +481,9 @@ class Session {
     const int room = in_.size(0, 4);
     int runs = -1;
     const kvevict_status runs_status =
-        checked_status(kvevict_sequence_key_runs(s_, layer, kv_head, begins.data(), ends.data(),
-                                                 rotations.data(), std::min(room, 4), &runs),
-                       "key_runs");
+        checked(kvevict_sequence_key_runs(s_, layer, kv_head, begins.data(), ends.data(),
+                                          rotations.data(), std::min(room, 4), &runs),
+                "key_runs");
     if (runs_status == KVEVICT_OK && !valid) property_failed("key_runs of an invalid head");
   }
 
@@ -481,26 +493,25 @@ class Session {
     if (state_ == State::idle) return true;
     if (state_ != State::catalyst) {
       for (int l = 0; l < config_.layers; ++l) {
-        checked_status(attend(l, std::max(chunk_, 1), widest_slot_limit(l), false, true),
-                       "observe_attention");
+        checked(attend(l, std::max(chunk_, 1), widest_slot_limit(l), false, true),
+                "observe_attention");
       }
       std::vector<float> surprisal(static_cast<std::size_t>(std::max(chunk_, 1)), 1.0f);
-      checked_status(kvevict_sequence_observe_surprisal(s_, surprisal.data(), chunk_),
-                     "observe_surprisal");
+      checked(kvevict_sequence_observe_surprisal(s_, surprisal.data(), chunk_),
+              "observe_surprisal");
       const kvevict_status status = kvevict_sequence_end_forward(s_);
-      call_end(checked_status(status, "end_forward"), state_);
+      call_end(checked(status, "end_forward"), state_);
       if (status == KVEVICT_OK) return true;
       if (std::string_view(kvevict_last_error()).find("no forward is open") == std::string::npos) {
         return false;
       }
     }
     for (int l = 0; l < config_.layers; ++l) {
-      checked_status(attend(l, std::max(catalyst_, 1), widest_slot_limit(l), true, true),
-                     "observe_catalyst");
+      checked(attend(l, std::max(catalyst_, 1), widest_slot_limit(l), true, true),
+              "observe_catalyst");
     }
     const kvevict_status status = kvevict_sequence_end_catalyst(s_);
-    checked_status(status, "end_catalyst");
-    if (status != KVEVICT_OK && state_ == State::catalyst) mirror_lost_ = true;  // see call_end
+    checked(status, "end_catalyst");
     if (status == KVEVICT_OK ||
         std::string_view(kvevict_last_error()).find("no catalyst prompt is open") !=
             std::string::npos) {
@@ -517,10 +528,10 @@ class Session {
   void well_formed_forward() {
     if (!recover()) return;
     // Without a reserve callback a sequence that must grow fails, with a message naming the fix.
-    const bool strict = usable() && engine_.can_grow && !engine_.fail_reserve &&
-                        !engine_.fail_apply && !scores_poisoned_;
+    const bool strict =
+        usable() && engine_.can_grow && !engine_.fail_reserve && !engine_.fail_apply;
     const auto require_ok = [&](kvevict_status status, const char* call) {
-      checked_status(status, call);
+      checked(status, call);
       // SirLLM and its baselines refuse a turn longer than their budget (the cache cannot make
       // room for it): a documented precondition on the engine, not a failure.
       const bool turn_too_long =
@@ -547,7 +558,7 @@ class Session {
           }
         }
       }
-      call_end(checked_status(kvevict_sequence_end_catalyst(s_), "end_catalyst"), State::catalyst);
+      call_end(checked(kvevict_sequence_end_catalyst(s_), "end_catalyst"), State::catalyst);
       if (strict && state_ != State::idle) {
         property_failed(std::string("a well-formed end_catalyst failed: ") + kvevict_last_error());
       }
@@ -581,7 +592,7 @@ class Session {
         return;
       }
     }
-    call_end(checked_status(kvevict_sequence_end_forward(s_), "end_forward"), State::forward);
+    call_end(checked(kvevict_sequence_end_forward(s_), "end_forward"), State::forward);
     if (strict && state_ != State::idle) {
       property_failed(std::string("a well-formed end_forward failed: ") + kvevict_last_error());
     }
@@ -649,10 +660,9 @@ class Session {
   Engine& engine_;
   const kvevict_config& config_;
   State state_ = State::idle;
-  bool scores_poisoned_ = false;
-  bool mirror_lost_ = false;  // the sequence changed without telling the engine
-  int chunk_ = 0;             // tokens of the open chunk or catalyst
-  int catalyst_ = 0;          // tokens of the open catalyst (positions run past tokens_fed)
+  bool backend_failed_ = false;  // a call returned KVEVICT_BACKEND_ERROR: the sequence is unusable
+  int chunk_ = 0;                // tokens of the open chunk or catalyst
+  int catalyst_ = 0;             // tokens of the open catalyst (positions run past tokens_fed)
   std::vector<float> rows_;
 };
 
