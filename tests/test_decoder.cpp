@@ -803,7 +803,8 @@ long long resident_bytes() {
 // hidden 384, 4 layers, 4 heads, 2 KV heads of 32) and max_chunk 65,536 (the CLI's largest
 // --chunk), the decoder reserved about 505 MB before its first token: activations of 65,536 rows
 // of 2 x (128 + 384 + 128 + 64) floats (369 MB) and slots for 1,024 + 65,536 tokens at 2 KiB each
-// (136 MB). 300 tokens need 1.7 MB of activations and 2,048 slots (4 MB).
+// (136 MB). Now it reserves at most 16 MiB of activations up front (2,978 rows here) and 2,048
+// slots (4 MB), and 300 tokens need no more.
 TEST(DecoderMemory, MaxChunkDoesNotSizeTheBuffers) {
   ModelConfig config = small_config(RopeLayout::half_split);
   config.dim = 128;

@@ -42,6 +42,16 @@ constexpr int kMaxThreads = 1024;
 // probabilities): 2^28 floats, 1 GiB. Buffers are sized by the chunk actually fed, not by
 // max_chunk, so only a long input fed in huge chunks (or a huge model) reaches it.
 constexpr std::int64_t kMaxScratchFloats = std::int64_t{1} << 28;
+// Activations reserved by the constructor: max_chunk rows if they fit in 16 MiB (a small model's
+// prefill then allocates nothing, as an engine's context holds its compute buffers), else as
+// many as fit; larger chunks grow them when they arrive.
+constexpr std::int64_t kReservedActivationBytes = std::int64_t{16} << 20;
+
+// Floats of one row of the decoder's activations (x, xb, q, k, v, att, hb, hb2).
+std::int64_t activation_floats(const ModelConfig& c) {
+  const std::int64_t head_dim = c.head_dim();
+  return 2 * (std::int64_t{c.dim} + c.hidden_dim + (std::int64_t{c.heads} + c.kv_heads) * head_dim);
+}
 
 CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   const ModelConfig& c = model.config;
@@ -143,6 +153,9 @@ Decoder::Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOpti
       cache_(cache_config(model, options), std::move(policy), options.observer),
       attention_(std::make_unique<AttentionScratch>(cache_.rope(), options.threads)),
       pool_(options.threads > 1 ? std::make_unique<ThreadPool>(options.threads) : nullptr) {
+  const std::int64_t reserved_rows =
+      kReservedActivationBytes / (activation_floats(model_.config) * std::int64_t{sizeof(float)});
+  reserve_rows(static_cast<int>(std::clamp<std::int64_t>(reserved_rows, 1, options_.max_chunk)));
   attention_->keys_per_kv_head.assign(static_cast<std::size_t>(model_.config.kv_heads), 0);
 }
 
@@ -156,11 +169,10 @@ void Decoder::reserve_rows(int rows) {
   const auto n = static_cast<std::size_t>(rows);
   const auto q_dim = static_cast<std::size_t>(c.heads) * c.head_dim();
   const auto kv_dim = static_cast<std::size_t>(c.kv_heads) * c.head_dim();
-  (void)checked_allocation(
-      {rows, 2 * (std::int64_t{c.dim} + c.hidden_dim + static_cast<std::int64_t>(q_dim + kv_dim))},
-      "Decoder: activations of a " + std::to_string(rows) +
-          "-token chunk (max_chunk, --chunk, sets the largest)",
-      kMaxScratchFloats);
+  (void)checked_allocation({rows, activation_floats(c)},
+                           "Decoder: activations of a " + std::to_string(rows) +
+                               "-token chunk (max_chunk, --chunk, sets the largest)",
+                           kMaxScratchFloats);
   x_.resize(n * c.dim);
   xb_.resize(n * c.dim);
   q_.resize(n * q_dim);
