@@ -120,6 +120,18 @@ int kvevict_sequence_slot_limit(const kvevict_sequence* sequence, int layer, int
 /* Tokens fed so far (catalyst prompts excluded), or -1 for NULL. */
 int64_t kvevict_sequence_tokens_fed(const kvevict_sequence* sequence);
 
+/* K/V storage types: "f32", "f16", "bf16" or "q8_0" (ggml's blocks of 32 values with an f16 scale,
+ * head_dim a multiple of 32; include/kvevict/kv_type.hpp). kvevict never reads the engine's K/V;
+ * these account for it in the engine's own type. Bytes of one stored row (one token's key, or
+ * value, of one KV head) of head_dim values, scales included. An unknown type or a head_dim the
+ * type cannot store fails with KVEVICT_INVALID_ARGUMENT and a message naming kv_type. */
+kvevict_status kvevict_kv_row_bytes(const char* kv_type, int head_dim, size_t* bytes);
+/* K/V bytes of the sequence's live slots now and at their peak, for an engine storing rows of
+ * head_dim values as kv_type: slots over every (layer, KV head) x 2 x kvevict_kv_row_bytes. Either
+ * output may be NULL. */
+kvevict_status kvevict_sequence_kv_bytes(const kvevict_sequence* sequence, const char* kv_type,
+                                         int head_dim, size_t* live_bytes, size_t* peak_bytes);
+
 /* Per forward, in this order. */
 kvevict_status kvevict_sequence_begin_chunk(kvevict_sequence* sequence, const int32_t* token_ids,
                                             int count, int turn_start);

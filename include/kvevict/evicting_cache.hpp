@@ -19,6 +19,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,8 @@ struct CacheConfig {
   /// Defaults to the policy's own.
   std::optional<Granularity> granularity;
   KeyStorage key_storage = KeyStorage::pre_rope;
+  /// How keys and values are stored (kv_type.hpp); the engine side stays f32.
+  KvType kv_type = KvType::f32;
   /// Largest chunk the engine will feed (and catalyst prompt it will run): sizes the buffers so
   /// that a bounded policy never reallocates. Unbounded policies grow geometrically.
   int max_chunk = 1;
@@ -62,23 +65,27 @@ struct MemoryStats {
   [[nodiscard]] std::size_t live_bytes() const { return live_kv_bytes + live_metadata_bytes; }
 };
 
+/// `Scalar` is the type keys and values are handed over and read back in (float); the storage type
+/// is CacheConfig::kv_type.
 template <class Scalar = float>
 class EvictingCache {
+  static_assert(std::is_same_v<Scalar, float>, "EvictingCache: keys and values are f32");
+
  public:
-  using Matrix = typename KvStore<Scalar>::Matrix;
+  using Matrix = KvStore::Matrix;
 
   EvictingCache(const CacheConfig& config, std::unique_ptr<Policy> policy,
                 StageObserver* observer = nullptr)
       : config_(validated(config)),
         rope_(config_.rope),
-        store_(config_.shape, config_.rope, config_.key_storage),
+        store_(config_.shape, config_.rope, config_.key_storage, config_.kv_type),
         sequence_(sequence_config(config_), std::move(policy), &store_, observer) {}
 
   [[nodiscard]] const CacheConfig& config() const { return config_; }
   [[nodiscard]] const Rope& rope() const { return rope_; }
   [[nodiscard]] Sequence& sequence() { return sequence_; }
   [[nodiscard]] const Sequence& sequence() const { return sequence_; }
-  [[nodiscard]] const KvStore<Scalar>& store() const { return store_; }
+  [[nodiscard]] const KvStore& store() const { return store_; }
   [[nodiscard]] const SlotTable& slots() const { return sequence_.slots(); }
   [[nodiscard]] Policy& policy() { return sequence_.policy(); }
   [[nodiscard]] bool wants(Signal signal) const { return sequence_.wants(signal); }
@@ -127,24 +134,35 @@ class EvictingCache {
             std::to_string(config_.shape.head_dim) + " keys and values, got [" +
             std::to_string(keys.rows()) + ", " + std::to_string(keys.cols()) + "] and [" +
             std::to_string(values.rows()) + ", " + std::to_string(values.cols()) + "]");
+    const bool post_rope = config_.key_storage == KeyStorage::post_rope;
+    key_scratch_.resize(static_cast<std::size_t>(keys.cols()));
     for (std::size_t i = 0; i < slots.size(); ++i) {
-      Scalar* key = store_.key_row(layer, kv_head, slots[i]);
-      Eigen::Map<Matrix>(key, 1, keys.cols()) = keys.row(static_cast<Eigen::Index>(i));
-      Eigen::Map<Matrix>(store_.value_row(layer, kv_head, slots[i]), 1, values.cols()) =
-          values.row(static_cast<Eigen::Index>(i));
-      if (config_.key_storage == KeyStorage::post_rope) {
-        rope_.rotate(key, sequence_.key_position(layer, kv_head, slots[i]));
+      const auto row = static_cast<Eigen::Index>(i);
+      // Rotated in double and rounded once to the storage type.
+      for (Eigen::Index c = 0; c < keys.cols(); ++c) key_scratch_[c] = keys(row, c);
+      if (post_rope) {
+        rope_.rotate(key_scratch_.data(), sequence_.key_position(layer, kv_head, slots[i]));
       }
+      store_.write_key(layer, kv_head, slots[i], key_scratch_.data());
+      store_.write_value(layer, kv_head, slots[i], values.data() + row * values.outerStride());
     }
   }
 
-  /// Stored keys of slots [0, slot_limit) of head (layer, kv_head). Post-RoPE: rotated to their
-  /// key positions (attend per for_each_key_run); pre-RoPE: unrotated (see rotated_keys).
+  /// Stored keys of slots [0, slot_limit) of head (layer, kv_head), f32 storage only (any type:
+  /// stored_keys). Post-RoPE: rotated to their key positions (attend per for_each_key_run);
+  /// pre-RoPE: unrotated (see rotated_keys).
   [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head) const {
     return store_.keys(layer, kv_head, slot_limit(layer, kv_head));
   }
   [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head) const {
     return store_.values(layer, kv_head, slot_limit(layer, kv_head));
+  }
+  /// Keys / values of slots [0, capacity) of head (layer, kv_head) as stored (read slot_limit).
+  [[nodiscard]] StoredRows stored_keys(int layer, int kv_head) const {
+    return store_.stored_keys(layer, kv_head);
+  }
+  [[nodiscard]] StoredRows stored_values(int layer, int kv_head) const {
+    return store_.stored_values(layer, kv_head);
   }
   /// Pre-RoPE storage: the keys of slots [0, slot_limit) rotated to their positions, written to
   /// `scratch` (grown to the capacity once, then reused). Free slots' rows are left stale.
@@ -156,12 +174,11 @@ class EvictingCache {
     if (scratch.rows() < store_.capacity() || scratch.cols() != config_.shape.head_dim) {
       scratch.resize(store_.capacity(), config_.shape.head_dim);
     }
-    const Eigen::Map<const Matrix> stored = keys(layer, kv_head);
     const std::span<const std::int64_t> originals =
         sequence_.slots().original_positions(sequence_.unit_of(layer, kv_head));
     sequence_.for_each_position_run(layer, kv_head, [&](int begin, int end, std::int64_t offset) {
       for (int s = begin; s < end; ++s) {
-        scratch.row(s) = stored.row(s);
+        store_.read_key(layer, kv_head, s, scratch.row(s).data());
         rope_.rotate(scratch.row(s).data(), originals[static_cast<std::size_t>(s)] + offset);
       }
     });
@@ -189,9 +206,14 @@ class EvictingCache {
     std::fill(out.begin(), out.begin() + limit, -std::numeric_limits<float>::infinity());
     std::vector<Scalar> rotated(query.begin(), query.end());
     const bool post_rope = config_.key_storage == KeyStorage::post_rope;
-    Matrix pre_rope_keys;
+    Matrix decoded;  // post-RoPE: the stored keys decoded; pre-RoPE: rotated to their positions
+    if (post_rope) {
+      decoded.resize(limit, config_.shape.head_dim);
+      for (int s = 0; s < limit; ++s) store_.read_key(layer, kv_head, s, decoded.row(s).data());
+    }
     const Eigen::Map<const Matrix> keys =
-        post_rope ? this->keys(layer, kv_head) : rotated_keys(layer, kv_head, pre_rope_keys);
+        post_rope ? Eigen::Map<const Matrix>(decoded.data(), limit, config_.shape.head_dim)
+                  : rotated_keys(layer, kv_head, decoded);
     const auto score = [&](int begin, int end, std::int64_t rotation) {
       std::copy(query.begin(), query.end(), rotated.begin());
       rope_.rotate(rotated.data(), query_position - (post_rope ? rotation : 0));
@@ -253,8 +275,9 @@ class EvictingCache {
 
   CacheConfig config_;
   Rope rope_;
-  KvStore<Scalar> store_;
+  KvStore store_;
   Sequence sequence_;
+  std::vector<double> key_scratch_;  // one key on its way to the store
 };
 
 }  // namespace kvevict

@@ -12,6 +12,9 @@
 //     engines that cannot (SequenceConfig::max_pending_rotations = 0) see one per decision.
 // Engines that own their slot allocation (llama.cpp's cells) remove the evicted tokens here
 // (AppliedDecision::evicted gives their original and current positions).
+// The backend's storage type is its own: kvevict never reads K/V. A backend keeping keys in f16,
+// bf16 or Q8_0 (kv_type.hpp; kvevict's KvStore does) rotates a folded key from its stored form and
+// rounds it once; a key then carries at most 2 + capacity roundings (kv_store.hpp).
 #pragma once
 
 #include "kvevict/decision.hpp"

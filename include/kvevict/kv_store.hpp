@@ -1,12 +1,27 @@
-// KvStore: kvevict's own key/value buffers, one [capacity, head_dim] block per (layer, KV head),
-// indexed by slot. It is a KvBackend like an engine's: evictions free slots and move nothing; the
-// only work a decision can ask of it is rotating folded post-RoPE keys.
+// KvStore: kvevict's own key/value buffers, one [capacity, row] block per (layer, KV head), indexed
+// by slot, each row one token's key (or value) stored as a KvType (f32, f16, bf16 or Q8_0). It is a
+// KvBackend like an engine's: evictions free slots and move nothing; the only work a decision can
+// ask of it is rotating folded post-RoPE keys.
+//
+// Rows are bytes of a type chosen at run time, not a template parameter: one decoder and one
+// attention path serve every type, and the type costs one switch per head and run of slots (the
+// kernels read the rows in their stored form, kv_kernels in the reference model).
+//
+// Roundings of a stored key. Writing a key is one rounding to the type (post-RoPE: rotated in
+// double, then rounded). A fold rotates it from its stored form (decoded exactly, rotated in
+// double) and rounds once more. kvevict folds a key only when its unit carries more than
+// max_pending_rotations different pending rotations, and only keys whose position changed since
+// they were written or last folded; under a rank position mode positions only fall, so a key is
+// folded at most 1 + capacity times (docs/design.md, "Folds"), and under `original` never. A key
+// therefore carries at most 2 + capacity roundings, each within kv_rounding_unit(type) of the
+// rotated value (tests/test_kv_types.cpp checks the bound over 10,000 evictions).
 #pragma once
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -15,59 +30,56 @@
 #include "kvevict/decision.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/kv_backend.hpp"
+#include "kvevict/kv_type.hpp"
 #include "kvevict/positions.hpp"
 #include "kvevict/rope.hpp"
 #include "kvevict/shape.hpp"
 
 namespace kvevict {
 
-/// Keys and values `[capacity, head_dim]`, contiguous and row-major per (layer, KV head), row s
-/// holding the token in slot s of that head. `Scalar` is the storage type (float here;
-/// Eigen::half / Eigen::bfloat16 are the intended extensions).
-template <class Scalar = float>
+/// Keys and values of every (layer, KV head): slot s is row s of that head's block, a row holding
+/// kv_row_bytes(type, head_dim) bytes.
 class KvStore final : public KvBackend {
  public:
-  using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  /// F32 rows as an Eigen matrix (kv_type() == f32 only).
+  using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   /// Largest K + V allocation: 64 GiB, far beyond any machine kvevict's reference decoder runs on.
   static constexpr std::int64_t kMaxBytes = std::int64_t{1} << 36;
 
-  /// Buffers for `shape`; rotations (post-RoPE folds) use `rope`. Empty until reserve().
-  KvStore(const CacheShape& shape, const RopeConfig& rope, KeyStorage key_storage)
-      : shape_(shape), key_storage_(key_storage) {
-    shape.validate();
+  /// Buffers for `shape`, rows stored as `type`; rotations (post-RoPE folds) use `rope`. Empty
+  /// until reserve().
+  KvStore(const CacheShape& shape, const RopeConfig& rope, KeyStorage key_storage,
+          KvType type = KvType::f32)
+      : shape_(shape),
+        key_storage_(key_storage),
+        type_(type),
+        row_bytes_((shape.validate(), kv_row_bytes(type, shape.head_dim))) {
     if (key_storage == KeyStorage::post_rope) {
       rope_ = Rope(rope);
       angles_.resize(2 * static_cast<std::size_t>(rope_.pairs()));
+      row_scratch_.resize(static_cast<std::size_t>(shape.head_dim));
     }
   }
 
   [[nodiscard]] const CacheShape& shape() const { return shape_; }
   [[nodiscard]] int capacity() const { return capacity_; }
   [[nodiscard]] KeyStorage key_storage() const { return key_storage_; }
+  [[nodiscard]] KvType kv_type() const { return type_; }
+  /// Bytes of one stored row (one token's key, or value, of one head).
+  [[nodiscard]] std::size_t row_bytes() const { return row_bytes_; }
 
   void reserve(int capacity) override {
     if (capacity <= capacity_) return;
-    const std::size_t row = static_cast<std::size_t>(shape_.head_dim);
-    (void)checked_allocation({2, shape_.head_caches(), capacity, shape_.head_dim,
-                              static_cast<std::int64_t>(sizeof(Scalar))},
-                             "KvStore: key and value bytes", kMaxBytes);
-    std::vector<Scalar> keys(static_cast<std::size_t>(shape_.head_caches()) * capacity * row,
-                             Scalar(0));
-    std::vector<Scalar> values(keys.size(), Scalar(0));
-    for (int h = 0; h < shape_.head_caches(); ++h) {
-      const std::size_t n = static_cast<std::size_t>(capacity_) * row;
-      std::copy_n(keys_.begin() + static_cast<std::ptrdiff_t>(h * n), n,
-                  keys.begin() + static_cast<std::ptrdiff_t>(h) * capacity * row);
-      std::copy_n(values_.begin() + static_cast<std::ptrdiff_t>(h * n), n,
-                  values.begin() + static_cast<std::ptrdiff_t>(h) * capacity * row);
-    }
-    bytes_copied_ += 2 * keys_.size() * sizeof(Scalar);
-    keys_.swap(keys);
-    values_.swap(values);
+    const std::int64_t total = checked_allocation(
+        {2, shape_.head_caches(), capacity, static_cast<std::int64_t>(row_bytes_)},
+        "KvStore: key and value bytes", kMaxBytes);
+    grow(keys_, capacity, static_cast<std::size_t>(total / 2));
+    grow(values_, capacity, static_cast<std::size_t>(total / 2));
     capacity_ = capacity;
   }
 
-  /// Rotates the keys of every KeyRotation (post-RoPE storage); evicted slots need nothing.
+  /// Rotates the keys of every KeyRotation (post-RoPE storage), each from its stored form with one
+  /// rounding; evicted slots need nothing.
   void apply(const AppliedDecision& decision) override {
     for (const KeyRotation& rotation : decision.rotations()) {
       KVEVICT_REQUIRE(key_storage_ == KeyStorage::post_rope,
@@ -76,34 +88,65 @@ class KvStore final : public KvBackend {
       for (int l = 0; l < shape_.layers; ++l) {
         for (int g = 0; g < shape_.kv_heads; ++g) {
           if (decision.layout.unit_of(l, g) != rotation.unit) continue;
-          for (const std::int32_t slot : rotation.slots)
-            rope_.rotate_with(key_row(l, g, slot), cos_sin);
-          bytes_rotated_ += rotation.slots.size() * row_bytes();
+          for (const std::int32_t slot : rotation.slots) rotate_key(l, g, slot, cos_sin);
+          bytes_rotated_ += rotation.slots.size() * row_bytes_;
         }
       }
     }
   }
 
-  /// Key row of slot `slot` of head (layer, kv_head): head_dim values.
-  [[nodiscard]] Scalar* key_row(int layer, int kv_head, std::int32_t slot) {
-    return head_data(keys_, layer, kv_head) + static_cast<std::ptrdiff_t>(slot) * shape_.head_dim;
+  /// Stores head_dim values (float or double) as the key / value of slot `slot`: one rounding.
+  template <class Real>
+  void write_key(int layer, int kv_head, std::int32_t slot, const Real* key) {
+    encode_kv_row(type_, key, shape_.head_dim, key_row(layer, kv_head, slot));
   }
-  [[nodiscard]] Scalar* value_row(int layer, int kv_head, std::int32_t slot) {
-    return head_data(values_, layer, kv_head) + static_cast<std::ptrdiff_t>(slot) * shape_.head_dim;
+  template <class Real>
+  void write_value(int layer, int kv_head, std::int32_t slot, const Real* value) {
+    encode_kv_row(type_, value, shape_.head_dim, value_row(layer, kv_head, slot));
   }
-  /// Key rows of slots [0, limit) of head (layer, kv_head): [limit, head_dim].
-  [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head, int limit) const {
-    return {head_data(keys_, layer, kv_head), limit, shape_.head_dim};
+  /// The head_dim values of a stored key / value (exact).
+  template <class Real>
+  void read_key(int layer, int kv_head, std::int32_t slot, Real* out) const {
+    decode_kv_row(type_, key_row(layer, kv_head, slot), shape_.head_dim, out);
   }
-  [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head, int limit) const {
-    return {head_data(values_, layer, kv_head), limit, shape_.head_dim};
+  template <class Real>
+  void read_value(int layer, int kv_head, std::int32_t slot, Real* out) const {
+    decode_kv_row(type_, value_row(layer, kv_head, slot), shape_.head_dim, out);
   }
 
-  /// Bytes of one slot's key and value rows.
-  [[nodiscard]] std::size_t kv_bytes_per_slot() const { return 2 * row_bytes(); }
+  /// Stored bytes of the key / value row of slot `slot` of head (layer, kv_head).
+  [[nodiscard]] std::uint8_t* key_row(int layer, int kv_head, std::int32_t slot) {
+    return head_data(keys_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+  }
+  [[nodiscard]] const std::uint8_t* key_row(int layer, int kv_head, std::int32_t slot) const {
+    return head_data(keys_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+  }
+  [[nodiscard]] std::uint8_t* value_row(int layer, int kv_head, std::int32_t slot) {
+    return head_data(values_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+  }
+  [[nodiscard]] const std::uint8_t* value_row(int layer, int kv_head, std::int32_t slot) const {
+    return head_data(values_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+  }
+  /// Key / value rows of slots [0, capacity) of head (layer, kv_head), as stored.
+  [[nodiscard]] StoredRows stored_keys(int layer, int kv_head) const {
+    return {head_data(keys_, layer, kv_head), type_, row_bytes_};
+  }
+  [[nodiscard]] StoredRows stored_values(int layer, int kv_head) const {
+    return {head_data(values_, layer, kv_head), type_, row_bytes_};
+  }
+  /// F32 storage: key rows of slots [0, limit) of head (layer, kv_head), [limit, head_dim].
+  [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head, int limit) const {
+    return {f32_rows(keys_, layer, kv_head), limit, shape_.head_dim};
+  }
+  [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head, int limit) const {
+    return {f32_rows(values_, layer, kv_head), limit, shape_.head_dim};
+  }
+
+  /// Bytes of one slot's key and value rows (Q8_0 scales included).
+  [[nodiscard]] std::size_t kv_bytes_per_slot() const { return 2 * row_bytes_; }
   /// Bytes allocated for keys and values.
   [[nodiscard]] std::size_t reserved_bytes() const {
-    return (keys_.size() + values_.size()) * sizeof(Scalar);
+    return (keys_.size() + values_.size()) * sizeof(Word);
   }
   /// Key bytes rewritten by fold rotations since construction.
   [[nodiscard]] std::size_t bytes_rotated() const { return bytes_rotated_; }
@@ -111,26 +154,64 @@ class KvStore final : public KvBackend {
   [[nodiscard]] std::size_t bytes_copied() const { return bytes_copied_; }
 
  private:
-  [[nodiscard]] std::size_t row_bytes() const {
-    return static_cast<std::size_t>(shape_.head_dim) * sizeof(Scalar);
+  // Rows live in f32 words so that f32 rows are floats; other types address the words' bytes (a
+  // Q8_0 row of 34 bytes is not word-aligned). A buffer is padded to whole words: at most 3 bytes.
+  using Word = float;
+
+  [[nodiscard]] std::size_t head_offset(int layer, int kv_head) const {
+    return (static_cast<std::size_t>(layer) * shape_.kv_heads + kv_head) *
+           static_cast<std::size_t>(capacity_) * row_bytes_;
   }
-  [[nodiscard]] Scalar* head_data(std::vector<Scalar>& data, int layer, int kv_head) {
-    return data.data() + (static_cast<std::size_t>(layer) * shape_.kv_heads + kv_head) *
-                             static_cast<std::size_t>(capacity_) * shape_.head_dim;
+  [[nodiscard]] std::uint8_t* head_data(std::vector<Word>& data, int layer, int kv_head) {
+    return reinterpret_cast<std::uint8_t*>(data.data()) + head_offset(layer, kv_head);
   }
-  [[nodiscard]] const Scalar* head_data(const std::vector<Scalar>& data, int layer,
-                                        int kv_head) const {
-    return data.data() + (static_cast<std::size_t>(layer) * shape_.kv_heads + kv_head) *
-                             static_cast<std::size_t>(capacity_) * shape_.head_dim;
+  [[nodiscard]] const std::uint8_t* head_data(const std::vector<Word>& data, int layer,
+                                              int kv_head) const {
+    return reinterpret_cast<const std::uint8_t*>(data.data()) + head_offset(layer, kv_head);
+  }
+  [[nodiscard]] const float* f32_rows(const std::vector<Word>& data, int layer, int kv_head) const {
+    KVEVICT_REQUIRE(type_ == KvType::f32, "KvStore: rows as f32 matrices of a " +
+                                              std::string(to_string(type_)) + " store");
+    return data.data() + head_offset(layer, kv_head) / sizeof(Word);
+  }
+
+  // Regrows `data` ([heads][capacity_][row]) to `capacity` rows per head, keeping contents.
+  void grow(std::vector<Word>& data, int capacity, std::size_t bytes) {
+    std::vector<Word> grown((bytes + sizeof(Word) - 1) / sizeof(Word), Word(0));
+    const std::size_t old_head = static_cast<std::size_t>(capacity_) * row_bytes_;
+    const std::size_t new_head = static_cast<std::size_t>(capacity) * row_bytes_;
+    auto* target = reinterpret_cast<std::uint8_t*>(grown.data());
+    const auto* source = reinterpret_cast<const std::uint8_t*>(data.data());
+    for (int h = 0; h < shape_.head_caches() && old_head > 0; ++h) {
+      std::memcpy(target + h * new_head, source + h * old_head, old_head);
+    }
+    bytes_copied_ += static_cast<std::size_t>(shape_.head_caches()) * old_head;
+    data.swap(grown);
+  }
+
+  // One fold of one key: f32 rows rotate in place (computed in double, rounded once); other types
+  // are decoded exactly, rotated in double and rounded once.
+  void rotate_key(int layer, int kv_head, std::int32_t slot, const double* cos_sin) {
+    std::uint8_t* row = key_row(layer, kv_head, slot);
+    if (type_ == KvType::f32) {
+      rope_.rotate_with(reinterpret_cast<float*>(row), cos_sin);
+      return;
+    }
+    decode_kv_row(type_, row, shape_.head_dim, row_scratch_.data());
+    rope_.rotate_with(row_scratch_.data(), cos_sin);
+    encode_kv_row(type_, row_scratch_.data(), shape_.head_dim, row);
   }
 
   CacheShape shape_;
   KeyStorage key_storage_;
+  KvType type_;
+  std::size_t row_bytes_;
   Rope rope_;
   int capacity_ = 0;
-  std::vector<Scalar> keys_;    // [layers * kv_heads][capacity][head_dim]
-  std::vector<Scalar> values_;  // [layers * kv_heads][capacity][head_dim]
-  std::vector<double> angles_;  // rotation scratch: [cos x pairs, sin x pairs]
+  std::vector<Word> keys_;           // [layers * kv_heads][capacity][row_bytes] bytes
+  std::vector<Word> values_;         // [layers * kv_heads][capacity][row_bytes] bytes
+  std::vector<double> angles_;       // rotation scratch: [cos x pairs, sin x pairs]
+  std::vector<double> row_scratch_;  // one decoded key (folds of non-f32 rows)
   std::size_t bytes_rotated_ = 0;
   std::size_t bytes_copied_ = 0;
 };

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <kvevict/kv_type.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/sequence.hpp>
 #include <kvevict/version.hpp>
@@ -291,6 +292,42 @@ int kvevict_sequence_slot_limit(const kvevict_sequence* sequence, int layer, int
 
 int64_t kvevict_sequence_tokens_fed(const kvevict_sequence* sequence) {
   return sequence != nullptr ? sequence->sequence.stats().tokens_fed : -1;
+}
+
+namespace {
+
+// Bytes of one row of head_dim values stored as kv_type; errors name kv_type.
+std::size_t kv_row_bytes(const char* kv_type, int head_dim) {
+  KVEVICT_REQUIRE(kv_type != nullptr, "kv_type is NULL");
+  KVEVICT_REQUIRE(head_dim > 0, "head_dim must be positive, got " + std::to_string(head_dim));
+  try {
+    return kvevict::kv_row_bytes(kvevict::parse_kv_type(kv_type), head_dim);
+  } catch (const kvevict::Error& error) {
+    throw kvevict::Error(std::string("kv_type: ") + error.what());
+  }
+}
+
+}  // namespace
+
+kvevict_status kvevict_kv_row_bytes(const char* kv_type, int head_dim, size_t* bytes) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(bytes != nullptr, "bytes is NULL");
+    *bytes = kv_row_bytes(kv_type, head_dim);
+  });
+}
+
+kvevict_status kvevict_sequence_kv_bytes(const kvevict_sequence* sequence, const char* kv_type,
+                                         int head_dim, size_t* live_bytes, size_t* peak_bytes) {
+  return guarded([&] {
+    const kvevict::SlotTable& slots = checked(sequence).sequence.slots();
+    const std::size_t slot_bytes = 2 * kv_row_bytes(kv_type, head_dim);
+    if (live_bytes != nullptr) {
+      *live_bytes = static_cast<std::size_t>(slots.total_live()) * slot_bytes;
+    }
+    if (peak_bytes != nullptr) {
+      *peak_bytes = static_cast<std::size_t>(slots.peak_total_live()) * slot_bytes;
+    }
+  });
 }
 
 kvevict_status kvevict_sequence_begin_chunk(kvevict_sequence* sequence, const int32_t* token_ids,

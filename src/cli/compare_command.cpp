@@ -34,6 +34,7 @@ struct CompareOptions {
   std::vector<std::string> policies = {"full", "window", "streaming_llm", "h2o", "tova"};
   std::int64_t limit_bytes = 8192;
   int chunk = kDefaultChunk;
+  std::string kv_type = "f32";
   int threads = 1;
   bool json = false;
 };
@@ -52,6 +53,7 @@ PolicyOptions policy_options(const CompareOptions& options, const std::string& n
   policy.policy = name;
   if (name != "full") policy.budget = options.budget;
   policy.chunk = options.chunk;
+  policy.kv_type = options.kv_type;
   policy.threads = options.threads;
   return policy;
 }
@@ -184,6 +186,9 @@ Command add_compare_command(CLI::App& parent) {
   app->add_option("--limit-bytes", options->limit_bytes,
                   "read only the first N bytes of the input (0 = all; the full cache's attention "
                   "grows with the text)")
+      ->capture_default_str();
+  app->add_option("--kv-type", options->kv_type,
+                  "how every policy's cache stores keys and values: f32, f16, bf16 or q8_0")
       ->capture_default_str();
   app->add_option("--chunk", options->chunk, "prefill chunk size: tokens per forward")
       ->capture_default_str();

@@ -40,7 +40,8 @@ inline void add_threads_option(CLI::App& app, int& threads) {
       ->capture_default_str();
 }
 
-/// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --chunk, --catalyst
+/// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --kv-type, --chunk,
+/// --catalyst
 /// (group "Policy" in --help).
 inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
   const std::string group = "Policy";
@@ -76,6 +77,11 @@ inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
   app.add_option("--keys", options.keys,
                  "store keys before or after RoPE: pre_rope or post_rope (same results; "
                  "post_rope is faster)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--kv-type", options.kv_type,
+                 "how the cache stores keys and values: f32, f16, bf16 or q8_0 (ggml's blocks of "
+                 "32 with an f16 scale; head_dim a multiple of 32)")
       ->group(group)
       ->capture_default_str();
   app.add_option("--chunk", options.chunk,

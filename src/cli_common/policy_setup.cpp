@@ -6,6 +6,7 @@
 #include <cmath>
 #include <kvevict/error.hpp>
 #include <kvevict/granularity.hpp>
+#include <kvevict/kv_type.hpp>
 #include <kvevict/policies/infinipot.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/positions.hpp>
@@ -88,6 +89,11 @@ void validate_policy_options(const PolicyOptions& options) {
   } catch (const Error& error) {
     throw Error(fmt::format("--keys: {}", error.what()));
   }
+  try {
+    (void)parse_kv_type(options.kv_type);
+  } catch (const Error& error) {
+    throw Error(fmt::format("--kv-type: {}", error.what()));
+  }
   const PolicyParams params = resolve_params(options, nullptr);
   // AnLLM's default anchor ids come from the model; every other policy can be built now.
   if (options.policy == "anllm" && !params.has("anchor_ids")) return;
@@ -113,6 +119,12 @@ PolicySetup make_policy_setup(const PolicyOptions& options, const model::Model& 
     setup.decoder_options.granularity = parse_granularity(options.granularity);
   }
   setup.decoder_options.key_storage = parse_key_storage(options.keys);
+  setup.decoder_options.kv_type = parse_kv_type(options.kv_type);
+  try {
+    check_kv_type(setup.decoder_options.kv_type, model.config.head_dim());
+  } catch (const Error& error) {
+    throw Error(fmt::format("--kv-type: {}", error.what()));
+  }
   setup.decoder_options.max_chunk = options.chunk;
   setup.decoder_options.threads = options.threads;
   if (setup.policy->signals().contains(Signal::catalyst_attention)) {
@@ -149,10 +161,13 @@ nlohmann::ordered_json params_json(const PolicyParams& params) {
 std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder) {
   const std::string params = setup.params.to_string();
   const Sequence& sequence = decoder.cache().sequence();
-  return fmt::format("{}{}, positions {}, granularity {}, keys {}, chunk {}", setup.name,
-                     params.empty() ? std::string() : " (" + params + ")",
-                     to_string(sequence.position_mode()), to_string(sequence.granularity()),
-                     to_string(decoder.options().key_storage), decoder.options().max_chunk);
+  const KvType kv_type = decoder.options().kv_type;
+  return fmt::format(
+      "{}{}, positions {}, granularity {}, keys {}, chunk {}{}", setup.name,
+      params.empty() ? std::string() : " (" + params + ")", to_string(sequence.position_mode()),
+      to_string(sequence.granularity()), to_string(decoder.options().key_storage),
+      decoder.options().max_chunk,
+      kv_type == KvType::f32 ? std::string() : ", kv " + std::string(to_string(kv_type)));
 }
 
 nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decoder& decoder) {
@@ -163,6 +178,7 @@ nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decode
   json["positions"] = std::string(to_string(sequence.position_mode()));
   json["granularity"] = std::string(to_string(sequence.granularity()));
   json["keys"] = std::string(to_string(decoder.options().key_storage));
+  json["kv_type"] = std::string(to_string(decoder.options().kv_type));
   json["chunk"] = decoder.options().max_chunk;
   if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
   return json;

@@ -36,6 +36,7 @@ struct PolicyOptions {
   std::string positions;            ///< empty = the policy's own position mode
   std::string granularity;          ///< empty = the policy's own granularity
   std::string keys = "post_rope";
+  std::string kv_type = "f32";  ///< --kv-type: how the cache stores keys and values
   int chunk = kDefaultChunk;
   std::optional<std::string> catalyst;  ///< InfiniPot's catalyst prompt; nullopt = the paper's
   int threads = 1;                      ///< -t/--threads: model::DecoderOptions::threads
@@ -90,10 +91,10 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
 [[nodiscard]] nlohmann::ordered_json params_json(const PolicyParams& params);
 
 /// "streaming_llm (recent=28 sinks=4), positions cache_index, granularity token, keys post_rope,
-/// chunk 64".
+/// chunk 64" (and ", kv q8_0" when the K/V storage type is not f32).
 [[nodiscard]] std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder);
-/// {"name", "params", "positions", "granularity", "keys", "chunk", "catalyst_tokens" (when it has
-/// one)}.
+/// {"name", "params", "positions", "granularity", "keys", "kv_type", "chunk", "catalyst_tokens"
+/// (when it has one)}.
 [[nodiscard]] nlohmann::ordered_json policy_json(const PolicySetup& setup,
                                                  const model::Decoder& decoder);
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <kvevict/checked.hpp>
 #include <kvevict/error.hpp>
+#include <kvevict/kv_type.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <limits>
 #include <set>
@@ -176,14 +177,18 @@ std::string default_label(const PolicyEntry& entry) {
   for (const std::string& param : entry.params) label += " " + param;
   if (!entry.positions.empty()) label += " positions=" + entry.positions;
   if (entry.keys != "post_rope") label += " keys=" + entry.keys;
+  if (entry.kv_type != "f32") label += " kv=" + entry.kv_type;
   return label;
 }
 
-PolicyEntry parse_policy(const Json& json, const std::string& source, const std::string& path,
-                         const std::vector<int>& grid_budgets, int chunk) {
-  const ObjectReader reader(
-      json, source, path,
-      {"policy", "label", "sinks", "params", "positions", "keys", "catalyst", "budgets"});
+// The entry at `path`, once per K/V type: its own "kv_type", or each of the grid's `kv_types`
+// (labels of the non-f32 ones get " kv=TYPE").
+std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& source,
+                                      const std::string& path, const std::vector<int>& grid_budgets,
+                                      int chunk, const std::vector<std::string>& kv_types) {
+  const ObjectReader reader(json, source, path,
+                            {"policy", "label", "sinks", "params", "positions", "keys", "kv_type",
+                             "catalyst", "budgets"});
   PolicyEntry entry;
   entry.policy = reader.string("policy", std::nullopt);
   const std::vector<std::string_view> names = policy_names();
@@ -196,6 +201,7 @@ PolicyEntry parse_policy(const Json& json, const std::string& source, const std:
   if (reader.has("params")) entry.params = reader.strings("params");
   entry.positions = reader.string("positions", std::string());
   entry.keys = reader.string("keys", std::string("post_rope"));
+  if (reader.has("kv_type")) entry.kv_type = reader.string("kv_type", std::nullopt);
   if (reader.has("catalyst")) entry.catalyst = reader.string("catalyst", std::nullopt);
   if (entry.policy == "full") {
     if (reader.has("budgets") && !reader.array("budgets", true).empty()) {
@@ -211,20 +217,32 @@ PolicyEntry parse_policy(const Json& json, const std::string& source, const std:
   }
   entry.label = reader.string("label", default_label(entry));
   if (entry.label.empty()) reader.fail(reader.child("label"), "must not be empty");
+  std::vector<PolicyEntry> entries;
+  for (const std::string& kv_type :
+       reader.has("kv_type") ? std::vector<std::string>{reader.string("kv_type", std::nullopt)}
+                             : kv_types) {
+    PolicyEntry typed = entry;
+    typed.kv_type = kv_type;
+    if (!reader.has("kv_type") && kv_type != "f32") typed.label += " kv=" + kv_type;
+    entries.push_back(std::move(typed));
+  }
   // Everything the CLI would check before loading a model, at every budget of the entry.
   std::vector<std::optional<int>> budgets;
   for (const int budget : entry.budgets) budgets.emplace_back(budget);
   if (budgets.empty()) budgets.emplace_back(std::nullopt);
-  for (const std::optional<int> budget : budgets) {
-    try {
-      cli::validate_policy_options(entry.options(budget, chunk));
-    } catch (const Error& error) {
-      reader.fail(path, fmt::format("policy '{}'{}: {}", entry.policy,
-                                    budget ? fmt::format(" at budget {}", *budget) : std::string(),
-                                    error.what()));
+  for (const PolicyEntry& typed : entries) {
+    for (const std::optional<int> budget : budgets) {
+      try {
+        cli::validate_policy_options(typed.options(budget, chunk));
+      } catch (const Error& error) {
+        reader.fail(path,
+                    fmt::format("policy '{}'{}: {}", typed.policy,
+                                budget ? fmt::format(" at budget {}", *budget) : std::string(),
+                                error.what()));
+      }
     }
   }
-  return entry;
+  return entries;
 }
 
 // A policy without a budget keeps every token, so its cache grows with the stream: such a grid is
@@ -430,6 +448,7 @@ cli::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk) co
   options.params = params;
   options.positions = positions;
   options.keys = keys;
+  options.kv_type = kv_type;
   options.chunk = chunk;
   options.catalyst = catalyst;
   return options;
@@ -463,9 +482,9 @@ std::int64_t grocery_template_tokens(int items, int turns) {
 }
 
 EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& source) {
-  const ObjectReader reader(
-      json, source, "",
-      {"name", "model", "text", "seed", "chunk", "anchors", "policies", "budgets", "tasks"});
+  const ObjectReader reader(json, source, "",
+                            {"name", "model", "text", "seed", "chunk", "anchors", "policies",
+                             "budgets", "kv_types", "tasks"});
   EvalConfig config;
   config.source = source;
   config.name = reader.string("name", std::nullopt);
@@ -493,23 +512,39 @@ EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& sour
     }
     reader.require_distinct("budgets", config.budgets);
   }
+  // The K/V storage axis: every policy entry without its own "kv_type" runs once per type.
+  std::vector<std::string> kv_types{"f32"};
+  if (reader.has("kv_types")) {
+    kv_types = reader.strings("kv_types");
+    if (kv_types.empty()) reader.fail("kv_types", "must not be empty");
+    reader.require_distinct("kv_types", kv_types);
+    for (const std::string& kv_type : kv_types) {
+      try {
+        (void)parse_kv_type(kv_type);
+      } catch (const Error& error) {
+        reader.fail("kv_types", error.what());
+      }
+    }
+  }
   if (!reader.has("policies")) reader.fail("policies", "required");
   const Json& policies = reader.array("policies", false);
   std::set<std::string> labels;
   for (std::size_t i = 0; i < policies.size(); ++i) {
     const std::string path = fmt::format("policies[{}]", i);
-    PolicyEntry entry = parse_policy(policies[i], source, path, config.budgets, config.chunk);
-    if (entry.policy != "full" && !policies[i].contains("budgets") && config.budgets.empty()) {
-      reader.fail(path, fmt::format("policy '{}' needs a budget: give the grid's \"budgets\" or "
-                                    "the entry's own (\"budgets\": [] runs it unbounded)",
-                                    entry.policy));
+    for (PolicyEntry& entry :
+         parse_policy(policies[i], source, path, config.budgets, config.chunk, kv_types)) {
+      if (entry.policy != "full" && !policies[i].contains("budgets") && config.budgets.empty()) {
+        reader.fail(path, fmt::format("policy '{}' needs a budget: give the grid's \"budgets\" or "
+                                      "the entry's own (\"budgets\": [] runs it unbounded)",
+                                      entry.policy));
+      }
+      if (!labels.insert(entry.label).second) {
+        reader.fail(path + ".label",
+                    fmt::format("label '{}' is used twice: give each entry its own \"label\"",
+                                entry.label));
+      }
+      config.policies.push_back(std::move(entry));
     }
-    if (!labels.insert(entry.label).second) {
-      reader.fail(
-          path + ".label",
-          fmt::format("label '{}' is used twice: give each entry its own \"label\"", entry.label));
-    }
-    config.policies.push_back(std::move(entry));
   }
   if (!reader.has("tasks")) reader.fail("tasks", "required");
   const Json& tasks = reader.array("tasks", false);
@@ -546,6 +581,8 @@ nlohmann::ordered_json to_json(const PolicyEntry& entry) {
   json["params"] = entry.params;
   json["positions"] = entry.positions;
   json["keys"] = entry.keys;
+  // Only when not f32, so that configs without the axis keep their normalised form (and hash).
+  if (entry.kv_type != "f32") json["kv_type"] = entry.kv_type;
   json["catalyst"] =
       entry.catalyst ? nlohmann::ordered_json(*entry.catalyst) : nlohmann::ordered_json(nullptr);
   json["budgets"] = entry.budgets;

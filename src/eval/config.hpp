@@ -24,7 +24,8 @@ enum class TaskKind { stream_bpb, passkey, grocery, cost };
 [[nodiscard]] std::string_view to_string(TaskKind kind);
 
 /// One entry of "policies": a policy as the CLI's --policy / --sinks / --param / --positions /
-/// --keys / --catalyst would give it; the budget comes from the grid.
+/// --keys / --kv-type / --catalyst would give it; the budget comes from the grid. The grid's
+/// "kv_types" (an axis) turns an entry without its own "kv_type" into one entry per type.
 struct PolicyEntry {
   std::string policy;
   std::string label;  ///< unique row name in the tables; default: policy plus sinks and params
@@ -32,6 +33,7 @@ struct PolicyEntry {
   std::vector<std::string> params;  ///< "key=value", applied after the budget mapping
   std::string positions;            ///< empty: the policy's own mode
   std::string keys = "post_rope";
+  std::string kv_type = "f32";          ///< --kv-type: how the cache stores keys and values
   std::optional<std::string> catalyst;  ///< InfiniPot's prompt; default: the task's question
   /// The budgets this policy runs with: the grid's, or the entry's own "budgets"; empty = no
   /// budget (`full` always; e.g. an unbounded anllm), run once per task variant.

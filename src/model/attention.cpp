@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kernels/kernels.hpp"
+#include "kernels/kv_kernels.hpp"
 
 namespace kvevict::model {
 
@@ -49,8 +50,8 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
         kernels::rotate(target, head_dim, 1, cos_sin, pairs, interleaved);
       }
     }
-    kernels::matmul_transposed(rotated, head_dim, rows, group.keys + run.begin * head_dim, head_dim,
-                               run.end - run.begin, head_dim, row_of(0) + run.begin, limit);
+    kernels::stored_scores(rotated, head_dim, rows, group.keys, run.begin, run.end - run.begin,
+                           head_dim, row_of(0) + run.begin, limit);
   }
   // Softmax of (q . k) / sqrt(head_dim) over each row's live, visible slots.
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -83,9 +84,9 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   // Weighted sum of the values, each V row read once for the group.              // [rows,
   // head_dim]
   for (const KeyRun& run : group.runs) {
-    kernels::add_weighted_rows(row_of(0) + run.begin, limit, rows,
-                               group.values + run.begin * head_dim, head_dim, run.end - run.begin,
-                               head_dim, buffers.output.data(), head_dim);
+    kernels::add_weighted_stored_rows(row_of(0) + run.begin, limit, rows, group.values, run.begin,
+                                      run.end - run.begin, head_dim, buffers.output.data(),
+                                      head_dim);
   }
   for (int h = 0; h < group.heads; ++h) {
     for (std::int64_t i = 0; i < n; ++i) {

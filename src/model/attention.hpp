@@ -1,7 +1,8 @@
 // Attention of the query heads of one KV head over its cached slots, the way an evicting cache lays
 // them out: slots [0, slot_limit) in slot order (not stream order), free slots skipped, and keys
-// carrying a pending rotation per run of slots (kvevict::SlotTable::for_each_key_run). The
-// products, softmax and RoPE are kernels (kernels/kernels.hpp).
+// carrying a pending rotation per run of slots (kvevict::SlotTable::for_each_key_run). Keys and
+// values are read as the store holds them (f32, f16, bf16, Q8_0: kernels/kv_kernels.hpp); the
+// softmax and RoPE are kernels (kernels/kernels.hpp).
 //
 // For post-RoPE keys stored rotated to key position p_k - d (d: the run's pending rotation), the
 // score of a query at position p_q is (R(p_q) q) . (R(p_k) k) = (R(p_q - d) q) . (R(p_k - d) k):
@@ -11,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/kv_type.hpp>
 #include <kvevict/rope.hpp>
 #include <span>
 #include <vector>
@@ -57,8 +59,8 @@ struct GroupAttention {
   std::span<const std::int64_t> query_positions;  ///< [n] RoPE position of query i
   /// Slot of each query's own token: query i must not see the slots of queries j > i.
   std::span<const std::int32_t> query_slots;
-  const float* keys = nullptr;    ///< [slot_limit, head_dim] row-major
-  const float* values = nullptr;  ///< [slot_limit, head_dim] row-major
+  StoredRows keys;    ///< rows [0, slot_limit), head_dim values each, as stored
+  StoredRows values;  ///< rows [0, slot_limit), head_dim values each, as stored
   int slot_limit = 0;
   int head_dim = 0;
   std::span<const KeyRun> runs;  ///< the live slots

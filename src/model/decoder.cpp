@@ -95,6 +95,7 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   config.position_mode = options.position_mode;
   config.granularity = options.granularity;
   config.key_storage = options.key_storage;
+  config.kv_type = options.kv_type;
   config.max_chunk = options.max_chunk;
   // Memory follows the stream, not the budget nor max_chunk: the store starts at kInitialSlots
   // plus one chunk of at most kInitialSlots and doubles as tokens arrive, up to what the policy
@@ -437,9 +438,12 @@ void Decoder::attention(int layer, int n, Pass pass) {
     heads.heads = group;
     heads.query_positions = scratch.positions;
     heads.query_slots = chunk_slots;
-    heads.keys = post_rope ? cache_.keys(layer, g).data()
-                           : cache_.rotated_keys(layer, g, scratch.key_scratch).data();
-    heads.values = cache_.values(layer, g).data();
+    heads.keys = post_rope
+                     ? cache_.stored_keys(layer, g)
+                     : StoredRows{reinterpret_cast<const std::uint8_t*>(
+                                      cache_.rotated_keys(layer, g, scratch.key_scratch).data()),
+                                  KvType::f32, sizeof(float) * static_cast<std::size_t>(hd)};
+    heads.values = cache_.stored_values(layer, g);
     heads.slot_limit = limit;
     heads.head_dim = hd;
     heads.runs = scratch.runs;

@@ -43,6 +43,9 @@ struct DecoderOptions {
   /// How the cache stores keys. Both give the same logits (up to rounding); post_rope is faster
   /// for long caches (no rotation of every cached key at every attention).
   KeyStorage key_storage = KeyStorage::post_rope;
+  /// How the cache stores keys and values: f32, f16, bf16 or q8_0 (kvevict/kv_type.hpp); the
+  /// attention kernels read them in that form.
+  KvType kv_type = KvType::f32;
   /// Overrides the policy's default position mode.
   std::optional<PositionMode> position_mode;
   /// Overrides the policy's default granularity.
