@@ -201,53 +201,56 @@ TEST(KvKernels, ProductsOfStoredRowsMatchTheDecodedRowsOnEveryTarget) {
     kernels::force_target(target);
     for (const KvType type : kTypes) {
       for (const int k : {32, 64, 40}) {
-        if (type == KvType::q8_0 && k % 32 != 0) continue;
-        SCOPED_TRACE(kernels::target_name(target) + " " + name(type) + " k " + std::to_string(k));
-        const std::int64_t m = 5;
-        const std::int64_t rows = 41;
-        const std::int64_t first = 3;
-        const std::int64_t n = rows - first;
-        const std::size_t row_bytes = kvevict::kv_row_bytes(type, k);
-        std::vector<float> stored_words((rows * row_bytes + 3) / 4);
-        auto* bytes = reinterpret_cast<std::uint8_t*>(stored_words.data());
-        std::vector<float> decoded(static_cast<std::size_t>(rows * k));
-        const std::vector<float> source = normal_values(decoded.size(), 7);
-        for (std::int64_t s = 0; s < rows; ++s) {
-          kvevict::encode_kv_row(type, source.data() + s * k, k, bytes + s * row_bytes);
-          kvevict::decode_kv_row(type, bytes + s * row_bytes, k, decoded.data() + s * k);
-        }
-        const kvevict::StoredRows stored{bytes, type, row_bytes};
-        const std::vector<float> x = normal_values(static_cast<std::size_t>(m * k), 9);
-        std::vector<float> scores(static_cast<std::size_t>(m * n));
-        kernels::stored_scores(x.data(), k, m, stored, first, n, k, scores.data(), n);
-        for (std::int64_t i = 0; i < m; ++i) {
-          for (std::int64_t s = 0; s < n; ++s) {
-            double exact = 0.0;
-            double magnitude = 0.0;
-            for (int j = 0; j < k; ++j) {
-              const double product =
-                  static_cast<double>(x[i * k + j]) * decoded[(first + s) * k + j];
-              exact += product;
-              magnitude += std::fabs(product);
-            }
-            ASSERT_LE(std::fabs(scores[i * n + s] - exact), (k + 1) * 0x1p-24 * magnitude);
+        // m: a decode step's few queries (read row by row) and a prefill's (tiles).
+        for (const std::int64_t m : {2, 5}) {
+          if (type == KvType::q8_0 && k % 32 != 0) continue;
+          SCOPED_TRACE(kernels::target_name(target) + " " + name(type) + " k " + std::to_string(k) +
+                       " m " + std::to_string(m));
+          const std::int64_t rows = 41;
+          const std::int64_t first = 3;
+          const std::int64_t n = rows - first;
+          const std::size_t row_bytes = kvevict::kv_row_bytes(type, k);
+          std::vector<float> stored_words((rows * row_bytes + 3) / 4);
+          auto* bytes = reinterpret_cast<std::uint8_t*>(stored_words.data());
+          std::vector<float> decoded(static_cast<std::size_t>(rows * k));
+          const std::vector<float> source = normal_values(decoded.size(), 7);
+          for (std::int64_t s = 0; s < rows; ++s) {
+            kvevict::encode_kv_row(type, source.data() + s * k, k, bytes + s * row_bytes);
+            kvevict::decode_kv_row(type, bytes + s * row_bytes, k, decoded.data() + s * k);
           }
-        }
-        // P V over the same rows: output starts at 1 (the kernel adds to it).
-        const std::vector<float> p = normal_values(static_cast<std::size_t>(m * n), 11);
-        std::vector<float> out(static_cast<std::size_t>(m * k), 1.0f);
-        kernels::add_weighted_stored_rows(p.data(), n, m, stored, first, n, k, out.data(), k);
-        for (std::int64_t i = 0; i < m; ++i) {
-          for (int j = 0; j < k; ++j) {
-            double exact = 1.0;
-            double magnitude = 1.0;
+          const kvevict::StoredRows stored{bytes, type, row_bytes};
+          const std::vector<float> x = normal_values(static_cast<std::size_t>(m * k), 9);
+          std::vector<float> scores(static_cast<std::size_t>(m * n));
+          kernels::stored_scores(x.data(), k, m, stored, first, n, k, scores.data(), n);
+          for (std::int64_t i = 0; i < m; ++i) {
             for (std::int64_t s = 0; s < n; ++s) {
-              const double product =
-                  static_cast<double>(p[i * n + s]) * decoded[(first + s) * k + j];
-              exact += product;
-              magnitude += std::fabs(product);
+              double exact = 0.0;
+              double magnitude = 0.0;
+              for (int j = 0; j < k; ++j) {
+                const double product =
+                    static_cast<double>(x[i * k + j]) * decoded[(first + s) * k + j];
+                exact += product;
+                magnitude += std::fabs(product);
+              }
+              ASSERT_LE(std::fabs(scores[i * n + s] - exact), (k + 1) * 0x1p-24 * magnitude);
             }
-            ASSERT_LE(std::fabs(out[i * k + j] - exact), (n + 2) * 0x1p-24 * magnitude);
+          }
+          // P V over the same rows: output starts at 1 (the kernel adds to it).
+          const std::vector<float> p = normal_values(static_cast<std::size_t>(m * n), 11);
+          std::vector<float> out(static_cast<std::size_t>(m * k), 1.0f);
+          kernels::add_weighted_stored_rows(p.data(), n, m, stored, first, n, k, out.data(), k);
+          for (std::int64_t i = 0; i < m; ++i) {
+            for (int j = 0; j < k; ++j) {
+              double exact = 1.0;
+              double magnitude = 1.0;
+              for (std::int64_t s = 0; s < n; ++s) {
+                const double product =
+                    static_cast<double>(p[i * n + s]) * decoded[(first + s) * k + j];
+                exact += product;
+                magnitude += std::fabs(product);
+              }
+              ASSERT_LE(std::fabs(out[i * k + j] - exact), (n + 2) * 0x1p-24 * magnitude);
+            }
           }
         }
       }

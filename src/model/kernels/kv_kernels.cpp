@@ -134,6 +134,14 @@ template <class Row>
 void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const std::uint8_t* keys,
             std::size_t row_bytes, std::int64_t n, std::int64_t k, float* y,
             std::ptrdiff_t y_stride) {
+  // A decode step's few queries: one stored row at a time, front to back, as MatmulTransposed
+  // (interleaved rows are short streams the prefetcher does not follow).
+  if (m <= 4) {
+    for (std::int64_t c = 0; c < n; ++c) {
+      score_columns<Row, 1>(x, x_stride, m, keys + c * row_bytes, row_bytes, k, y + c, y_stride);
+    }
+    return;
+  }
   // Blocks of 64 rows of X (in L2) against every stored row, as MatmulTransposed.
   constexpr std::int64_t kRowBlock = 64;
   for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
