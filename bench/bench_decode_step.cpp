@@ -4,9 +4,6 @@
 //   build/release/bin/bench_decode_step --benchmark_counters_tabular=true
 //       --benchmark_repetitions=3 --benchmark_min_time=1   (one command line)
 //
-// BM_DecodeStepKv/<policy>/<kv_type>/budget:4096: the same step with the cache stored as f32, f16,
-// bf16 or Q8_0 (--kv-type), for full, streaming_llm and h2o.
-//
 // BM_DecodeStep/<policy>/budget:<N>, for every policy of the registry: a single-token forward()
 // with the cache full at the budget, so every step of a bounded policy evicts. Policies are
 // configured exactly as `kvevict stream --policy P --budget N` does (cli_common/policy_setup.hpp:
@@ -52,10 +49,27 @@
 //   catalyst       catalyst / (attention + mlp)
 //   moved_bytes_per_evicted  K/V bytes rewritten or copied (folds, growth) per evicted slot
 //   live           tokens of head (0, 0) after the run; evictions: decisions per step
+//
+// BM_AttentionVsRead/budget:<N> (N = 4K and 16K; `--benchmark_filter=AttentionVsRead` runs only
+// these): the attention stage of a decode step of `full` over N + 1 slots against the time one
+// read of its bytes takes (the attention weights wq, wk, wv, wo and norms of every layer plus the
+// live K/V) at the read bandwidth measured in the same run: the best of three sums of a 1 GiB
+// buffer (larger than any last-level cache), one thread, right after the steps. Counters:
+//   attention_us      the attention stage per step (as above)
+//   bytes_MB          attention weights + live K/V
+//   read_GBps         the measured read bandwidth
+//   read_us           bytes / read bandwidth
+//   attention_vs_read attention_us / read_us (1 = the stage runs at the read bandwidth)
+//   cpu_share         the thread's CPU time / wall time over the steps (1 on an idle machine)
+//   cpu_vs_read       the same ratio in CPU time: attention_us x cpu_share against the read at
+//                     its bandwidth per CPU second (what a loaded machine can still compare)
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <ctime>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
@@ -66,6 +80,7 @@
 #include <vector>
 
 #include "cli_common/policy_setup.hpp"
+#include "model/kernels/kernels.hpp"
 
 namespace {
 
@@ -103,29 +118,23 @@ std::int32_t stream_token(std::int64_t index) {
 struct Running {
   std::string policy;
   int budget = 0;
-  std::string kv_type;
   kvevict::StageClock clock;  // the decoder's observer
   std::unique_ptr<Decoder> decoder;
   std::int64_t next = 0;  // index of the next stream token
 };
 
-Running& running_for(const std::string& policy, int budget, const std::string& kv_type) {
+Running& running_for(const std::string& policy, int budget) {
   static Running running;
-  if (running.decoder && running.policy == policy && running.budget == budget &&
-      running.kv_type == kv_type) {
-    return running;
-  }
+  if (running.decoder && running.policy == policy && running.budget == budget) return running;
   running.decoder.reset();              // free the previous cache first
   kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
-  options.kv_type = kv_type;
   if (policy != "full") options.budget = budget;
   kvevict::cli::PolicySetup setup = kvevict::cli::make_policy_setup(options, model());
   setup.decoder_options.observer = &running.clock;
   running.decoder = kvevict::cli::make_decoder(model(), setup);
   running.policy = policy;
   running.budget = budget;
-  running.kv_type = kv_type;
 
   std::vector<std::int32_t> fill(static_cast<std::size_t>(budget));
   for (int i = 0; i < budget; ++i) {
@@ -136,10 +145,10 @@ Running& running_for(const std::string& policy, int budget, const std::string& k
   return running;
 }
 
-void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std::string& kv_type) {
+void BM_DecodeStep(benchmark::State& state, const std::string& policy) {
   using kvevict::Stage;
   const int budget = static_cast<int>(state.range(0));
-  Running& running = running_for(policy, budget, kv_type);
+  Running& running = running_for(policy, budget);
   Decoder& decoder = *running.decoder;
   // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
   const bool turns = decoder.cache().policy().triggers().contains(kvevict::Trigger::before_turn);
@@ -191,14 +200,98 @@ void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std
       static_cast<double>(sequence.stats().decisions - stats_before.decisions) / steps;
 }
 
-// BM_DecodeStep/<policy>/budget:<N> for every policy of the registry.
+// Seconds of CPU time this thread has used.
+double thread_cpu_seconds() {
+  timespec now{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+  return static_cast<double>(now.tv_sec) + 1e-9 * static_cast<double>(now.tv_nsec);
+}
+
+struct Bandwidth {
+  double wall = 0.0;  // bytes per second of wall time
+  double cpu = 0.0;   // bytes per second of this thread's CPU time
+};
+
+// Read bandwidth of one thread: the best of three sums of a buffer larger than any last-level
+// cache.
+Bandwidth read_bandwidth() {
+  constexpr std::size_t kFloats = std::size_t{1} << 28;  // 1 GiB
+  static const std::vector<float> buffer(kFloats, 1.0f);
+  constexpr auto kBytes = static_cast<double>(kFloats * sizeof(float));
+  Bandwidth best;
+  for (int pass = 0; pass < 3; ++pass) {
+    const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = thread_cpu_seconds();
+    float total = kvevict::model::kernels::sum(buffer.data(), static_cast<std::int64_t>(kFloats));
+    benchmark::DoNotOptimize(total);
+    const double cpu = thread_cpu_seconds() - cpu_start;
+    const std::chrono::duration<double> wall = std::chrono::steady_clock::now() - start;
+    best.wall = std::max(best.wall, kBytes / wall.count());
+    best.cpu = std::max(best.cpu, kBytes / cpu);
+  }
+  return best;
+}
+
+// Bytes of the attention blocks' weights: wq, wk, wv, wo and the attention norm of every layer.
+std::size_t attention_weight_bytes(const Model& m) {
+  std::size_t bytes = 0;
+  for (const kvevict::model::LayerWeights& layer : m.layers) {
+    bytes += layer.wq.bytes() + layer.wk.bytes() + layer.wv.bytes() + layer.wo.bytes() +
+             layer.attention_norm.size() * sizeof(float);
+  }
+  return bytes;
+}
+
+void BM_AttentionVsRead(benchmark::State& state) {
+  const int budget = static_cast<int>(state.range(0));
+  Running& running = running_for("full", budget);
+  Decoder& decoder = *running.decoder;
+  // One untimed step first: the step after the fill may grow the slots (a copy of every K/V row).
+  const std::int32_t first = stream_token(running.next);
+  (void)decoder.forward(std::span<const std::int32_t>(&first, 1));
+  decoder.cache().sequence().roll_back(1);
+  const kvevict::StageClock before = running.clock;
+  std::size_t live_kv_bytes = 0;
+  const auto wall_start = std::chrono::steady_clock::now();
+  const double cpu_start = thread_cpu_seconds();
+  for (auto _ : state) {
+    const std::int32_t token = stream_token(running.next);
+    benchmark::DoNotOptimize(decoder.forward(std::span<const std::int32_t>(&token, 1)));
+    state.PauseTiming();
+    live_kv_bytes = decoder.cache().memory().live_kv_bytes;  // N + 1 slots, as attended
+    decoder.cache().sequence().roll_back(1);
+    state.ResumeTiming();
+  }
+  // The share of the steps' wall time this thread ran: on a loaded machine, the stage's CPU time
+  // is about its wall time times this share.
+  const double cpu_share =
+      (thread_cpu_seconds() - cpu_start) /
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  const double attention_us =
+      std::chrono::duration<double>(running.clock.total(kvevict::Stage::attention) -
+                                    before.total(kvevict::Stage::attention))
+          .count() /
+      static_cast<double>(state.iterations()) * 1e6;
+  const Bandwidth bandwidth = read_bandwidth();
+  const double bytes = static_cast<double>(attention_weight_bytes(model()) + live_kv_bytes);
+  const double read_us = bytes / bandwidth.wall * 1e6;
+  const double read_cpu_us = bytes / bandwidth.cpu * 1e6;
+  state.counters["attention_us"] = attention_us;
+  state.counters["bytes_MB"] = bytes / 1e6;
+  state.counters["read_GBps"] = bandwidth.wall / 1e9;
+  state.counters["read_us"] = read_us;
+  state.counters["attention_vs_read"] = attention_us / read_us;
+  state.counters["cpu_share"] = cpu_share;
+  state.counters["cpu_vs_read"] = attention_us * cpu_share / read_cpu_us;
+}
+
+// BM_DecodeStep/<policy>/budget:<N> for every policy of the registry, then BM_AttentionVsRead.
 void register_benchmarks() {
   for (const int budget : {1024, 4096}) {
     for (const std::string_view name : kvevict::policy_names()) {
       const std::string policy(name);
       benchmark::internal::Benchmark* b =
-          benchmark::RegisterBenchmark(("BM_DecodeStep/" + policy).c_str(), BM_DecodeStep, policy,
-                                       std::string("f32"))
+          benchmark::RegisterBenchmark(("BM_DecodeStep/" + policy).c_str(), BM_DecodeStep, policy)
               ->ArgNames({"budget"})
               ->Args({budget})
               ->Unit(benchmark::kMicrosecond);
@@ -206,17 +299,11 @@ void register_benchmarks() {
       if (policy == "infinipot") b->Iterations(budget / 2);
     }
   }
-  // The K/V storage types at budget 4K: the full cache (attention over 4K slots) and two evicting
-  // policies, f32 again beside the others so that ratios come from one run.
-  for (const std::string policy : {"full", "streaming_llm", "h2o"}) {
-    for (const std::string kv_type : {"f32", "f16", "bf16", "q8_0"}) {
-      benchmark::RegisterBenchmark(("BM_DecodeStepKv/" + policy + "/" + kv_type).c_str(),
-                                   BM_DecodeStep, policy, kv_type)
-          ->ArgNames({"budget"})
-          ->Args({4096})
-          ->Unit(benchmark::kMicrosecond);
-    }
-  }
+  benchmark::RegisterBenchmark("BM_AttentionVsRead", BM_AttentionVsRead)
+      ->ArgNames({"budget"})
+      ->Args({4096})
+      ->Args({16384})
+      ->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace

@@ -73,7 +73,8 @@ for ((round = 1; round <= rounds; ++round)); do
     model="${work}/stories15m-${type}.gguf"
     llama_rates "${model}" > "${work}/llama"
     "${pp_tg}" --model "${model}" -p 512 -n 128 -r 5 "${target_args[@]}" > "${work}/kvevict"
-    echo "round ${round} ${type}: kvevict $(grep -h '^target' "${work}/kvevict")" \
+    echo "round ${round} ${type} (load $(cut -d' ' -f1-3 /proc/loadavg)):" \
+      "kvevict $(grep -h '^target' "${work}/kvevict")" \
       "$(awk '/^(pp|tg)/ { printf "%s %s  ", $1, $2 }' "${work}/kvevict")" \
       "llama.cpp $(awk '{ printf "%s %s  ", $1, $2 }' "${work}/llama")" >&2
     for test in tg128 pp512; do
