@@ -4,6 +4,9 @@
 //   build/release/bin/bench_decode_step --benchmark_counters_tabular=true
 //       --benchmark_repetitions=3 --benchmark_min_time=1   (one command line)
 //
+// BM_DecodeStepKv/<policy>/<kv_type>/budget:4096: the same step with the cache stored as f32, f16,
+// bf16 or Q8_0 (--kv-type), for full, streaming_llm and h2o.
+//
 // BM_DecodeStep/<policy>/budget:<N>, for every policy of the registry: a single-token forward()
 // with the cache full at the budget, so every step of a bounded policy evicts. Policies are
 // configured exactly as `kvevict stream --policy P --budget N` does (cli_common/policy_setup.hpp:
@@ -118,23 +121,29 @@ std::int32_t stream_token(std::int64_t index) {
 struct Running {
   std::string policy;
   int budget = 0;
+  std::string kv_type;
   kvevict::StageClock clock;  // the decoder's observer
   std::unique_ptr<Decoder> decoder;
   std::int64_t next = 0;  // index of the next stream token
 };
 
-Running& running_for(const std::string& policy, int budget) {
+Running& running_for(const std::string& policy, int budget, const std::string& kv_type) {
   static Running running;
-  if (running.decoder && running.policy == policy && running.budget == budget) return running;
+  if (running.decoder && running.policy == policy && running.budget == budget &&
+      running.kv_type == kv_type) {
+    return running;
+  }
   running.decoder.reset();              // free the previous cache first
   kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
+  options.kv_type = kv_type;
   if (policy != "full") options.budget = budget;
   kvevict::cli::PolicySetup setup = kvevict::cli::make_policy_setup(options, model());
   setup.decoder_options.observer = &running.clock;
   running.decoder = kvevict::cli::make_decoder(model(), setup);
   running.policy = policy;
   running.budget = budget;
+  running.kv_type = kv_type;
 
   std::vector<std::int32_t> fill(static_cast<std::size_t>(budget));
   for (int i = 0; i < budget; ++i) {
@@ -145,10 +154,10 @@ Running& running_for(const std::string& policy, int budget) {
   return running;
 }
 
-void BM_DecodeStep(benchmark::State& state, const std::string& policy) {
+void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std::string& kv_type) {
   using kvevict::Stage;
   const int budget = static_cast<int>(state.range(0));
-  Running& running = running_for(policy, budget);
+  Running& running = running_for(policy, budget, kv_type);
   Decoder& decoder = *running.decoder;
   // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
   const bool turns = decoder.cache().policy().triggers().contains(kvevict::Trigger::before_turn);
@@ -244,7 +253,7 @@ std::size_t attention_weight_bytes(const Model& m) {
 
 void BM_AttentionVsRead(benchmark::State& state) {
   const int budget = static_cast<int>(state.range(0));
-  Running& running = running_for("full", budget);
+  Running& running = running_for("full", budget, "f32");
   Decoder& decoder = *running.decoder;
   // One untimed step first: the step after the fill may grow the slots (a copy of every K/V row).
   const std::int32_t first = stream_token(running.next);
@@ -291,12 +300,24 @@ void register_benchmarks() {
     for (const std::string_view name : kvevict::policy_names()) {
       const std::string policy(name);
       benchmark::internal::Benchmark* b =
-          benchmark::RegisterBenchmark(("BM_DecodeStep/" + policy).c_str(), BM_DecodeStep, policy)
+          benchmark::RegisterBenchmark(("BM_DecodeStep/" + policy).c_str(), BM_DecodeStep, policy,
+                                       std::string("f32"))
               ->ArgNames({"budget"})
               ->Args({budget})
               ->Unit(benchmark::kMicrosecond);
       // One pot cycle per run: exactly one distillation, amortised over the tokens it serves.
       if (policy == "infinipot") b->Iterations(budget / 2);
+    }
+  }
+  // The K/V storage types at budget 4K: the full cache (attention over 4K slots) and two evicting
+  // policies, f32 again beside the others so that ratios come from one run.
+  for (const std::string policy : {"full", "streaming_llm", "h2o"}) {
+    for (const std::string kv_type : {"f32", "f16", "bf16", "q8_0"}) {
+      benchmark::RegisterBenchmark(("BM_DecodeStepKv/" + policy + "/" + kv_type).c_str(),
+                                   BM_DecodeStep, policy, kv_type)
+          ->ArgNames({"budget"})
+          ->Args({4096})
+          ->Unit(benchmark::kMicrosecond);
     }
   }
   benchmark::RegisterBenchmark("BM_AttentionVsRead", BM_AttentionVsRead)
