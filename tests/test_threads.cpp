@@ -170,7 +170,7 @@ SequenceRun run_sequence(int thread) {
       if (kvevict_sequence_position(sequence, 0, 0, slot, &position, nullptr) != KVEVICT_OK) {
         continue;  // a free slot
       }
-      const float weight = position % 3 == 0 ? 3.0f : 1.0f;
+      const float weight = position % 3 == 0 ? 0.3f : 0.1f;  // probabilities, as Sequence checks
       rows[static_cast<std::size_t>(slot)] = weight;
       rows[static_cast<std::size_t>(limit + slot)] = weight;
     }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli_common/cli_options.hpp"
 #include "command.hpp"
 #include "eval/config.hpp"
 #include "eval/grid.hpp"
@@ -23,6 +24,7 @@ struct EvalOptions {
   std::string config;
   std::string out;
   int jobs = 2;
+  int threads = 1;
   std::string shard;
   bool fresh = false;
   bool list = false;
@@ -41,6 +43,9 @@ int run_eval(const EvalOptions& options) {
   // `eval merge` too.
   if (options.config.empty()) throw Error("config is required (kvevict eval CONFIG; see --help)");
   if (options.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", options.jobs));
+  if (options.threads < 1 || options.threads > 1024) {
+    throw Error(fmt::format("--threads must be in [1, 1024], got {}", options.threads));
+  }
   std::optional<eval::ShardSpec> shard;
   if (!options.shard.empty()) shard = eval::parse_shard(options.shard);
   eval::EvalConfig config = eval::load_eval_config(options.config);
@@ -55,7 +60,8 @@ int run_eval(const EvalOptions& options) {
     std::cout << cells.size() << " cells\n" << std::flush;
     return kExitOk;
   }
-  const eval::GridContext grid = eval::prepare_grid(std::move(config));
+  eval::GridContext grid = eval::prepare_grid(std::move(config));
+  grid.threads = options.threads;
   eval::GridOptions grid_options;
   grid_options.out = options.out.empty() ? "eval/results/" + grid.config.name : options.out;
   grid_options.jobs = options.jobs;
@@ -131,6 +137,7 @@ Command add_eval_command(CLI::App& parent) {
                   "each finished cell");
   app->add_option("-j,--jobs", options->jobs, "cells run at once, each in its own process")
       ->capture_default_str();
+  add_threads_option(*app, options->threads);
   app->add_option("--shard", options->shard,
                   "run only shard I of N (1 <= I <= N): the cells at positions I-1, I-1+N, ... of "
                   "the grid; combine the shards' outputs with `eval merge`");

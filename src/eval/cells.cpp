@@ -162,6 +162,7 @@ class CellDecoder {
     const EvalConfig& config = grid.config;
     const PolicyEntry& entry = config.policies[cell.policy_index];
     setup_ = cli::make_policy_setup(entry.options(cell.budget, config.chunk), grid.model);
+    setup_.decoder_options.threads = grid.threads;
     const TaskKind kind = config.tasks[cell.task_index].kind;
     if (setup_.catalyst && !entry.catalyst) {
       if (const std::optional<std::string> question = task_question(kind)) {

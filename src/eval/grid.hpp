@@ -60,6 +60,9 @@ struct GridContext {
   FillerText filler;
   std::string config_sha256;  ///< of the normalised config (to_json) as compact text
   std::vector<CellSpec> cells;
+  /// Threads of each cell's decoder (`kvevict eval -t`): not part of the config, since the
+  /// results are bit-identical for any number (only tokens/s change).
+  int threads = 1;
 };
 
 /// Loads the model and the text, checksums them, and checks what needs the model: the tokenizer
