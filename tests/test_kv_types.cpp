@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "cli_common/policy_setup.hpp"
+#include "eval/config.hpp"
 #include "model/kernels/kernels.hpp"
 #include "model/kernels/kv_kernels.hpp"
 #include "support/expect_error.hpp"
@@ -185,6 +187,48 @@ TEST(KvTypes, CApiCountsTheEnginesBytesInItsType) {
   EXPECT_EQ(kvevict_sequence_kv_bytes(sequence, "int4", 64, nullptr, nullptr),
             KVEVICT_INVALID_ARGUMENT);
   kvevict_sequence_destroy(sequence);
+}
+
+// The eval harness's K/V axis: an entry without its own kv_type runs once per type of the grid's
+// kv_types (labelled " kv=<type>" but for f32); bad types name their JSON path; the CLI's options
+// name --kv-type.
+TEST(KvTypes, EvalAxisAndCliOptionsNameTheirType) {
+  const char* grid = R"({"name": "g", "model": "m", "budgets": [64],
+      "kv_types": ["f32", "q8_0"],
+      "policies": [{"policy": "h2o"}, {"policy": "tova", "kv_type": "bf16"}],
+      "tasks": [{"task": "stream_bpb", "tokens": 512}]})";
+  const kvevict::eval::EvalConfig config = kvevict::eval::parse_eval_config_text(grid, "g.json");
+  ASSERT_EQ(config.policies.size(), 3u);
+  EXPECT_EQ(config.policies[0].label, "h2o");
+  EXPECT_EQ(config.policies[0].kv_type, "f32");
+  EXPECT_EQ(config.policies[1].label, "h2o kv=q8_0");
+  EXPECT_EQ(config.policies[1].options(64, 16).kv_type, "q8_0");
+  EXPECT_EQ(config.policies[2].label, "tova kv=bf16");
+  EXPECT_EQ(config.policies[2].kv_type, "bf16");
+  expect_error(
+      [] {
+        (void)kvevict::eval::parse_eval_config_text(
+            R"({"name": "g", "model": "m", "kv_types": ["f8"], "policies": [{"policy": "full"}],
+                "tasks": [{"task": "stream_bpb"}]})",
+            "g.json");
+      },
+      "g.json: kv_types: unknown K/V storage type 'f8'");
+  kvevict::cli::PolicyOptions options;
+  options.kv_type = "int8";
+  expect_error([&] { kvevict::cli::validate_policy_options(options); },
+               "--kv-type: unknown K/V storage type 'int8'");
+  kvevict::model::ModelConfig narrow;  // head_dim 16: no whole Q8_0 block
+  narrow.dim = 64;
+  narrow.hidden_dim = 128;
+  narrow.layers = 1;
+  narrow.heads = 4;
+  narrow.kv_heads = 2;
+  narrow.vocab_size = 259;
+  const kvevict::model::Model model =
+      kvevict::model::make_random_model(narrow, 1, kvevict::model::DType::f32);
+  options.kv_type = "q8_0";
+  expect_error([&] { (void)kvevict::cli::make_policy_setup(options, model); },
+               "--kv-type: K/V storage type q8_0 needs head_dim a multiple of 32, got 16");
 }
 
 // ---------------------------------------------------------------------------------------------
