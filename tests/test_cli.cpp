@@ -654,6 +654,52 @@ TEST_F(Cli, PitfallsAreWarnedAbout) {
   EXPECT_EQ(bounded.err.find("trained context"), std::string::npos) << bounded.err;
 }
 
+// --kv-type on stream, generate, compare and eval: the cache in that type (half the bytes in
+// bf16), and bad values are errors naming the option (the tiny model's head_dim of 16 holds no
+// Q8_0 block of 32).
+TEST_F(Cli, KvTypeStoresTheCacheInThatTypeAndBadValuesNameTheOption) {
+  const std::vector<std::string> stream = {"stream",  "--model",          *model_,
+                                           "--input", file("text2k.txt"), "--policy",
+                                           "window",  "--budget",         "32"};
+  const json f32 = run_json(stream);
+  std::vector<std::string> bf16_stream = stream;
+  bf16_stream.insert(bf16_stream.end(), {"--kv-type", "bf16"});
+  const json bf16 = run_json(bf16_stream);
+  EXPECT_EQ(f32["policy"]["kv_type"], "f32");
+  EXPECT_EQ(bf16["policy"]["kv_type"], "bf16");
+  EXPECT_EQ(2 * bf16["cache"]["peak_kv_bytes"].get<std::int64_t>(),
+            f32["cache"]["peak_kv_bytes"].get<std::int64_t>());
+  std::vector<std::string> bad = stream;
+  bad.insert(bad.end(), {"--kv-type", "q4_0"});
+  CommandResult result = run(bad);
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("--kv-type: unknown K/V storage type 'q4_0'"), std::string::npos)
+      << result.err;
+  bad.back() = "q8_0";
+  result = run(bad);
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("--kv-type: K/V storage type q8_0 needs head_dim a multiple of 32, "
+                            "got 16"),
+            std::string::npos)
+      << result.err;
+  result = run({"generate", "--model", *model_, "--prompt", "abc", "--max-tokens", "1", "--kv-type",
+                "int8"});
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("--kv-type: unknown K/V storage type 'int8'"), std::string::npos)
+      << result.err;
+  const json compared = run_json({"compare", "--model", *model_, "--input", file("text2k.txt"),
+                                  "--budget", "32", "--policies", "window", "--kv-type", "f16"});
+  ASSERT_EQ(compared["rows"].size(), 1u);
+  EXPECT_NE(compared["rows"][0]["policy"].get<std::string>().find("kv f16"), std::string::npos);
+  result = run({"eval", "../eval/configs/tiny.json", "--kv-type", "f16", "--list"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_NE(result.out.find("kv=f16"), std::string::npos) << result.out;
+  result = run({"eval", "../eval/configs/kv-types-toy-base.json", "--kv-type", "f16", "--list"});
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("--kv-type: the config already sets a K/V type"), std::string::npos)
+      << result.err;
+}
+
 TEST_F(Cli, MistakesSayWhatToDo) {
   const CommandResult typo = run({"strem", "--model", *model_});
   EXPECT_EQ(typo.code, 2);

@@ -7,6 +7,7 @@
 #include <functional>
 #include <iostream>
 #include <kvevict/error.hpp>
+#include <kvevict/kv_type.hpp>
 #include <memory>
 #include <optional>
 #include <string>
@@ -30,7 +31,31 @@ struct EvalOptions {
   bool list = false;
   std::string model;
   std::string text;
+  std::string kv_type;
 };
+
+// --kv-type: every entry of a config without a K/V axis stored as `kv_type`, labelled as the
+// axis would label it.
+void override_kv_type(eval::EvalConfig& config, const std::string& kv_type) {
+  try {
+    (void)parse_kv_type(kv_type);
+  } catch (const Error& error) {
+    throw Error(fmt::format("--kv-type: {}", error.what()));
+  }
+  for (eval::PolicyEntry& entry : config.policies) {
+    if (entry.kv_type != "f32") {
+      throw Error(
+          fmt::format("--kv-type: the config already sets a K/V type (entry '{}' is {}); "
+                      "edit its \"kv_types\" instead",
+                      entry.label, entry.kv_type));
+    }
+  }
+  if (kv_type == "f32") return;
+  for (eval::PolicyEntry& entry : config.policies) {
+    entry.kv_type = kv_type;
+    entry.label += " kv=" + kv_type;
+  }
+}
 
 struct MergeCommandOptions {
   std::vector<std::string> shards;
@@ -51,6 +76,7 @@ int run_eval(const EvalOptions& options) {
   eval::EvalConfig config = eval::load_eval_config(options.config);
   if (!options.model.empty()) config.model = options.model;
   if (!options.text.empty()) config.text = options.text;
+  if (!options.kv_type.empty()) override_kv_type(config, options.kv_type);
   if (options.list) {
     std::vector<eval::CellSpec> cells = eval::enumerate_cells(config);
     if (shard) cells = eval::shard_cells(cells, *shard);
@@ -146,6 +172,9 @@ Command add_eval_command(CLI::App& parent) {
   app->add_flag("--list", options->list, "print the grid's cells and exit (nothing is loaded)");
   app->add_option("--model", options->model, "use this model instead of the config's \"model\"");
   app->add_option("--text", options->text, "use this text file instead of the config's \"text\"");
+  app->add_option("--kv-type", options->kv_type,
+                  "store every policy's keys and values as f32, f16, bf16 or q8_0 (labels get "
+                  "\" kv=TYPE\"; for a config without \"kv_types\" or \"kv_type\")");
   app->footer(
       "Runs every cell of the grid that <out>/cells does not hold yet: a cell is one policy at\n"
       "one budget on one task variant (passkey: one length and depth; grocery: one turn count).\n"
