@@ -4,6 +4,7 @@
 // against post-RoPE keys under eviction, bounded memory on a long stream, the signals a policy
 // receives, and the errors.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,8 +24,6 @@
 #include <span>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 #include "model/half.hpp"
 #include "model/kernels/kernels.hpp"
