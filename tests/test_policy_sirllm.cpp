@@ -214,11 +214,10 @@ TEST(SirLlmPolicy, TurnLongerThanRecentPlusEntropyIsAnError) {
   EXPECT_THROW(later.turn_of(4), kvevict::Error);
 }
 
-TEST(SirLlmPolicy, NanSurprisalIsAnErrorAtTheNextEviction) {
-  // sinks 1, entropy 2, recent 0: capacity 3; the second turn must evict and rank the NaN.
+// Refused when observed (Sequence), before SirLLM keeps it for the rankings of later turns.
+TEST(SirLlmPolicy, NanSurprisalIsAnError) {
   Stream stream(sirllm(1, 2, 0, 1.0));
-  stream.turn({1, std::numeric_limits<float>::quiet_NaN()});
-  EXPECT_THROW(stream.turn({2, 3}), kvevict::Error);
+  EXPECT_THROW(stream.turn({1, std::numeric_limits<float>::quiet_NaN()}), kvevict::Error);
 }
 
 TEST(SirLlmPolicy, RejectsBadConfigurations) {

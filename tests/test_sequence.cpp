@@ -385,7 +385,7 @@ std::vector<std::uint32_t> score_bits(const Sequence& s) {
 }
 
 std::string text(float value) {
-  if (std::isnan(value)) return "nan";
+  if (std::isnan(value)) return "NaN";
   if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
   std::ostringstream out;
   out << value;
@@ -455,7 +455,7 @@ TEST(Sequence, NaNSurprisalIsRefusedBeforeThePolicyStoresIt) {
           s.observe_surprisal(
               std::vector<float>{0.5f, std::numeric_limits<float>::quiet_NaN(), 0.5f});
         },
-        "observe_surprisal: token 1 of the chunk (original position 1): NaN is not a surprisal; "
+        "observe_surprisal: the surprisal of token 1 of the chunk (original position 1) is NaN; "
         "nothing was recorded");
     EXPECT_EQ(score_bits(s), before);
     s.observe_surprisal(std::vector<float>{0.5f, std::numeric_limits<float>::infinity(), 0.25f});
@@ -491,7 +491,7 @@ TEST(Sequence, CatalystAttentionOutsideZeroToOneIsRefusedWhenObserved) {
   kvevict::test::SlotRows slot_rows;
   expect_error([&] { s.observe_catalyst(0, slot_rows.make(s, 0, poisoned, 4)); },
                "observe_catalyst: layer 0, query head 0, query 1 (original position 5), slot " +
-                   std::to_string(s.slots().stream_order(0)[3]) + ": nan is not an attention");
+                   std::to_string(s.slots().stream_order(0)[3]) + ": NaN is not an attention");
   s.observe_catalyst(0, slot_rows.make(s, 0, rows, 4));
   s.end_catalyst();
   EXPECT_EQ(backend.applies, 1);

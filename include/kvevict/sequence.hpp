@@ -405,6 +405,7 @@ class Sequence {
   }
 
   static std::string describe(float value) {
+    if (std::isnan(value)) return "NaN";
     char text[32];
     const std::to_chars_result end = std::to_chars(text, text + sizeof text, value);
     return {text, end.ptr};
@@ -440,9 +441,10 @@ class Sequence {
     for (std::size_t k = 0; k < surprisal.size(); ++k) {
       KVEVICT_REQUIRE(
           !std::isnan(surprisal[k]),
-          "observe_surprisal: token " + std::to_string(k) + " of the chunk (original position " +
+          "observe_surprisal: the surprisal of token " + std::to_string(k) +
+              " of the chunk (original position " +
               std::to_string(chunk_.first_original_position + static_cast<std::int64_t>(k)) +
-              "): NaN is not a surprisal; nothing was recorded");
+              ") is NaN; nothing was recorded");
     }
   }
   void require_every_layer(const char* signal, const char* call) const {
