@@ -20,7 +20,10 @@
 //    StageClock (policy + reposition: scoring, selection, re-indexing the attention rows from
 //    cells to slots, llama_memory_seq_rm / seq_add). llama.cpp's decode is the rest. Reported:
 //    medians over the steps (the machine is shared: medians resist other jobs' bursts), the
-//    policy's share of a step (median of the per-step ratios) and tokens/s against plain.
+//    policy's share of a step (median of the per-step ratios) and tokens/s against plain; and,
+//    for costs that come once per several steps (a block's eviction under --granularity block:B,
+//    and the K-shift it triggers in the next decode), the mean step and the amortised share
+//    (policy time over step time, each summed over the steps).
 //    InfiniPot's catalyst steps are reported apart (the catalyst's forward and distillation).
 //    Flash attention is off for every run, plain included: the policies that read attention
 //    need it off, and one attention kernel for all keeps the steps comparable.
@@ -82,7 +85,8 @@ struct Options {
   std::vector<std::string> policies;
   int steps = 64;
   int threads = 1;
-  std::string positions;  // empty: each policy's own position mode
+  std::string positions;    // empty: each policy's own position mode
+  std::string granularity;  // empty: token
   std::int64_t memory_tokens = 0;
   std::string memory_policy = "streaming_llm";
   int memory_budget = 1024;
@@ -179,9 +183,17 @@ struct Row {
   double step = 0;         // median step, seconds
   double policy = 0;       // median policy time per step, seconds
   double share = 0;        // median of policy / step over the steps
+  double mean_step = 0;    // mean step, seconds: periodic costs (a block's eviction) included
+  double amortised = 0;    // policy time over step time, summed over the steps
   int catalyst_steps = 0;  // InfiniPot: steps that ran the catalyst (not in the medians)
   double catalyst_step = 0;
 };
+
+double mean(const std::vector<double>& values) {
+  double sum = 0;
+  for (const double value : values) sum += value;
+  return values.empty() ? 0.0 : sum / static_cast<double>(values.size());
+}
 
 llama_context_params context_params(int n_ctx, int threads) {
   llama_context_params params = llama_context_default_params();
@@ -230,21 +242,22 @@ Row run_plain(llama_model* model, int budget, const Options& options) {
   row.name = "plain llama.cpp";
   row.live = static_cast<int>(llama_memory_seq_pos_max(llama_get_memory(context), 0) + 1);
   row.step = median(steps);
+  row.mean_step = mean(steps);
   llama_batch_free(batch);
   llama_free(context);
   return row;
 }
 
-kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget,
-                                    const std::string& positions,
+kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget, const Options& bench,
                                     const kvevict::llama_cli::LlamaModel& model) {
   kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
   if (policy != "full") options.budget = budget;
-  options.positions = positions;
+  options.positions = bench.positions;
+  options.granularity = bench.granularity;
   // TOVA can evict the newest token, which llama.cpp cannot represent under `original`
   // (docs/engines.md, limits): it runs under cache_index, as in test_llama.
-  if (policy == "tova" && positions.empty()) options.positions = "cache_index";
+  if (policy == "tova" && bench.positions.empty()) options.positions = "cache_index";
   return kvevict::llama_cli::make_setup(options, model);
 }
 
@@ -264,7 +277,7 @@ double eviction_seconds(const StageClock& clock) {
 
 Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& policy, int budget,
                const Options& options) {
-  kvevict::cli::PolicySetup setup = setup_for(policy, budget, options.positions, model);
+  kvevict::cli::PolicySetup setup = setup_for(policy, budget, options, model);
   const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
   StageClock clock;
   const std::unique_ptr<kvevict::llama::LlamaSequence> sequence = open_sequence(
@@ -293,7 +306,10 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
   std::vector<double> policy_times;
   std::vector<double> shares;
   Row row;
-  row.name = fmt::format("{} ({})", policy, kvevict::to_string(kv.position_mode()));
+  row.name = fmt::format("{} ({}{})", policy, kvevict::to_string(kv.position_mode()),
+                         kv.granularity() == kvevict::Granularity::token
+                             ? ""
+                             : ", " + kvevict::to_string(kv.granularity()));
   for (int s = 0; s < options.steps; ++s) {
     const std::int32_t token = stream_token(next++);
     const double policy_before = eviction_seconds(clock);
@@ -315,6 +331,8 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
   row.step = median(steps);
   row.policy = median(policy_times);
   row.share = median(shares);
+  row.mean_step = mean(steps);
+  row.amortised = mean(policy_times) / row.mean_step;
   if (row.catalyst_steps > 0) row.catalyst_step /= row.catalyst_steps;
   return row;
 }
@@ -322,15 +340,17 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
 void print_rows(int budget, const std::vector<Row>& rows, double plain_step) {
   std::cout << fmt::format("\n## budget {}\n\n", budget);
   std::cout << "| run | live cells | step ms | tokens/s | vs plain | policy µs/step | policy share "
-               "| catalyst step ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n";
+               "| catalyst step ms | mean step ms | amortised share |\n"
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Row& row : rows) {
     const std::string catalyst =
         row.catalyst_steps > 0
             ? fmt::format("{:.2f} ({} step)", row.catalyst_step * 1e3, row.catalyst_steps)
             : std::string("-");
-    std::cout << fmt::format("| {} | {} | {:.3f} | {:.1f} | {:.3f} | {:.1f} | {:.2f}% | {} |\n",
-                             row.name, row.live, row.step * 1e3, 1.0 / row.step,
-                             plain_step / row.step, row.policy * 1e6, row.share * 100.0, catalyst);
+    std::cout << fmt::format(
+        "| {} | {} | {:.3f} | {:.1f} | {:.3f} | {:.1f} | {:.2f}% | {} | {:.3f} | {:.2f}% |\n",
+        row.name, row.live, row.step * 1e3, 1.0 / row.step, plain_step / row.step, row.policy * 1e6,
+        row.share * 100.0, catalyst, row.mean_step * 1e3, row.amortised * 100.0);
   }
 }
 
@@ -360,7 +380,7 @@ void run_steps(const kvevict::llama_cli::LlamaModel& model, const Options& optio
 
 void run_memory(const kvevict::llama_cli::LlamaModel& model, const Options& options) {
   kvevict::cli::PolicySetup setup =
-      setup_for(options.memory_policy, options.memory_budget, options.positions, model);
+      setup_for(options.memory_policy, options.memory_budget, options, model);
   const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
   const int n_ctx = options.memory_context > 0 ? options.memory_context
                                                : options.memory_budget + kChunk + catalyst;
@@ -415,6 +435,9 @@ int main(int argc, char** argv) {
   app.add_option("--positions", options.positions,
                  "position mode of every policy run (default: each policy's own; TOVA's is "
                  "cache_index here)");
+  app.add_option("--granularity", options.granularity,
+                 "token (default) or block:B for every policy run (policies without a block form "
+                 "are reported as errors and skipped)");
   app.add_option("--steps", options.steps, "timed single-token steps per run")
       ->check(CLI::Range(2, 1 << 20))
       ->capture_default_str();

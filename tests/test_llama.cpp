@@ -111,12 +111,14 @@ struct Case {
   int turn_every = 0;  // > 0: a turn starts every this many tokens (SirLLM)
   int n_ctx = 512;
   bool catalyst = false;  // InfiniPot: the paper's general catalyst prompt (CaP-G)
+  Granularity granularity = Granularity::token;
 };
 
 std::string describe(const Case& c) {
   std::string text = c.policy;
   if (c.budget) text += " budget " + std::to_string(*c.budget);
   if (c.positions) text += " positions " + std::string(kvevict::to_string(*c.positions));
+  text += " granularity " + kvevict::to_string(c.granularity);
   return text + " chunk " + std::to_string(c.chunk);
 }
 
@@ -144,7 +146,7 @@ int expect_same(const ModelFile& file, const Case& c) {
 
   kvevict::model::DecoderOptions options;
   options.position_mode = c.positions;
-  options.granularity = Granularity::token;
+  options.granularity = c.granularity;
   options.max_chunk = c.chunk;
   kvevict::model::Decoder decoder(file.model, make(c), options);
   std::optional<std::vector<std::int32_t>> catalyst;
@@ -165,6 +167,7 @@ int expect_same(const ModelFile& file, const Case& c) {
   params.type_v = GGML_TYPE_F32;
   kvevict::llama::LlamaSequenceOptions llama_options;
   llama_options.position_mode = c.positions;
+  llama_options.granularity = c.granularity;
   llama_options.max_chunk = c.chunk;
   llama_options.catalyst = catalyst;
   kvevict::llama::LlamaSequence llama(file.llama, params, make(c), llama_options);
@@ -254,6 +257,35 @@ TEST(LlamaEquivalence, H2oTovaKeepTheSameTokensOverALongStream) {
                                       .positions = PositionMode::cache_index,
                                       .tokens = 4000}),
               200);
+  }
+}
+
+// Blocks of 16 (paged engines): whole blocks leave, and llama.cpp's cells follow. 1,500 tokens are
+// 94 chunks of 16 (the last of 12); the first four fill the budget of 64, and every later chunk
+// takes the unit past it by one block at most, so each of the other 90 evicts exactly one block
+// (StreamingLLM's sinks keep block 0, and the oldest of the others goes).
+TEST(LlamaEquivalence, BlockGranularityKeepsTheSameBlocks) {
+  const Granularity blocks = Granularity::blocks(16);
+  for (const ModelFile* file : {LlamaModels::random.get(), LlamaModels::toy.get()}) {
+    for (const char* policy : {"window", "streaming_llm"}) {
+      for (const PositionMode mode : {PositionMode::original, PositionMode::cache_index}) {
+        EXPECT_EQ(
+            expect_same(
+                *file,
+                Case{.policy = policy, .budget = 64, .positions = mode, .granularity = blocks}),
+            90);
+      }
+    }
+    EXPECT_GT(
+        expect_same(*file,
+                    Case{.policy = "h2o", .budget = 64, .tokens = 2000, .granularity = blocks}),
+        50);
+    EXPECT_GT(expect_same(*file, Case{.policy = "tova",
+                                      .budget = 64,
+                                      .positions = PositionMode::cache_index,
+                                      .tokens = 2000,
+                                      .granularity = blocks}),
+              50);
   }
 }
 

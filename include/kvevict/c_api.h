@@ -58,7 +58,7 @@ typedef struct kvevict_config {
   int kv_heads;              /* q_heads % kv_heads == 0 */
   int max_chunk;             /* largest chunk (and catalyst prompt) the engine feeds */
   const char* position_mode; /* NULL: the policy's; "original", "cache_index", "reset_on_compact" */
-  const char* granularity;   /* NULL: the policy's; "head", "layer", "token" */
+  const char* granularity;   /* NULL: the policy's; "head", "layer", "token", "block:B" */
   int post_rope_keys;        /* 1: keys stored rotated (folds may rotate them); 0: before RoPE */
   int max_pending_rotations; /* see SequenceConfig; kvevict_config_init sets 32 */
 } kvevict_config;

@@ -1,13 +1,20 @@
-// Granularity: how many independent keep-sets a sequence has, and which (layer, KV head) uses
-// which.
+// Granularity: how many independent keep-sets a sequence has, which (layer, KV head) uses which,
+// and whether a keep-set drops single tokens or whole blocks of them.
 //
 // A decision unit is one keep-set with its own slots and slot metadata. Per KV head (the papers'
 // default for H2O and InfiniPot) every (layer, KV head) is a unit; per layer the KV heads of a
 // layer share one (TOVA); per token the whole model shares one (StreamingLLM, SirLLM, AnLLM, and
 // every engine whose cache cells are shared by all layers and heads, such as llama.cpp). Heads of
 // one unit hold the same tokens in the same slots, so an engine can lay their K/V out token-major.
+//
+// Per block of B tokens is per token with one more constraint, for paged engines (vLLM, OpenVINO
+// GenAI) that free memory a page at a time: tokens are grouped by original position into blocks
+// [b * B, (b + 1) * B), and a keep rule keeps or evicts a block whole (selection.hpp,
+// WorstCandidates). Only policies whose keep rule has a block form accept it
+// (Policy::supports_blocks); the others say so when the sequence is built.
 #pragma once
 
+#include <charconv>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -17,30 +24,82 @@
 
 namespace kvevict {
 
-enum class Granularity : std::uint8_t {
-  head,   ///< one keep-set per (layer, KV head)
-  layer,  ///< one keep-set per layer, shared by its KV heads
-  token,  ///< one keep-set for the whole sequence
+class Granularity {
+ public:
+  enum class Kind : std::uint8_t {
+    head,   ///< one keep-set per (layer, KV head)
+    layer,  ///< one keep-set per layer, shared by its KV heads
+    token,  ///< one keep-set for the whole sequence
+    block,  ///< one keep-set for the whole sequence, kept or evicted in blocks of block_tokens()
+  };
+  /// Largest block: a page far larger than any engine's (vLLM's are 16 tokens, OpenVINO's 32).
+  static constexpr int kMaxBlockTokens = 1 << 16;
+
+  static const Granularity head;
+  static const Granularity layer;
+  static const Granularity token;
+  /// Blocks of `tokens` tokens (1 to kMaxBlockTokens).
+  [[nodiscard]] static Granularity blocks(int tokens) {
+    KVEVICT_REQUIRE(tokens >= 1 && tokens <= kMaxBlockTokens,
+                    "granularity block: the block size must be 1 to " +
+                        std::to_string(kMaxBlockTokens) + " tokens, got " + std::to_string(tokens));
+    return Granularity(Kind::block, tokens);
+  }
+
+  [[nodiscard]] constexpr Kind kind() const { return kind_; }
+  /// Tokens per block under Kind::block, 1 otherwise (a token is its own block).
+  [[nodiscard]] constexpr int block_tokens() const { return block_tokens_; }
+  /// One keep-set for the whole sequence (token or block).
+  [[nodiscard]] constexpr bool whole_sequence() const {
+    return kind_ == Kind::token || kind_ == Kind::block;
+  }
+  friend constexpr bool operator==(Granularity, Granularity) = default;
+
+ private:
+  constexpr Granularity(Kind kind, int block_tokens) : kind_(kind), block_tokens_(block_tokens) {}
+
+  Kind kind_;
+  int block_tokens_;
 };
 
-[[nodiscard]] inline std::string_view to_string(Granularity granularity) {
-  switch (granularity) {
-    case Granularity::head:
+inline constexpr Granularity Granularity::head{Kind::head, 1};
+inline constexpr Granularity Granularity::layer{Kind::layer, 1};
+inline constexpr Granularity Granularity::token{Kind::token, 1};
+
+/// "head", "layer", "token" or "block:B".
+[[nodiscard]] inline std::string to_string(Granularity granularity) {
+  switch (granularity.kind()) {
+    case Granularity::Kind::head:
       return "head";
-    case Granularity::layer:
+    case Granularity::Kind::layer:
       return "layer";
-    case Granularity::token:
+    case Granularity::Kind::token:
       return "token";
+    case Granularity::Kind::block:
+      return "block:" + std::to_string(granularity.block_tokens());
   }
   return "?";
 }
 
-/// Parses "head", "layer" or "token"; throws kvevict::Error otherwise.
+/// Parses "head", "layer", "token" or "block:B" (B tokens per block); throws kvevict::Error
+/// otherwise.
 [[nodiscard]] inline Granularity parse_granularity(std::string_view text) {
   for (Granularity g : {Granularity::head, Granularity::layer, Granularity::token}) {
     if (text == to_string(g)) return g;
   }
-  throw Error("unknown granularity '" + std::string(text) + "' (expected head, layer or token)");
+  constexpr std::string_view kBlock = "block:";
+  if (text.starts_with(kBlock)) {
+    const std::string_view digits = text.substr(kBlock.size());
+    int tokens = 0;
+    const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), tokens);
+    if (error != std::errc{} || end != digits.data() + digits.size() || digits.empty()) {
+      throw Error("granularity '" + std::string(text) +
+                  "': the block size after 'block:' must be a whole number of tokens");
+    }
+    return Granularity::blocks(tokens);
+  }
+  throw Error("unknown granularity '" + std::string(text) +
+              "' (expected head, layer, token or block:B)");
 }
 
 /// The decision units of a cache of `layers` x `kv_heads` heads at a granularity.
@@ -63,37 +122,39 @@ class UnitLayout {
   [[nodiscard]] int kv_heads() const { return kv_heads_; }
   [[nodiscard]] Granularity granularity() const { return granularity_; }
   [[nodiscard]] int heads() const { return layers_ * kv_heads_; }
+  /// Tokens a keep rule keeps or evicts together: block_tokens() under block, else 1.
+  [[nodiscard]] int block_tokens() const { return granularity_.block_tokens(); }
 
   /// Number of units.
   [[nodiscard]] int units() const {
-    switch (granularity_) {
-      case Granularity::head:
+    switch (granularity_.kind()) {
+      case Granularity::Kind::head:
         return heads();
-      case Granularity::layer:
+      case Granularity::Kind::layer:
         return layers_;
-      case Granularity::token:
+      case Granularity::Kind::token:
+      case Granularity::Kind::block:
         return 1;
     }
     return 0;
   }
   /// The unit of head (layer, kv_head).
   [[nodiscard]] int unit_of(int layer, int kv_head) const {
-    switch (granularity_) {
-      case Granularity::head:
+    switch (granularity_.kind()) {
+      case Granularity::Kind::head:
         return layer * kv_heads_ + kv_head;
-      case Granularity::layer:
+      case Granularity::Kind::layer:
         return layer;
-      case Granularity::token:
+      case Granularity::Kind::token:
+      case Granularity::Kind::block:
         return 0;
     }
     return 0;
   }
   /// How many (layer, KV head) pairs share each unit.
   [[nodiscard]] int heads_per_unit() const { return heads() / units(); }
-  /// How many layers contribute to each unit (1 unless per token).
-  [[nodiscard]] int layers_per_unit() const {
-    return granularity_ == Granularity::token ? layers_ : 1;
-  }
+  /// How many layers contribute to each unit (1 unless per token or block).
+  [[nodiscard]] int layers_per_unit() const { return granularity_.whole_sequence() ? layers_ : 1; }
 
  private:
   int layers_ = 0;

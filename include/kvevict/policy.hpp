@@ -60,6 +60,9 @@ class Policy {
   }
   /// The granularity of the paper / authors' code: how many keep-sets (granularity.hpp).
   [[nodiscard]] virtual Granularity default_granularity() const { return Granularity::head; }
+  /// Whether the keep rule has a block form, so that the policy accepts Granularity::block: whole
+  /// blocks kept or evicted (selection.hpp, WorstCandidates).
+  [[nodiscard]] virtual bool supports_blocks() const { return false; }
   /// Most slots any unit holds once the policy has evicted (at its steady point), or nullopt when
   /// the policy has no bound (full cache, AnLLM without a cap). Engines size buffers from it.
   [[nodiscard]] virtual std::optional<int> retained_limit() const { return std::nullopt; }

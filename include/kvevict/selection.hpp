@@ -155,6 +155,9 @@ class WorstCandidates {
  public:
   int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
             std::span<const float> scores, Decision& decision) {
+    if (slots.layout().block_tokens() > 1) {
+      return evict_blocks(slots, unit, protection, keep, scores, decision);
+    }
     const std::span<const std::int32_t> order = slots.stream_order(unit);
     const int live = static_cast<int>(order.size());
     const int first = std::min(protection.oldest, live);
@@ -216,6 +219,75 @@ class WorstCandidates {
 
  private:
   static constexpr int kSmall = 16;  // up to this many evictions: one pass with a sorted buffer
+
+  // A block of live tokens: positions [begin, end) of the unit's stream order.
+  struct Block {
+    int begin = 0;
+    int end = 0;
+    float score = 0.0f;  // mean of its tokens' scores; unused by recency
+  };
+
+  // The block form of the rule (Granularity::block, B tokens per block). The unit may hold as many
+  // tokens as the token form would keep: its protected tokens plus `keep`. Tokens are grouped into
+  // blocks by original position [b * B, (b + 1) * B); a block holding a protected token is kept
+  // whole, and so is the newest block (a paged engine is still writing into it). The other blocks
+  // are full (blocks only ever leave whole) and go worst first until the unit is within its bound:
+  // lowest mean score (ties: the later block goes), or, by recency, the oldest. The bound is exact
+  // unless protected blocks alone exceed it; the unit can end up to B - 1 tokens below it.
+  int evict_blocks(const SlotTable& slots, int unit, const Protection& protection, int keep,
+                   std::span<const float> scores, Decision& decision) {
+    const std::span<const std::int32_t> order = slots.stream_order(unit);
+    const int live = static_cast<int>(order.size());
+    const int first = std::min(protection.oldest, live);
+    const int last = live - std::min(protection.newest, live - first);  // token candidates
+    const std::span<const std::uint8_t> flags = slots.flags(unit);
+    const auto protected_by_flag = [&](std::int32_t slot) {
+      return (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0;
+    };
+    int protected_tokens = live - (last - first);
+    if (protection.flags != 0) {
+      for (int i = first; i < last; ++i) protected_tokens += protected_by_flag(order[i]) ? 1 : 0;
+    }
+    const int bound = protected_tokens + std::max(keep, 0);
+    if (live <= bound) return 0;
+
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    const std::int64_t size = slots.layout().block_tokens();
+    blocks_.clear();
+    for (int begin = 0; begin < live;) {
+      const std::int64_t block = originals[static_cast<std::size_t>(order[begin])] / size;
+      int end = begin + 1;
+      while (end < live && originals[static_cast<std::size_t>(order[end])] / size == block) ++end;
+      bool kept = begin < first || end > last || end == live;
+      double sum = 0.0;
+      for (int i = begin; i < end && !kept; ++i) {
+        const std::int32_t slot = order[i];
+        kept = protection.flags != 0 && protected_by_flag(slot);
+        if (scores.empty()) continue;
+        require_number(scores[static_cast<std::size_t>(slot)],
+                       originals[static_cast<std::size_t>(slot)]);
+        sum += scores[static_cast<std::size_t>(slot)];
+      }
+      if (!kept) blocks_.push_back({begin, end, static_cast<float>(sum / (end - begin))});
+      begin = end;
+    }
+    // Worst first: the lowest mean, and among equal means the later block (as the token form keeps
+    // the lower original position). Blocks come oldest first: reversed, a stable sort keeps that.
+    if (!scores.empty()) {
+      std::reverse(blocks_.begin(), blocks_.end());
+      std::stable_sort(blocks_.begin(), blocks_.end(),
+                       [](const Block& a, const Block& b) { return a.score < b.score; });
+    }
+    int held = live;
+    for (const Block& block : blocks_) {
+      if (held <= bound) break;
+      for (int i = block.begin; i < block.end; ++i) decision.evict(unit, order[i]);
+      held -= block.end - block.begin;
+    }
+    return live - held;
+  }
+
+  std::vector<Block> blocks_;
 
   // The steady state of a per-token budget rule: the single worst candidate, one branch-light pass.
   // Candidates come oldest first, so among equal scores the later one is the worse (ties keep the

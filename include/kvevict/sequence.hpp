@@ -54,6 +54,7 @@ struct SequenceConfig {
   std::optional<PositionMode> position_mode;
   /// Defaults to the policy's own. Coarser than the policy's default changes how its score is
   /// aggregated (see each policy header); finer gives each head the same decision rule alone.
+  /// Block (paged engines) needs a policy whose keep rule has a block form (supports_blocks()).
   std::optional<Granularity> granularity;
   /// How the engine stores keys. post_rope: rotated when written (to key_position), so kvevict may
   /// fold pending rotations into them (KvBackend::apply). pre_rope: rotated at every attention to
@@ -100,6 +101,12 @@ class Sequence {
     position_mode_ = config_.position_mode.value_or(policy_->default_position_mode());
     layout_ = UnitLayout(config_.layers, config_.kv_heads,
                          config_.granularity.value_or(policy_->default_granularity()));
+    if (layout_.granularity().kind() == Granularity::Kind::block && !policy_->supports_blocks()) {
+      throw Error("policy '" + std::string(policy_->name()) + "' has no block form of its keep " +
+                  "rule, so granularity " + to_string(layout_.granularity()) +
+                  " is not available to it (window, streaming_llm, h2o, tova and full have one): "
+                  "use head, layer or token");
+    }
     const int capacity = initial_capacity();
     slots_ = SlotTable(layout_, position_mode_, capacity, policy_->score_columns());
     if (backend_ != nullptr) backend_->reserve(capacity);

@@ -71,8 +71,10 @@ inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
                  "policy's own)")
       ->group(group);
   app.add_option("--granularity", options.granularity,
-                 "keep-sets: head (one per KV head), layer (one per layer) or token (one for the "
-                 "whole model, as engines whose cells all heads share); default: the policy's own")
+                 "keep-sets: head (one per KV head), layer (one per layer), token (one for the "
+                 "whole model, as engines whose cells all heads share) or block:B (token, kept "
+                 "and evicted in whole blocks of B tokens, as paged engines); default: the "
+                 "policy's own")
       ->group(group);
   app.add_option("--keys", options.keys,
                  "store keys before or after RoPE: pre_rope or post_rope (same results; "

@@ -98,6 +98,14 @@ void validate_policy_options(const PolicyOptions& options) {
   // AnLLM's default anchor ids come from the model; every other policy can be built now.
   if (options.policy == "anllm" && !params.has("anchor_ids")) return;
   const std::unique_ptr<Policy> policy = spec.make(resolved(spec, params));
+  if (!options.granularity.empty() &&
+      parse_granularity(options.granularity).kind() == Granularity::Kind::block &&
+      !policy->supports_blocks()) {
+    throw Error(
+        fmt::format("--granularity {}: policy '{}' has no block form of its keep rule (window, "
+                    "streaming_llm, h2o, tova and full have one)",
+                    options.granularity, options.policy));
+  }
   if (options.catalyst && !policy->signals().contains(Signal::catalyst_attention)) {
     throw Error(fmt::format(
         "--catalyst does not apply to policy '{}' (only infinipot runs a catalyst prompt)",

@@ -177,10 +177,11 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
                   "LlamaSequence installs its own cb_eval: leave llama_context_params::cb_eval "
                   "unset");
   const std::string policy_name(policy->name());
-  if (options_.granularity && *options_.granularity != Granularity::token) {
-    throw Error("granularity " + std::string(to_string(*options_.granularity)) +
+  const Granularity granularity = options_.granularity.value_or(Granularity::token);
+  if (!granularity.whole_sequence()) {
+    throw Error("granularity " + to_string(granularity) +
                 " is not possible in llama.cpp, whose KV cells are shared by every layer and "
-                "head: use granularity token");
+                "head: use granularity token or block:B");
   }
   KVEVICT_REQUIRE(!llama_model_is_recurrent(model_) && !llama_model_is_hybrid(model_),
                   "kvevict drives attention KV caches: recurrent and hybrid models are not "
@@ -220,7 +221,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
   config.q_heads = llama_model_n_head(model_);
   config.kv_heads = llama_model_n_head_kv(model_);
   config.position_mode = mode;
-  config.granularity = Granularity::token;
+  config.granularity = granularity;
   config.key_storage = KeyStorage::pre_rope;  // llama.cpp re-rotates keys itself (K-shift)
   config.max_chunk = widest;
 

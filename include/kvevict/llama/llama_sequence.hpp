@@ -9,7 +9,8 @@
 //
 // What maps to what:
 //   - llama.cpp's KV cells are shared by every layer and head, so a decision is one keep-set for
-//     the sequence: Granularity::token (the only one accepted; the default here).
+//     the sequence: Granularity::token (the default here), or block:B, which evicts whole blocks
+//     of B tokens and so shifts positions (one K-shift) at most once per B tokens.
 //   - A kvevict slot is a llama.cpp cell. kvevict picks slots and llama.cpp picks cells; the
 //     attention rows are re-indexed from cells to slots with the cell each token was written to
 //     (the K store's set_rows indices, read from the same graph callback).
@@ -21,9 +22,9 @@
 //   - InfiniPot's catalyst is decoded in the same sequence after the pot, its attention read, and
 //     its cells removed with the distillation (one seq_rm of its positions, the newest).
 //
-// Errors before anything runs (kvevict::Error): a granularity other than token; a policy that
-// reads attention with flash attention forced on (LLAMA_FLASH_ATTN_TYPE_ENABLED; AUTO is turned
-// off for such policies); a shifting position mode on a model whose memory cannot shift
+// Errors before anything runs (kvevict::Error): a granularity other than token or block; a policy
+// that reads attention with flash attention forced on (LLAMA_FLASH_ATTN_TYPE_ENABLED; AUTO is
+// turned off for such policies); a shifting position mode on a model whose memory cannot shift
 // (llama_memory_can_shift false, e.g. M-RoPE); a bounded policy whose budget plus one chunk does
 // not fit in n_ctx; a catalyst-running policy without a catalyst. During the run: a policy that
 // evicts the sequence's newest token under `original` positions (llama.cpp requires a sequence's
@@ -51,7 +52,7 @@ namespace kvevict::llama {
 struct LlamaSequenceOptions {
   /// Overrides the policy's position mode.
   std::optional<PositionMode> position_mode;
-  /// Must be token when given (llama.cpp's cells are shared by every layer and head).
+  /// token (the default) or block:B: llama.cpp's cells are shared by every layer and head.
   std::optional<Granularity> granularity;
   /// Largest chunk forward() accepts; the context's n_batch and n_ubatch are raised to it (and to
   /// the catalyst's length) so that every forward is one ubatch.

@@ -17,6 +17,7 @@ class FullPolicy final : public Policy {
   [[nodiscard]] std::string_view name() const override { return "full"; }
   [[nodiscard]] TriggerSet triggers() const override { return {}; }
   [[nodiscard]] Granularity default_granularity() const override { return Granularity::token; }
+  [[nodiscard]] bool supports_blocks() const override { return true; }  // never evicts
   void select(const EvictionContext& /*context*/, Decision& /*decision*/) override {}
 };
 

@@ -51,6 +51,7 @@ class HeavyHitterPolicy final : public Policy {
   [[nodiscard]] SignalSet signals() const override { return {Signal::attention_rows}; }
   [[nodiscard]] int score_columns() const override { return 1; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return heavy_; }
+  [[nodiscard]] bool supports_blocks() const override { return true; }
 
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
     check_attention_rows(slots, layer, rows, "h2o");

@@ -44,6 +44,7 @@ class PolicyDecorator : public Policy {
   [[nodiscard]] Granularity default_granularity() const override {
     return inner_->default_granularity();
   }
+  [[nodiscard]] bool supports_blocks() const override { return inner_->supports_blocks(); }
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return inner_->retained_limit();
   }
@@ -171,6 +172,8 @@ class SlotCap final : public PolicyDecorator {
                                        std::to_string(max_slots));
   }
   [[nodiscard]] int max_slots() const { return max_slots_; }
+  /// The cap evicts single tokens (the oldest beyond it): no block form.
+  [[nodiscard]] bool supports_blocks() const override { return false; }
   [[nodiscard]] TriggerSet triggers() const override {
     TriggerSet triggers = inner().triggers();
     triggers |= TriggerSet{Trigger::after_forward};

@@ -54,6 +54,7 @@ class TovaPolicy final : public Policy {
     return head_wise_ ? Granularity::head : Granularity::layer;
   }
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
+  [[nodiscard]] bool supports_blocks() const override { return true; }
 
   /// The score is this forward's: cleared as the chunk comes in, then summed from every layer.
   void on_append(SlotTable& slots, const ChunkInfo& /*chunk*/) override {

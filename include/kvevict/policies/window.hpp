@@ -38,6 +38,7 @@ class WindowPolicy final : public Policy {
   }
   [[nodiscard]] Granularity default_granularity() const override { return Granularity::token; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return config_.recent; }
+  [[nodiscard]] bool supports_blocks() const override { return true; }
 
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
