@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <kvevict/c_api.h>
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -58,6 +59,54 @@ std::vector<float> round_trip(KvType type, const std::vector<float>& values) {
 // ---------------------------------------------------------------------------------------------
 
 // f32 4 bytes a value, f16 / bf16 2, Q8_0 34 per block of 32 (an f16 scale and 32 int8).
+// kvevict/detail/half.hpp keeps its own conversions, not Eigen::half / Eigen::bfloat16, because
+// kv_type.hpp serves the C API and kvevict::core, which must build without Eigen. They must be
+// Eigen's bit for bit: every f16 and bf16 widened, and floats narrowed over a sweep of all bit
+// patterns (every 251st, plus the rounding boundaries' neighbourhood of each exponent). The one
+// intended difference: a NaN narrowed to bf16 keeps its top payload bits (Eigen canonicalises it).
+TEST(HalfConversions, AreEigensBitForBit) {
+  using kvevict::detail::bits_to_float;
+  for (std::uint32_t bits = 0; bits < 0x10000u; ++bits) {
+    const auto u = static_cast<std::uint16_t>(bits);
+    const float f16 = kvevict::detail::f16_to_float(u);
+    const float eigen_f16 = static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(u));
+    const float bf16 = kvevict::detail::bf16_to_float(u);
+    const float eigen_bf16 = static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(u));
+    if (std::isnan(eigen_f16)) {
+      EXPECT_TRUE(std::isnan(f16)) << bits;
+    } else {
+      ASSERT_EQ(kvevict::detail::float_to_bits(f16), kvevict::detail::float_to_bits(eigen_f16))
+          << bits;
+    }
+    if (std::isnan(eigen_bf16)) {
+      EXPECT_TRUE(std::isnan(bf16)) << bits;
+    } else {
+      ASSERT_EQ(kvevict::detail::float_to_bits(bf16), kvevict::detail::float_to_bits(eigen_bf16))
+          << bits;
+    }
+  }
+  const auto check = [](std::uint32_t bits) {
+    const float value = bits_to_float(bits);
+    ASSERT_EQ(kvevict::detail::float_to_f16(value),
+              Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(value)))
+        << bits;
+    if (!std::isnan(value)) {
+      ASSERT_EQ(kvevict::detail::float_to_bf16(value),
+                Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(value)))
+          << bits;
+    }
+  };
+  for (std::uint64_t bits = 0; bits <= 0xffffffffu; bits += 251)
+    check(static_cast<std::uint32_t>(bits));
+  for (std::uint32_t exponent = 0; exponent < 256; ++exponent) {
+    for (std::uint32_t low = 0; low < 0x4000u; ++low) {
+      check((exponent << 23) | low);                // f16 subnormal / ties region
+      check((exponent << 23) | (0x7fffffu - low));  // just below the next exponent
+      check((exponent << 23) | 0x8000u | low);      // bf16's rounding bit
+    }
+  }
+}
+
 TEST(KvTypes, RowBytesAreExactScalesIncluded) {
   for (const int head_dim : {32, 64, 128}) {
     const auto n = static_cast<std::size_t>(head_dim);
