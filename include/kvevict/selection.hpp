@@ -155,9 +155,6 @@ class WorstCandidates {
  public:
   int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
             std::span<const float> scores, Decision& decision) {
-    if (slots.layout().block_tokens() > 1) {
-      return evict_blocks(slots, unit, protection, keep, scores, decision);
-    }
     const std::span<const std::int32_t> order = slots.stream_order(unit);
     const int live = static_cast<int>(order.size());
     const int first = std::min(protection.oldest, live);
@@ -172,6 +169,10 @@ class WorstCandidates {
     }
     const int count = candidates - std::max(keep, 0);
     if (count <= 0) return 0;
+    if (slots.layout().block_tokens() > 1) {
+      return evict_blocks(slots, unit, order, first, last, protection.flags != 0, protected_by_flag,
+                          count, scores, decision);
+    }
     if (scores.empty()) {  // by recency: the oldest candidates go
       int evicted = 0;
       for (int i = first; evicted < count; ++i) {
@@ -227,30 +228,19 @@ class WorstCandidates {
     float score = 0.0f;  // mean of its tokens' scores; unused by recency
   };
 
-  // The block form of the rule (Granularity::block, B tokens per block). The unit may hold as many
-  // tokens as the token form would keep: its protected tokens plus `keep`. Tokens are grouped into
-  // blocks by original position [b * B, (b + 1) * B); a block holding a protected token is kept
-  // whole, and so is the newest block (a paged engine is still writing into it). The other blocks
-  // are full (blocks only ever leave whole) and go worst first until the unit is within its bound:
+  // The block form of the rule (Granularity::block, B tokens per block), given the token form's
+  // candidates [first, last) of `order` and the `count` of them it would evict: the unit may hold
+  // as many tokens as the token form keeps (live - count). Tokens are grouped into blocks by
+  // original position [b * B, (b + 1) * B); a block holding a protected token is kept whole, and
+  // so is the newest block (a paged engine is still writing into it). The other blocks are full
+  // (blocks only ever leave whole) and go worst first until at least `count` tokens are gone:
   // lowest mean score (ties: the later block goes), or, by recency, the oldest. The bound is exact
   // unless protected blocks alone exceed it; the unit can end up to B - 1 tokens below it.
-  int evict_blocks(const SlotTable& slots, int unit, const Protection& protection, int keep,
+  template <class Flagged>
+  int evict_blocks(const SlotTable& slots, int unit, std::span<const std::int32_t> order, int first,
+                   int last, bool any_flag, const Flagged& protected_by_flag, int count,
                    std::span<const float> scores, Decision& decision) {
-    const std::span<const std::int32_t> order = slots.stream_order(unit);
     const int live = static_cast<int>(order.size());
-    const int first = std::min(protection.oldest, live);
-    const int last = live - std::min(protection.newest, live - first);  // token candidates
-    const std::span<const std::uint8_t> flags = slots.flags(unit);
-    const auto protected_by_flag = [&](std::int32_t slot) {
-      return (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0;
-    };
-    int protected_tokens = live - (last - first);
-    if (protection.flags != 0) {
-      for (int i = first; i < last; ++i) protected_tokens += protected_by_flag(order[i]) ? 1 : 0;
-    }
-    const int bound = protected_tokens + std::max(keep, 0);
-    if (live <= bound) return 0;
-
     const std::span<const std::int64_t> originals = slots.original_positions(unit);
     const std::int64_t size = slots.layout().block_tokens();
     blocks_.clear();
@@ -262,7 +252,7 @@ class WorstCandidates {
       double sum = 0.0;
       for (int i = begin; i < end && !kept; ++i) {
         const std::int32_t slot = order[i];
-        kept = protection.flags != 0 && protected_by_flag(slot);
+        kept = any_flag && protected_by_flag(slot);
         if (scores.empty()) continue;
         require_number(scores[static_cast<std::size_t>(slot)],
                        originals[static_cast<std::size_t>(slot)]);
@@ -278,13 +268,13 @@ class WorstCandidates {
       std::stable_sort(blocks_.begin(), blocks_.end(),
                        [](const Block& a, const Block& b) { return a.score < b.score; });
     }
-    int held = live;
+    int evicted = 0;
     for (const Block& block : blocks_) {
-      if (held <= bound) break;
+      if (evicted >= count) break;
       for (int i = block.begin; i < block.end; ++i) decision.evict(unit, order[i]);
-      held -= block.end - block.begin;
+      evicted += block.end - block.begin;
     }
-    return live - held;
+    return evicted;
   }
 
   std::vector<Block> blocks_;
