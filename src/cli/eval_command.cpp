@@ -22,15 +22,7 @@ namespace kvevict::cli {
 namespace {
 
 struct EvalOptions {
-  std::string config;
-  std::string out;
-  int jobs = 2;
-  int threads = 1;
-  std::string shard;
-  bool fresh = false;
-  bool list = false;
-  std::string model;
-  std::string text;
+  eval::EvalCommand command;
   std::string kv_type;
 };
 
@@ -66,43 +58,19 @@ struct MergeCommandOptions {
 int run_eval(const EvalOptions& options) {
   // A subcommand-less `eval` needs its config; CLI11 cannot require it without requiring it of
   // `eval merge` too.
-  if (options.config.empty()) throw Error("config is required (kvevict eval CONFIG; see --help)");
-  if (options.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", options.jobs));
-  if (options.threads < 1 || options.threads > 1024) {
-    throw Error(fmt::format("--threads must be in [1, 1024], got {}", options.threads));
+  if (options.command.config.empty()) {
+    throw Error("config is required (kvevict eval CONFIG; see --help)");
   }
-  std::optional<eval::ShardSpec> shard;
-  if (!options.shard.empty()) shard = eval::parse_shard(options.shard);
-  eval::EvalConfig config = eval::load_eval_config(options.config);
-  if (!options.model.empty()) config.model = options.model;
-  if (!options.text.empty()) config.text = options.text;
-  if (!options.kv_type.empty()) override_kv_type(config, options.kv_type);
-  if (options.list) {
-    std::vector<eval::CellSpec> cells = eval::enumerate_cells(config);
-    if (shard) cells = eval::shard_cells(cells, *shard);
-    for (const eval::CellSpec& cell : cells) {
-      std::cout << cell.id << "  " << cell.describe(config) << "\n";
-    }
-    std::cout << cells.size() << " cells\n" << std::flush;
-    return kExitOk;
+  eval::EvalCommand command = options.command;
+  if (!options.kv_type.empty()) {
+    command.adjust = [kv_type = options.kv_type](eval::EvalConfig& config) {
+      override_kv_type(config, kv_type);
+    };
   }
-  eval::GridContext grid = eval::prepare_grid(std::move(config));
-  grid.threads = options.threads;
-  eval::GridOptions grid_options;
-  grid_options.out = options.out.empty() ? "eval/results/" + grid.config.name : options.out;
-  grid_options.jobs = options.jobs;
-  grid_options.fresh = options.fresh;
-  grid_options.shard = shard;
-  grid_options.progress = &std::cerr;
-  const eval::GridSummary summary = eval::run_grid(grid, grid_options);
-  std::string report = fmt::format("cells    {} (run {}, resumed {}, failed {})\n", summary.cells,
-                                   summary.run, summary.resumed, summary.failures.size());
-  for (const std::string& failure : summary.failures) report += "failed   " + failure + "\n";
-  const std::string out = grid_options.out.string();
-  report += fmt::format("results  {}/results.json, {}/results.csv, {}/results.md\n", out, out, out);
-  std::cout << report << std::flush;
-  if (!std::cout) throw Error("error while writing to stdout");
-  return summary.failures.empty() ? kExitOk : kExitMismatch;
+  const bool complete = eval::run_eval_command(
+      command, [](const std::string& model) { return eval::reference_engine(model); }, std::cout,
+      std::cerr);
+  return complete ? kExitOk : kExitMismatch;
 }
 
 int run_merge(const MergeCommandOptions& options) {
@@ -155,23 +123,26 @@ void add_merge_subcommand(CLI::App& eval_app, std::function<int()>& run_chosen,
 
 Command add_eval_command(CLI::App& parent) {
   auto options = std::make_shared<EvalOptions>();
+  eval::EvalCommand& grid_command = options->command;
   CLI::App* app = parent.add_subcommand(
       "eval", "Run a benchmark grid (policies x budgets x tasks) from a JSON config, resumable");
-  app->add_option("config", options->config, "grid config (JSON; see docs/eval.md)");
-  app->add_option("-o,--out", options->out,
+  app->add_option("config", grid_command.config, "grid config (JSON; see docs/eval.md)");
+  app->add_option("-o,--out", grid_command.out,
                   "output directory (default: eval/results/<config name>); cells/<id>.json holds "
                   "each finished cell");
-  app->add_option("-j,--jobs", options->jobs, "cells run at once, each in its own process")
+  app->add_option("-j,--jobs", grid_command.jobs, "cells run at once, each in its own process")
       ->capture_default_str();
-  add_threads_option(*app, options->threads);
-  app->add_option("--shard", options->shard,
+  add_threads_option(*app, grid_command.threads);
+  app->add_option("--shard", grid_command.shard,
                   "run only shard I of N (1 <= I <= N): the cells at positions I-1, I-1+N, ... of "
                   "the grid; combine the shards' outputs with `eval merge`");
-  app->add_flag("--fresh", options->fresh,
+  app->add_flag("--fresh", grid_command.fresh,
                 "discard the output directory's cells and results and run every cell again");
-  app->add_flag("--list", options->list, "print the grid's cells and exit (nothing is loaded)");
-  app->add_option("--model", options->model, "use this model instead of the config's \"model\"");
-  app->add_option("--text", options->text, "use this text file instead of the config's \"text\"");
+  app->add_flag("--list", grid_command.list, "print the grid's cells and exit (nothing is loaded)");
+  app->add_option("--model", grid_command.model,
+                  "use this model instead of the config's \"model\"");
+  app->add_option("--text", grid_command.text,
+                  "use this text file instead of the config's \"text\"");
   app->add_option("--kv-type", options->kv_type,
                   "store every policy's keys and values as f32, f16, bf16 or q8_0 (labels get "
                   "\" kv=TYPE\"; for a config without \"kv_types\" or \"kv_type\")");

@@ -1,5 +1,5 @@
 // The grid's cells: enumeration, preparation (model, text, checks) and running one cell of each
-// task over the reference decoder.
+// task over the grid's engine (eval/engine.hpp).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -8,7 +8,6 @@
 #include <fstream>
 #include <iterator>
 #include <kvevict/error.hpp>
-#include <kvevict/model/decoder.hpp>
 #include <kvevict/policies/infinipot.hpp>
 #include <map>
 #include <memory>
@@ -19,6 +18,7 @@
 #include "cli_common/log_loss.hpp"
 #include "cli_common/policy_setup.hpp"
 #include "cli_common/report.hpp"
+#include "eval/engine.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
@@ -88,37 +88,21 @@ OrderedJson policy_hash_json(const PolicyEntry& entry) {
   return json;
 }
 
-// A decoder's time by stage (its CellDecoder's clock): forward = head + attention + mlp, eviction
-// = policy + reposition + catalyst.
-std::vector<std::pair<std::string, double>> split_seconds(const StageClock& clock) {
-  return {{"head_seconds", clock.seconds(Stage::head)},
-          {"attention_seconds", clock.seconds(Stage::attention)},
-          {"mlp_seconds", clock.seconds(Stage::mlp)},
-          {"policy_seconds", clock.seconds(Stage::policy)},
-          {"reposition_seconds", clock.seconds(Stage::reposition)},
-          {"catalyst_seconds", clock.seconds(Stage::catalyst)}};
-}
-double forward_seconds(const StageClock& clock) {
-  return clock.seconds(Stage::head) + clock.seconds(Stage::attention) + clock.seconds(Stage::mlp);
-}
-
-// Sum / max of the decoder figures over the decoders of one cell (one per document).
+// Sum / max of the sequence figures over the sequences of one cell (one per document).
 class CacheTotals {
  public:
-  void add(const model::Decoder& decoder, const StageClock& clock, std::size_t live_kv_bytes) {
-    const model::DecoderStats& stats = decoder.stats();
-    const SequenceStats& sequence = decoder.cache().sequence().stats();
-    tokens_fed_ += stats.tokens_fed;
-    forwards_ += stats.forwards;
-    catalyst_runs_ += stats.catalyst_runs;
-    forward_seconds_ += forward_seconds(clock);
-    eviction_seconds_ += cli::eviction_seconds(clock);
-    for (const auto& [name, seconds] : split_seconds(clock)) split_[name] += seconds;
-    peak_kv_bytes_ = std::max(peak_kv_bytes_, stats.peak_kv_bytes);
-    evicted_slots_ += sequence.evicted_slots;
-    decisions_ += sequence.decisions;
+  void add(const SequenceCounters& counters, std::size_t live_kv_bytes) {
+    tokens_fed_ += counters.tokens_fed;
+    forwards_ += counters.forwards;
+    catalyst_runs_ += counters.catalyst_runs;
+    forward_seconds_ += counters.forward_seconds;
+    eviction_seconds_ += counters.eviction_seconds;
+    for (const auto& [name, seconds] : counters.stage_seconds) split_[name] += seconds;
+    peak_kv_bytes_ = std::max(peak_kv_bytes_, counters.peak_kv_bytes);
+    evicted_slots_ += counters.evicted_slots;
+    decisions_ += counters.decisions;
     live_kv_bytes_sum_ += static_cast<double>(live_kv_bytes);
-    ++decoders_;
+    ++sequences_;
   }
 
   [[nodiscard]] std::int64_t tokens_fed() const { return tokens_fed_; }
@@ -128,7 +112,7 @@ class CacheTotals {
     metrics["tokens_fed"] = tokens_fed_;
     metrics["tokens_per_second"] =
         wall_seconds > 0 ? static_cast<double>(tokens_fed_) / wall_seconds : 0.0;
-    metrics["live_kv_bytes"] = decoders_ > 0 ? live_kv_bytes_sum_ / decoders_ : 0.0;
+    metrics["live_kv_bytes"] = sequences_ > 0 ? live_kv_bytes_sum_ / sequences_ : 0.0;
     metrics["peak_kv_bytes"] = peak_kv_bytes_;
     metrics["evicted_slots"] = evicted_slots_;
     metrics["decisions"] = decisions_;
@@ -151,48 +135,45 @@ class CacheTotals {
   std::int64_t evicted_slots_ = 0;
   std::int64_t decisions_ = 0;
   double live_kv_bytes_sum_ = 0;
-  int decoders_ = 0;
+  int sequences_ = 0;
   std::map<std::string, double> split_;
 };
 
-// A decoder set up for one cell, as the CLI would set it up.
-class CellDecoder {
+// The engine's sequence set up for one cell, as the engine's CLI would set it up.
+class CellSequence {
  public:
-  CellDecoder(const GridContext& grid, const CellSpec& cell) {
+  CellSequence(const GridContext& grid, const CellSpec& cell) {
     const EvalConfig& config = grid.config;
     const PolicyEntry& entry = config.policies[cell.policy_index];
-    setup_ = cli::make_policy_setup(entry.options(cell.budget, config.chunk), grid.model);
-    setup_.decoder_options.threads = grid.threads;
+    cli::PolicySetup setup = grid.engine->make_setup(entry.options(cell.budget, config.chunk));
     const TaskKind kind = config.tasks[cell.task_index].kind;
-    if (setup_.catalyst && !entry.catalyst) {
+    if (setup.catalyst && !entry.catalyst) {
       if (const std::optional<std::string> question = task_question(kind)) {
-        setup_.catalyst = grid.model.tokenizer.encode(*question, /*add_bos=*/false);
+        setup.catalyst = grid.engine->encode(*question, /*add_bos=*/false);
         catalyst_ = *question;
       } else {
         catalyst_ = std::string(kInfiniPotGeneralCatalystPrompt);
       }
-    } else if (setup_.catalyst) {
+    } else if (setup.catalyst) {
       catalyst_ = *entry.catalyst;
     }
-    clock_ = std::make_unique<StageClock>();
-    setup_.decoder_options.observer = clock_.get();
-    decoder_ = cli::make_decoder(grid.model, setup_);
+    sequence_ = grid.engine->start(setup, grid.threads, clock_);
   }
+  CellSequence(const CellSequence&) = delete;  // the sequence holds &clock_
+  CellSequence& operator=(const CellSequence&) = delete;
 
-  [[nodiscard]] model::Decoder& operator*() { return *decoder_; }
-  [[nodiscard]] model::Decoder* operator->() { return decoder_.get(); }
-  [[nodiscard]] const StageClock& clock() const { return *clock_; }
+  [[nodiscard]] EvalSequence& operator*() { return *sequence_; }
+  [[nodiscard]] EvalSequence* operator->() { return sequence_.get(); }
 
   [[nodiscard]] OrderedJson policy_json() const {
-    OrderedJson json = cli::policy_json(setup_, *decoder_);
+    OrderedJson json = sequence_->policy_json();
     json["catalyst"] = catalyst_ ? OrderedJson(*catalyst_) : OrderedJson(nullptr);
     return json;
   }
 
  private:
-  cli::PolicySetup setup_;
-  std::unique_ptr<StageClock> clock_;  // before decoder_, which holds a pointer to it
-  std::unique_ptr<model::Decoder> decoder_;
+  StageClock clock_;  // before sequence_, which holds a pointer to it
+  std::unique_ptr<EvalSequence> sequence_;
   std::optional<std::string> catalyst_;
 };
 
@@ -204,7 +185,10 @@ std::int32_t argmax(std::span<const float> logits) {
 class Feeder {
  public:
   Feeder(const GridContext& grid) {
-    if (grid.config.anchors) anchors_ = cli::AnchorInserter::for_tokenizer(grid.model.tokenizer);
+    // prepare_grid checked that anchors come with kvevict's tokenizer.
+    if (grid.config.anchors) {
+      anchors_ = cli::AnchorInserter::for_tokenizer(*grid.engine->kvevict_tokenizer());
+    }
   }
   std::vector<std::int32_t> operator()(std::span<const std::int32_t> tokens) {
     if (!anchors_) return {tokens.begin(), tokens.end()};
@@ -242,13 +226,13 @@ class CycledText {
       separator_at_ = kNone;
       if (!started_) {
         started_ = true;
-        if (grid_.model.tokenizer.bos_id >= 0) pending_.push_back(grid_.model.tokenizer.bos_id);
+        if (grid_.engine->bos_id() >= 0) pending_.push_back(grid_.engine->bos_id());
         continue;
       }
       const std::int32_t token = grid_.text_tokens[index_];
       pending_ = feeder_(std::span<const std::int32_t>(&token, 1));
       if (!separator_.empty()) {
-        tail_ += grid_.model.tokenizer.decode(token);
+        tail_ += grid_.engine->decode(token);
         if (tail_.size() > separator_.size()) tail_.erase(0, tail_.size() - separator_.size());
         if (tail_ == separator_) separator_at_ = pending_.size() - 1;  // the text token is last
       }
@@ -304,13 +288,16 @@ class CycledText {
 void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
   const TaskConfig& task = grid.config.tasks[cell.task_index];
   const Clock::time_point start = Clock::now();
-  CellDecoder decoder(grid, cell);
-  result["policy_setup"] = decoder.policy_json();
+  CellSequence sequence(grid, cell);
+  result["policy_setup"] = sequence.policy_json();
   CycledText source(grid, task.turn_separator);
+  std::vector<std::uint32_t> token_bytes = grid.engine->token_bytes();
+  const int vocab = static_cast<int>(token_bytes.size());
   cli::StreamScorer scorer(
-      *decoder, task.window,
-      cli::token_byte_counts(grid.model.tokenizer, grid.model.config.vocab_size),
-      source.anchor_id());
+      [&sequence](std::span<const std::int32_t> tokens, bool turn_start) {
+        return sequence->feed(tokens, turn_start, /*all_logits=*/true).values;
+      },
+      vocab, task.window, std::move(token_bytes), source.anchor_id());
   std::vector<std::int32_t> chunk;
   std::int64_t handed_out = 0;
   while (handed_out < task.tokens) {
@@ -319,7 +306,8 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   }
   const cli::WindowedLoss& loss = scorer.loss();
   CacheTotals totals;
-  totals.add(*decoder, decoder.clock(), decoder->cache().memory().live_kv_bytes);
+  const SequenceCounters counters = sequence->counters();
+  totals.add(counters, counters.live_kv_bytes);
   OrderedJson& metrics = result["metrics"];
   totals.write(metrics, seconds_since(start));
   const cli::LossTotals& overall = loss.overall();
@@ -339,12 +327,11 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   result["details"]["windows"] = std::move(windows);
 }
 
-// Feeds `tokens` (byte-level text) as turns: a new turn (ForwardRequest::turn_start) begins after
-// every occurrence of `separator`, and the first piece starts one too; no separator = one turn.
-model::ForwardResult feed_turns(model::Decoder& decoder, Feeder& feeder,
-                                std::span<const std::int32_t> tokens, const std::string& separator,
-                                int chunk) {
-  model::ForwardResult forward;
+// Feeds `tokens` (byte-level text) as turns: a new turn (turn_start) begins after every
+// occurrence of `separator`, and the first piece starts one too; no separator = one turn.
+FeedLogits feed_turns(EvalSequence& sequence, Feeder& feeder, std::span<const std::int32_t> tokens,
+                      const std::string& separator) {
+  FeedLogits forward;
   std::size_t begin = 0;  // the current turn is [begin, end)
   std::string tail;       // the last separator.size() bytes decoded
   for (std::size_t end = 0; end < tokens.size();) {
@@ -354,8 +341,8 @@ model::ForwardResult feed_turns(model::Decoder& decoder, Feeder& feeder,
     }
     ++end;
     if (end == tokens.size() || (!separator.empty() && tail == separator)) {
-      forward = decoder.feed(feeder(tokens.subspan(begin, end - begin)),
-                             model::ForwardRequest{.turn_start = true}, chunk);
+      forward = sequence.feed(feeder(tokens.subspan(begin, end - begin)), /*turn_start=*/true,
+                              /*all_logits=*/false);
       begin = end;
     }
   }
@@ -370,18 +357,18 @@ enum class AnswerEnd {
 // Greedy decoding of an answer under the cell's policy, starting from the logits of `forward`
 // (the question's last forward). Every answer token but the last is fed back (with anchors where
 // the grid inserts them); the last is never fed, nothing reads its logits.
-std::string greedy_answer(model::Decoder& decoder, Feeder& feeder, model::ForwardResult forward,
-                          int max_tokens, AnswerEnd end, int chunk) {
-  const model::Tokenizer& tokenizer = decoder.model().tokenizer;
+std::string greedy_answer(const EvalEngine& engine, EvalSequence& sequence, Feeder& feeder,
+                          FeedLogits forward, int max_tokens, AnswerEnd end) {
   std::string answer;
   for (int k = 0; k < max_tokens; ++k) {
     const std::int32_t token = argmax(forward.last());
-    if (end == AnswerEnd::at_eos_or_period && token == tokenizer.eos_id) break;
-    answer += tokenizer.decode(token);
+    if (end == AnswerEnd::at_eos_or_period && token == engine.eos_id()) break;
+    answer += engine.decode(token);
     if (k + 1 == max_tokens || (end == AnswerEnd::at_eos_or_period && answer.ends_with('.'))) {
       break;
     }
-    forward = decoder.feed(feeder(std::span<const std::int32_t>(&token, 1)), {}, chunk);
+    forward = sequence.feed(feeder(std::span<const std::int32_t>(&token, 1)), /*turn_start=*/false,
+                            /*all_logits=*/false);
   }
   return answer;
 }
@@ -398,17 +385,16 @@ void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& res
     Rng rng(mix_seed({config.seed, hash_name("passkey"), static_cast<std::uint64_t>(d),
                       double_bits(*cell.depth), static_cast<std::uint64_t>(*cell.length)}));
     const PasskeyDocument doc = make_passkey_document(grid.filler, *cell.length, *cell.depth, rng);
-    CellDecoder decoder(grid, cell);
-    if (d == 0) result["policy_setup"] = decoder.policy_json();
+    CellSequence sequence(grid, cell);
+    if (d == 0) result["policy_setup"] = sequence.policy_json();
     Feeder feeder(grid);
     std::vector<std::int32_t> prompt = bytes_to_tokens(doc.text);
-    prompt.insert(prompt.begin(), grid.model.tokenizer.bos_id);
-    model::ForwardResult forward =
-        feed_turns(*decoder, feeder, prompt, task.turn_separator, config.chunk);
-    const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
-    const std::string answer = greedy_answer(*decoder, feeder, forward, kPasskeyDigits,
-                                             AnswerEnd::after_max_tokens, config.chunk);
-    totals.add(*decoder, decoder.clock(), live_at_question);
+    prompt.insert(prompt.begin(), grid.engine->bos_id());
+    const FeedLogits forward = feed_turns(*sequence, feeder, prompt, task.turn_separator);
+    const std::size_t live_at_question = sequence->counters().live_kv_bytes;
+    const std::string answer = greedy_answer(*grid.engine, *sequence, feeder, forward,
+                                             kPasskeyDigits, AnswerEnd::after_max_tokens);
+    totals.add(sequence->counters(), live_at_question);
     const double accuracy = per_digit_accuracy(answer, doc.key);
     digits_sum += accuracy;
     exact += answer == doc.key ? 1 : 0;
@@ -428,7 +414,6 @@ void run_passkey(const GridContext& grid, const CellSpec& cell, OrderedJson& res
 void run_grocery(const GridContext& grid, const CellSpec& cell, OrderedJson& result) {
   const EvalConfig& config = grid.config;
   const TaskConfig& task = config.tasks[cell.task_index];
-  const model::Tokenizer& tokenizer = grid.model.tokenizer;
   const Clock::time_point start = Clock::now();
   CacheTotals totals;
   double recall_sum = 0;
@@ -441,20 +426,19 @@ void run_grocery(const GridContext& grid, const CellSpec& cell, OrderedJson& res
                   static_cast<std::uint64_t>(task.items)}));
     const GroceryDocument doc =
         make_grocery_document(grid.filler, *cell.length, task.items, *cell.turns, rng);
-    CellDecoder decoder(grid, cell);
-    if (d == 0) result["policy_setup"] = decoder.policy_json();
+    CellSequence sequence(grid, cell);
+    if (d == 0) result["policy_setup"] = sequence.policy_json();
     Feeder feeder(grid);
-    model::ForwardResult forward;
+    FeedLogits forward;
     for (std::size_t t = 0; t < doc.turns.size(); ++t) {
       std::vector<std::int32_t> tokens = bytes_to_tokens(doc.turns[t]);
-      if (t == 0) tokens.insert(tokens.begin(), tokenizer.bos_id);
-      forward =
-          decoder->feed(feeder(tokens), model::ForwardRequest{.turn_start = true}, config.chunk);
+      if (t == 0) tokens.insert(tokens.begin(), grid.engine->bos_id());
+      forward = sequence->feed(feeder(tokens), /*turn_start=*/true, /*all_logits=*/false);
     }
-    const std::size_t live_at_question = decoder->cache().memory().live_kv_bytes;
-    const std::string answer = greedy_answer(*decoder, feeder, forward, kGroceryMaxAnswerTokens,
-                                             AnswerEnd::at_eos_or_period, config.chunk);
-    totals.add(*decoder, decoder.clock(), live_at_question);
+    const std::size_t live_at_question = sequence->counters().live_kv_bytes;
+    const std::string answer = greedy_answer(*grid.engine, *sequence, feeder, forward,
+                                             kGroceryMaxAnswerTokens, AnswerEnd::at_eos_or_period);
+    totals.add(sequence->counters(), live_at_question);
     const double recall = item_recall(answer, doc.items);
     recall_sum += recall;
     exact += answer == doc.expected_answer ? 1 : 0;
@@ -472,8 +456,8 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
   const EvalConfig& config = grid.config;
   const TaskConfig& task = config.tasks[cell.task_index];
   const Clock::time_point start = Clock::now();
-  CellDecoder decoder(grid, cell);
-  result["policy_setup"] = decoder.policy_json();
+  CellSequence sequence(grid, cell);
+  result["policy_setup"] = sequence.policy_json();
   CycledText source(grid, task.turn_separator);
   OrderedJson checkpoints = OrderedJson::array();
   std::vector<std::int32_t> chunk;
@@ -483,11 +467,11 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
   for (const std::int64_t checkpoint : task.checkpoints) {
     while (fed < checkpoint) {
       const bool turn_start = source.fill(chunk, config.chunk, fed, checkpoint);
-      (void)decoder->feed(chunk, model::ForwardRequest{.turn_start = turn_start});
+      (void)sequence->feed(chunk, turn_start, /*all_logits=*/false);
     }
     const double seconds = seconds_since(start);
     const ProcessMemory memory = process_memory();
-    const model::DecoderStats& stats = decoder->stats();
+    const SequenceCounters counters = sequence->counters();
     const double interval = seconds - previous_seconds;
     checkpoints.push_back(
         {{"tokens", fed},
@@ -497,12 +481,11 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
          {"tokens_per_second", seconds > 0 ? static_cast<double>(fed) / seconds : 0.0},
          {"rss_bytes", memory.rss_bytes},
          {"peak_rss_bytes", memory.peak_rss_bytes},
-         {"live_kv_bytes", decoder->cache().memory().live_kv_bytes},
-         {"peak_kv_bytes", stats.peak_kv_bytes},
-         {"forward_seconds_per_token", forward_seconds(decoder.clock()) / static_cast<double>(fed)},
-         {"eviction_seconds_per_token",
-          cli::eviction_seconds(decoder.clock()) / static_cast<double>(fed)}});
-    for (const auto& [name, seconds] : split_seconds(decoder.clock())) {
+         {"live_kv_bytes", counters.live_kv_bytes},
+         {"peak_kv_bytes", counters.peak_kv_bytes},
+         {"forward_seconds_per_token", counters.forward_seconds / static_cast<double>(fed)},
+         {"eviction_seconds_per_token", counters.eviction_seconds / static_cast<double>(fed)}});
+    for (const auto& [name, seconds] : counters.stage_seconds) {
       checkpoints.back()[name.substr(0, name.size() - std::string_view("seconds").size()) +
                          "seconds_per_token"] = seconds / static_cast<double>(fed);
     }
@@ -510,9 +493,33 @@ void run_cost(const GridContext& grid, const CellSpec& cell, OrderedJson& result
     previous_seconds = seconds;
   }
   CacheTotals totals;
-  totals.add(*decoder, decoder.clock(), decoder->cache().memory().live_kv_bytes);
+  const SequenceCounters counters = sequence->counters();
+  totals.add(counters, counters.live_kv_bytes);
   totals.write(result["metrics"], seconds_since(start));
   result["details"]["checkpoints"] = std::move(checkpoints);
+}
+
+// Throws when an unbounded policy at `budget` would feed a sequence more tokens than the engine's
+// `capacity` (llama.cpp's context): the longest stream or document of any task, answer tokens
+// included (anchors, when inserted, add more).
+void check_capacity(const EvalConfig& config, std::optional<int> budget, std::int64_t capacity) {
+  for (std::size_t t = 0; t < config.tasks.size(); ++t) {
+    const TaskConfig& task = config.tasks[t];
+    std::int64_t longest = task.tokens;  // stream_bpb, cost
+    if (task.kind == TaskKind::passkey) {
+      const std::vector<std::int64_t> lengths = passkey_lengths(config, task, budget);
+      if (lengths.empty()) continue;  // no cell
+      longest = *std::max_element(lengths.begin(), lengths.end()) + kPasskeyDigits - 1;
+    } else if (task.kind == TaskKind::grocery) {
+      longest = task.length + kGroceryMaxAnswerTokens - 1;
+    }
+    if (longest > capacity) {
+      throw Error(
+          fmt::format("the policy keeps every token and tasks[{}] ({}) feeds up to {} "
+                      "tokens, more than the engine's {} cells (kvevict-llama -c)",
+                      t, to_string(task.kind), longest, capacity));
+    }
+  }
 }
 
 bool is_file(const fs::path& path) {
@@ -632,8 +639,12 @@ ModelChecksum checksum_model(const fs::path& path) {
 }
 
 GridContext prepare_grid(EvalConfig config) {
+  return prepare_grid(std::move(config), reference_engine);
+}
+
+GridContext prepare_grid(EvalConfig config, const EngineLoader& load) {
   std::vector<CellSpec> cells = enumerate_cells(config);
-  model::Model model = cli::load_model_file(config.model);
+  std::shared_ptr<const EvalEngine> engine = load(config.model);
   ModelChecksum model_checksum = checksum_model(config.model);
 
   if (!is_file(config.text)) {
@@ -643,7 +654,7 @@ GridContext prepare_grid(EvalConfig config) {
   std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   if (text.empty())
     throw Error(fmt::format("{}: text file '{}' is empty", config.source, config.text));
-  std::vector<std::int32_t> text_tokens = model.tokenizer.encode(text, /*add_bos=*/false);
+  std::vector<std::int32_t> text_tokens = engine->encode(text, /*add_bos=*/false);
   if (text_tokens.empty()) {
     throw Error(fmt::format("{}: text file '{}' holds no tokens", config.source, config.text));
   }
@@ -654,20 +665,28 @@ GridContext prepare_grid(EvalConfig config) {
     throw Error(fmt::format("{}: text file '{}': {}", config.source, config.text, error.what()));
   }
 
-  const model::Tokenizer& tokenizer = model.tokenizer;
+  const model::Tokenizer* tokenizer = engine->kvevict_tokenizer();
   for (std::size_t t = 0; t < config.tasks.size(); ++t) {
     const TaskKind kind = config.tasks[t].kind;
     if ((kind == TaskKind::passkey || kind == TaskKind::grocery) &&
-        (tokenizer.kind != model::Tokenizer::Kind::byte_level || tokenizer.bos_id < 0)) {
-      throw Error(
-          fmt::format("{}: tasks[{}]: the {} task builds byte-level documents and needs a "
-                      "byte-level tokenizer with BOS; model '{}' has neither or not both",
-                      config.source, t, to_string(kind), config.model));
+        (tokenizer == nullptr || tokenizer->kind != model::Tokenizer::Kind::byte_level ||
+         tokenizer->bos_id < 0)) {
+      throw Error(fmt::format(
+          "{}: tasks[{}]: the {} task builds byte-level documents and needs a "
+          "byte-level tokenizer with BOS; model '{}' has {}",
+          config.source, t, to_string(kind), config.model,
+          tokenizer == nullptr ? "a vocabulary only llama.cpp tokenizes" : "neither or not both"));
     }
   }
   if (config.anchors) {
     try {
-      (void)cli::AnchorInserter::for_tokenizer(tokenizer);
+      if (tokenizer == nullptr) {
+        throw Error(
+            fmt::format("model '{}' has a vocabulary only llama.cpp tokenizes, without "
+                        "kvevict's <AC> anchor",
+                        config.model));
+      }
+      (void)cli::AnchorInserter::for_tokenizer(*tokenizer);
     } catch (const Error& error) {
       throw Error(fmt::format("{}: anchors: {}", config.source, error.what()));
     }
@@ -678,7 +697,10 @@ GridContext prepare_grid(EvalConfig config) {
     if (budgets.empty()) budgets.emplace_back(std::nullopt);
     for (const std::optional<int> budget : budgets) {
       try {
-        (void)cli::make_policy_setup(entry.options(budget, config.chunk), model);
+        cli::PolicySetup setup = engine->make_setup(entry.options(budget, config.chunk));
+        const bool keeps_every_token = !setup.policy->retained_limit();
+        const std::optional<std::int64_t> capacity = engine->check(setup);
+        if (keeps_every_token && capacity) check_capacity(config, budget, *capacity);
       } catch (const Error& error) {
         throw Error(fmt::format("{}: policies[{}] ({}){}: {}", config.source, p, entry.label,
                                 budget ? fmt::format(" at budget {}", *budget) : std::string(),
@@ -688,13 +710,14 @@ GridContext prepare_grid(EvalConfig config) {
   }
   std::string config_sha256 = sha256_hex(to_json(config).dump());
   std::string text_sha256 = sha256_hex(text);
-  return GridContext{std::move(config),  std::move(model),         std::move(model_checksum),
+  return GridContext{std::move(config),  std::move(engine),        std::move(model_checksum),
                      std::move(text),    std::move(text_sha256),   std::move(text_tokens),
                      std::move(*filler), std::move(config_sha256), std::move(cells)};
 }
 
 OrderedJson cell_config_json(const EvalConfig& config, std::string_view model_sha256,
-                             std::string_view text_sha256, const CellSpec& cell) {
+                             std::string_view text_sha256, std::string_view engine,
+                             const CellSpec& cell) {
   OrderedJson json;
   json["grid"] = config.name;
   // Paths are left out on purpose: the checksums say what was run, wherever it lies.
@@ -707,11 +730,15 @@ OrderedJson cell_config_json(const EvalConfig& config, std::string_view model_sh
   json["budget"] = cell.budget ? OrderedJson(*cell.budget) : OrderedJson(nullptr);
   json["task"] = task_hash_json(config.tasks[cell.task_index]);
   json["variant"] = cell.variant_json();
+  // Only for another engine than kvevict's decoder, so that kvevict's cells keep their hashes and
+  // neither engine resumes the other's cells.
+  if (engine != kReferenceEngine) json["engine"] = engine;
   return json;
 }
 
 OrderedJson cell_config_json(const GridContext& grid, const CellSpec& cell) {
-  return cell_config_json(grid.config, grid.model_checksum.sha256, grid.text_sha256, cell);
+  return cell_config_json(grid.config, grid.model_checksum.sha256, grid.text_sha256,
+                          grid.engine->name(), cell);
 }
 
 OrderedJson run_cell(const GridContext& grid, const CellSpec& cell) {
@@ -724,6 +751,7 @@ OrderedJson run_cell(const GridContext& grid, const CellSpec& cell) {
   result["grid"] = config.name;
   result["cell_hash"] = sha256_hex(cell_config.dump());
   result["git_revision"] = git_revision();
+  result["engine"] = grid.engine->name();
   result["task"] = std::string(to_string(task.kind));
   result["task_index"] = cell.task_index;
   result["policy"] = entry.policy;

@@ -176,6 +176,7 @@ std::string default_label(const PolicyEntry& entry) {
   if (entry.sinks) label += fmt::format(" sinks={}", *entry.sinks);
   for (const std::string& param : entry.params) label += " " + param;
   if (!entry.positions.empty()) label += " positions=" + entry.positions;
+  if (!entry.granularity.empty()) label += " granularity=" + entry.granularity;
   if (entry.keys != "post_rope") label += " keys=" + entry.keys;
   if (entry.kv_type != "f32") label += " kv=" + entry.kv_type;
   return label;
@@ -187,8 +188,8 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
                                       const std::string& path, const std::vector<int>& grid_budgets,
                                       int chunk, const std::vector<std::string>& kv_types) {
   const ObjectReader reader(json, source, path,
-                            {"policy", "label", "sinks", "params", "positions", "keys", "kv_type",
-                             "catalyst", "budgets"});
+                            {"policy", "label", "sinks", "params", "positions", "granularity",
+                             "keys", "kv_type", "catalyst", "budgets"});
   PolicyEntry entry;
   entry.policy = reader.string("policy", std::nullopt);
   const std::vector<std::string_view> names = policy_names();
@@ -200,6 +201,7 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
     entry.sinks = static_cast<int>(reader.integer("sinks", std::nullopt, 0, kMaxBudget));
   if (reader.has("params")) entry.params = reader.strings("params");
   entry.positions = reader.string("positions", std::string());
+  entry.granularity = reader.string("granularity", std::string());
   entry.keys = reader.string("keys", std::string("post_rope"));
   if (reader.has("kv_type")) entry.kv_type = reader.string("kv_type", std::nullopt);
   if (reader.has("catalyst")) entry.catalyst = reader.string("catalyst", std::nullopt);
@@ -447,6 +449,7 @@ cli::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk) co
   }
   options.params = params;
   options.positions = positions;
+  options.granularity = granularity;
   options.keys = keys;
   options.kv_type = kv_type;
   options.chunk = chunk;
@@ -580,6 +583,8 @@ nlohmann::ordered_json to_json(const PolicyEntry& entry) {
       entry.sinks ? nlohmann::ordered_json(*entry.sinks) : nlohmann::ordered_json(nullptr);
   json["params"] = entry.params;
   json["positions"] = entry.positions;
+  // Only when given, so that configs without it keep their normalised form (and hash).
+  if (!entry.granularity.empty()) json["granularity"] = entry.granularity;
   json["keys"] = entry.keys;
   // Only when not f32, so that configs without the axis keep their normalised form (and hash).
   if (entry.kv_type != "f32") json["kv_type"] = entry.kv_type;

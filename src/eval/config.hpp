@@ -24,14 +24,18 @@ enum class TaskKind { stream_bpb, passkey, grocery, cost };
 [[nodiscard]] std::string_view to_string(TaskKind kind);
 
 /// One entry of "policies": a policy as the CLI's --policy / --sinks / --param / --positions /
-/// --keys / --kv-type / --catalyst would give it; the budget comes from the grid. The grid's
-/// "kv_types" (an axis) turns an entry without its own "kv_type" into one entry per type.
+/// --granularity / --keys / --kv-type / --catalyst would give it; the budget comes from the grid.
+/// The grid's "kv_types" (an axis) turns an entry without its own "kv_type" into one entry per
+/// type.
 struct PolicyEntry {
   std::string policy;
   std::string label;  ///< unique row name in the tables; default: policy plus sinks and params
   std::optional<int> sinks;
   std::vector<std::string> params;  ///< "key=value", applied after the budget mapping
   std::string positions;            ///< empty: the policy's own mode
+  /// head, layer, token or block:B; empty: the engine's default (kvevict's decoder: the policy's
+  /// own, per head; llama.cpp: token)
+  std::string granularity;
   std::string keys = "post_rope";
   std::string kv_type = "f32";          ///< --kv-type: how the cache stores keys and values
   std::optional<std::string> catalyst;  ///< InfiniPot's prompt; default: the task's question

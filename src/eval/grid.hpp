@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
-#include <kvevict/model/model.hpp>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
@@ -18,6 +18,7 @@
 
 #include "eval/config.hpp"
 #include "eval/documents.hpp"
+#include "eval/engine.hpp"
 
 namespace kvevict::eval {
 
@@ -52,7 +53,7 @@ struct ModelChecksum {
 /// Everything a cell needs, loaded and checked once by the parent before any child is forked.
 struct GridContext {
   EvalConfig config;
-  model::Model model;
+  std::shared_ptr<const EvalEngine> engine;  ///< the model, its tokenizer and its sequences
   ModelChecksum model_checksum;
   std::string text;  ///< the text file's bytes
   std::string text_sha256;
@@ -60,21 +61,26 @@ struct GridContext {
   FillerText filler;
   std::string config_sha256;  ///< of the normalised config (to_json) as compact text
   std::vector<CellSpec> cells;
-  /// Threads of each cell's decoder (`kvevict eval -t`): not part of the config, since the
-  /// results are bit-identical for any number (only tokens/s change).
+  /// Threads of each cell's sequence (`-t`): not part of the config, since kvevict's results are
+  /// bit-identical for any number (only tokens/s change).
   int threads = 1;
 };
 
-/// Loads the model and the text, checksums them, and checks what needs the model: the tokenizer
-/// (byte-level with BOS for passkey and grocery; an anchor token with "anchors") and every policy
-/// at every budget (make_policy_setup). Throws kvevict::Error naming the problem.
+/// Loads the model (with `load`: kvevict's reference decoder by default) and the text, checksums
+/// them, and checks what needs the model: the tokenizer (kvevict's byte-level one with BOS for
+/// passkey and grocery; an anchor token with "anchors"), every policy at every budget (the
+/// engine's make_setup and check) and that unbounded policies fit an engine of bounded capacity.
+/// Throws kvevict::Error naming the problem (the task or the policy entry, and the model).
 [[nodiscard]] GridContext prepare_grid(EvalConfig config);
+[[nodiscard]] GridContext prepare_grid(EvalConfig config, const EngineLoader& load);
 
 /// What a cell's result is recorded against: the model and text checksums, seed, chunk, anchors,
-/// the policy entry, budget, task and variant. Its SHA-256 is the cell's config hash.
+/// the policy entry, budget, task and variant, and the engine when it is not kvevict's decoder.
+/// Its SHA-256 is the cell's config hash.
 [[nodiscard]] nlohmann::ordered_json cell_config_json(const EvalConfig& config,
                                                       std::string_view model_sha256,
                                                       std::string_view text_sha256,
+                                                      std::string_view engine,
                                                       const CellSpec& cell);
 [[nodiscard]] nlohmann::ordered_json cell_config_json(const GridContext& grid,
                                                       const CellSpec& cell);
@@ -103,9 +109,10 @@ struct ShardSpec {
 struct GridRecord {
   EvalConfig config;
   std::string config_sha256;
-  nlohmann::ordered_json model;  ///< {path, sha256, files, format, context_length}
-  nlohmann::ordered_json text;   ///< {path, sha256, bytes}
-  std::vector<CellSpec> cells;   ///< the cells of this output, in grid order (a shard's slice)
+  nlohmann::ordered_json model;          ///< {path, sha256, files, format, context_length}
+  nlohmann::ordered_json text;           ///< {path, sha256, bytes}
+  std::string engine{kReferenceEngine};  ///< EvalEngine::name()
+  std::vector<CellSpec> cells;  ///< the cells of this output, in grid order (a shard's slice)
   std::optional<ShardSpec> shard;
 };
 /// The record of `grid`, or of its slice `shard`.
@@ -169,6 +176,25 @@ void write_file_atomically(const std::filesystem::path& path, const std::string&
 /// <out>/cells, created if need be; with `fresh`, the cells and results `out` held are deleted
 /// first.
 std::filesystem::path prepare_cells_directory(const std::filesystem::path& out, bool fresh);
+
+/// What `kvevict eval` and `kvevict-llama eval` are given on the command line.
+struct EvalCommand {
+  std::string config;
+  std::string out;  ///< empty: eval/results/<grid name>
+  int jobs = 2;
+  int threads = 1;
+  std::string shard;  ///< "I/N"; empty: every cell
+  bool fresh = false;
+  bool list = false;                        ///< print the cells (of the shard) and load nothing
+  std::string model;                        ///< replaces the config's "model" when not empty
+  std::string text;                         ///< replaces the config's "text" when not empty
+  std::function<void(EvalConfig&)> adjust;  ///< applied to the loaded config (--kv-type)
+};
+/// Loads the config, prepares the grid over the engine `load` gives, runs it (or lists its cells
+/// on `out`) and prints the summary on `out`, progress on `progress`. Returns whether every cell
+/// has a result. Throws kvevict::Error for bad options, configs, models and output directories.
+bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std::ostream& out,
+                      std::ostream& progress);
 
 struct MergeOptions {
   std::vector<std::filesystem::path> shards;  ///< output directories of `eval --shard` runs

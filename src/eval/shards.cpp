@@ -12,6 +12,7 @@
 #include "cli_common/report.hpp"
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
+#include "eval/engine.hpp"
 #include "eval/grid.hpp"
 #include "eval/sha256.hpp"
 
@@ -84,6 +85,10 @@ ShardOutput read_shard(const fs::path& dir) {
   }
   record.model = results.at("model");
   record.text = results.at("text");
+  // Results written before kvevict-llama eval existed are kvevict's decoder's.
+  const OrderedJson engine = results.value("engine", OrderedJson(kReferenceEngine));
+  if (!engine.is_string()) throw Error(fmt::format("'{}': \"engine\" must be a string", source));
+  record.engine = engine.get<std::string>();
   if (!record.model.is_object() || !record.model.contains("sha256") ||
       !record.model.at("sha256").is_string() || !record.text.is_object() ||
       !record.text.contains("sha256") || !record.text.at("sha256").is_string()) {
@@ -180,6 +185,7 @@ void require_same_grid(const ShardOutput& first, const ShardOutput& other) {
                        difference->path, difference->first, difference->second,
                        a.config_sha256.substr(0, 16), b.config_sha256.substr(0, 16)));
   }
+  if (a.engine != b.engine) refuse(fmt::format("engine '{}' vs '{}'", a.engine, b.engine));
   if (a.model.at("sha256") != b.model.at("sha256")) {
     refuse(fmt::format("model sha256 {} vs {}", a.model.at("sha256").get<std::string>(),
                        b.model.at("sha256").get<std::string>()));
@@ -256,9 +262,9 @@ GridRecord grid_record(const GridContext& grid, std::optional<ShardSpec> shard) 
   record.config_sha256 = grid.config_sha256;
   record.model = {{"path", grid.config.model},
                   {"sha256", grid.model_checksum.sha256},
-                  {"files", grid.model_checksum.files},
-                  {"format", grid.model.format},
-                  {"context_length", grid.model.config.context_length}};
+                  {"files", grid.model_checksum.files}};
+  record.model.update(grid.engine->model_json());  // format, context_length
+  record.engine = grid.engine->name();
   record.text = {
       {"path", grid.config.text}, {"sha256", grid.text_sha256}, {"bytes", grid.text.size()}};
   record.cells = shard ? shard_cells(grid.cells, *shard) : grid.cells;
@@ -268,7 +274,7 @@ GridRecord grid_record(const GridContext& grid, std::optional<ShardSpec> shard) 
 
 std::string cell_hash(const GridRecord& record, const CellSpec& cell) {
   return sha256_hex(cell_config_json(record.config, record.model.value("sha256", ""),
-                                     record.text.value("sha256", ""), cell)
+                                     record.text.value("sha256", ""), record.engine, cell)
                         .dump());
 }
 

@@ -8,6 +8,8 @@
 #include <kvevict/error.hpp>
 #include <mutex>
 
+#include "cli_common/log_loss.hpp"
+
 namespace kvevict::llama_cli {
 namespace {
 
@@ -147,7 +149,14 @@ std::int32_t LlamaModel::eos_id() const {
   return tokenizer_ ? tokenizer_->eos_id : llama_vocab_eos(vocab_);
 }
 
+std::int32_t LlamaModel::bos_id() const {
+  if (tokenizer_) return tokenizer_->bos_id;
+  return llama_vocab_get_add_bos(vocab_) ? llama_vocab_bos(vocab_) : -1;
+}
+
 std::vector<std::uint32_t> LlamaModel::token_bytes() const {
+  if (tokenizer_) return cli::token_byte_counts(*tokenizer_, vocab_size_);
+  // llama.cpp's vocabularies: the bytes of each token's piece (control tokens have none).
   std::vector<std::uint32_t> bytes(static_cast<std::size_t>(vocab_size_));
   for (std::size_t id = 0; id < bytes.size(); ++id) {
     bytes[id] = static_cast<std::uint32_t>(decode(static_cast<std::int32_t>(id)).size());

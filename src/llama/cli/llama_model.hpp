@@ -37,6 +37,9 @@ class LlamaModel {
   [[nodiscard]] std::string decode(std::int32_t id) const;
   [[nodiscard]] int vocab_size() const { return vocab_size_; }
   [[nodiscard]] std::int32_t eos_id() const;
+  /// The token a stream starts with: kvevict's tokenizer's BOS, or llama.cpp's when its
+  /// vocabulary adds one (Llama 3 does, Qwen does not); -1 for none.
+  [[nodiscard]] std::int32_t bos_id() const;
   /// kvevict's tokenizer for this vocabulary; null when llama.cpp tokenizes.
   [[nodiscard]] const model::Tokenizer* kvevict_tokenizer() const {
     return tokenizer_ ? &*tokenizer_ : nullptr;

@@ -7,6 +7,23 @@
 #include <utility>
 
 namespace kvevict::llama_cli {
+namespace {
+
+ggml_type ggml_cell_type(KvType type) {
+  switch (type) {
+    case KvType::f32:
+      return GGML_TYPE_F32;
+    case KvType::f16:
+      return GGML_TYPE_F16;
+    case KvType::bf16:
+      return GGML_TYPE_BF16;
+    case KvType::q8_0:
+      return GGML_TYPE_Q8_0;
+  }
+  throw Error("unknown K/V type");
+}
+
+}  // namespace
 
 cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel& model) {
   // The setup reads only the model's tokenizer; a vocabulary kvevict does not hold gets a
@@ -68,6 +85,11 @@ std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& mode
     params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_AUTO;
   } else {
     throw Error("--flash-attn must be on, off or auto, got '" + options.flash_attention + "'");
+  }
+  if (options.cell_type) {
+    const ggml_type type = ggml_cell_type(*options.cell_type);
+    params.type_k = type;
+    params.type_v = type;
   }
   llama::LlamaSequenceOptions sequence_options;
   sequence_options.position_mode = setup.decoder_options.position_mode;

@@ -5,10 +5,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <kvevict/kv_type.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
 #include <kvevict/timing.hpp>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "cli_common/policy_setup.hpp"
@@ -21,6 +23,9 @@ struct LlamaOptions {
   int gpu_layers = 0;
   int context = 4096;
   std::string flash_attention = "auto";
+  /// The type of llama.cpp's K and V cells; nullopt: llama.cpp's default (f16). `kvevict-llama
+  /// eval` sets it from the entry's kv_type, so that its default f32 matches the reference decoder.
+  std::optional<KvType> cell_type;
 };
 
 /// -t, -ngl, -c, -fa (group "llama.cpp").

@@ -1,6 +1,6 @@
 // `kvevict-llama`: kvevict's eviction policies over llama.cpp, with the options and reports of
-// `kvevict` (stream, generate) plus llama.cpp's own (-t, -ngl, -c, -fa). Every error is reported
-// as "kvevict-llama: error: ..." with exit code 2.
+// `kvevict` (stream, generate, eval) plus llama.cpp's own (-t, -ngl, -c, -fa). Every error is
+// reported as "kvevict-llama: error: ..." with exit code 2.
 #include <CLI/CLI.hpp>
 #include <exception>
 #include <iostream>
@@ -19,6 +19,7 @@ int run(int argc, char** argv) {
   const std::vector<kvevict::llama_cli::Command> commands = {
       kvevict::llama_cli::add_generate_command(app),
       kvevict::llama_cli::add_stream_command(app),
+      kvevict::llama_cli::add_eval_command(app),
   };
   try {
     app.parse(argc, argv);

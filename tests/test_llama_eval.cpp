@@ -1,0 +1,171 @@
+// `kvevict eval` (kvevict's reference decoder) against `kvevict-llama eval` (llama.cpp through
+// kvevict::llama) on toy-base converted to GGUF by kvevict's writer: both executables run the same
+// small grid. The two engines compute the same f32 model (llama.cpp's cells f32 too: the entries'
+// default kv_type) with different kernels, so bits per byte agree within 1e-4 relative (as
+// tests/test_llama.cpp finds for streams), and at token granularity both keep the same tokens: the
+// same evictions, the same live K/V bytes (K and V of every layer, f32, per kept token) and the
+// same greedy passkey answers.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <kvevict/model/model.hpp>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "model/model_io.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+struct Outcome {
+  int status = -1;
+  std::string output;  // stdout and stderr
+};
+
+// Runs `command` through the shell; its output goes to a file in `dir`.
+Outcome run(const std::string& command, const fs::path& dir) {
+  const fs::path log = dir / "command.log";
+  const int raw = std::system((command + " > '" + log.string() + "' 2>&1").c_str());
+  Outcome outcome;
+  outcome.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  outcome.output = read_text(log);
+  return outcome;
+}
+
+class LlamaEval : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("kvevict_test_llama_eval_" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+    gguf_ = dir_ / "toy-base.gguf";
+    kvevict::model::write_gguf(
+        kvevict::model::load_model(fs::path(KVEVICT_SOURCE_DIR) / "models/toy-base"), gguf_);
+  }
+  static void TearDownTestSuite() {
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+  }
+
+  // A grid over the GGUF: `policies` (JSON array text), one stream and one passkey task.
+  static fs::path write_config(const std::string& name, const std::string& policies) {
+    const Json config = {
+        {"name", name},
+        {"model", gguf_.string()},
+        {"text", (fs::path(KVEVICT_SOURCE_DIR) / "data/kjv-heldout.txt").string()},
+        {"chunk", 16},
+        {"policies", Json::parse(policies)},
+        {"budgets", {64}},
+        {"tasks",
+         {{{"task", "stream_bpb"}, {"tokens", 1024}, {"window", 256}},
+          {{"task", "passkey"}, {"depths", {0.5}}, {"lengths", {256}}, {"documents", 2}}}}};
+    const fs::path path = dir_ / (name + ".json");
+    std::ofstream(path) << config.dump(2);
+    return path;
+  }
+
+  static Json results(const fs::path& out) { return Json::parse(read_text(out / "results.json")); }
+
+  static inline fs::path dir_;
+  static inline fs::path gguf_;
+};
+
+TEST_F(LlamaEval, BothEnginesGiveTheSameGrid) {
+  const fs::path config = write_config("llama-eval", R"([
+      {"policy": "full", "granularity": "token"},
+      {"policy": "window", "granularity": "token"},
+      {"policy": "streaming_llm", "sinks": 4, "granularity": "token"}])");
+  const fs::path reference_out = dir_ / "reference";
+  const fs::path llama_out = dir_ / "llama";
+  const Outcome reference = run(std::string(KVEVICT_CLI) + " eval '" + config.string() +
+                                    "' --out '" + reference_out.string() + "' --fresh --jobs 2",
+                                dir_);
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  const Outcome llama =
+      run(std::string(KVEVICT_LLAMA_CLI) + " eval '" + config.string() + "' --model '" +
+              gguf_.string() + "' --out '" + llama_out.string() + "' --fresh --jobs 2 -c 1100",
+          dir_);
+  ASSERT_EQ(llama.status, 0) << llama.output;
+
+  const Json expected = results(reference_out);
+  const Json actual = results(llama_out);
+  EXPECT_EQ(expected.at("engine"), "kvevict");
+  EXPECT_EQ(actual.at("engine").get<std::string>().rfind("llama.cpp ", 0), 0u);
+  EXPECT_EQ(expected.at("model").at("sha256"), actual.at("model").at("sha256"));
+  ASSERT_EQ(expected.at("cells").size(), 6u);  // 3 policies x (1 stream + 1 passkey variant)
+  ASSERT_EQ(actual.at("cells").size(), expected.at("cells").size());
+  std::int64_t evicted = 0;
+  for (std::size_t i = 0; i < expected.at("cells").size(); ++i) {
+    const Json& a = expected.at("cells")[i];
+    const Json& b = actual.at("cells")[i];
+    SCOPED_TRACE(a.at("id").get<std::string>());
+    ASSERT_EQ(a.at("id"), b.at("id"));
+    EXPECT_EQ(b.at("engine"), actual.at("engine"));
+    EXPECT_EQ(a.at("policy_setup").at("granularity"), "token");
+    EXPECT_EQ(b.at("policy_setup").at("granularity"), "token");
+    EXPECT_EQ(a.at("policy_setup").at("positions"), b.at("policy_setup").at("positions"));
+    // Different engines: neither may resume the other's cells.
+    EXPECT_NE(a.at("cell_hash"), b.at("cell_hash"));
+    const Json& ma = a.at("metrics");
+    const Json& mb = b.at("metrics");
+    EXPECT_EQ(ma.at("tokens_fed"), mb.at("tokens_fed"));
+    EXPECT_EQ(ma.at("evicted_slots"), mb.at("evicted_slots"));
+    EXPECT_EQ(ma.at("decisions"), mb.at("decisions"));
+    EXPECT_EQ(ma.at("live_kv_bytes"), mb.at("live_kv_bytes"));
+    EXPECT_EQ(ma.at("peak_kv_bytes"), mb.at("peak_kv_bytes"));
+    evicted += ma.at("evicted_slots").get<std::int64_t>();
+    if (a.at("task") == "stream_bpb") {
+      const double bpb = ma.at("bits_per_byte").get<double>();
+      EXPECT_NEAR(mb.at("bits_per_byte").get<double>(), bpb, 1e-4 * bpb);
+      EXPECT_EQ(ma.at("bytes_scored"), mb.at("bytes_scored"));
+    } else {
+      const Json& documents = a.at("details").at("documents");
+      ASSERT_EQ(documents.size(), 2u);
+      for (std::size_t d = 0; d < documents.size(); ++d) {
+        const Json& other = b.at("details").at("documents")[d];
+        EXPECT_EQ(documents[d].at("key"), other.at("key"));
+        EXPECT_EQ(documents[d].at("answer"), other.at("answer"));
+        EXPECT_EQ(documents[d].at("answer").get<std::string>().size(), 5u);
+      }
+      EXPECT_EQ(ma.at("per_digit"), mb.at("per_digit"));
+    }
+  }
+  EXPECT_GT(evicted, 0);  // the bounded cells evicted: the comparison covers eviction
+
+  // The reference decoder's output directory is another engine's: kvevict-llama refuses it.
+  const Outcome mixed =
+      run(std::string(KVEVICT_LLAMA_CLI) + " eval '" + config.string() + "' --model '" +
+              gguf_.string() + "' --out '" + reference_out.string() + "' -c 1100",
+          dir_);
+  EXPECT_EQ(mixed.status, 2) << mixed.output;
+  EXPECT_NE(mixed.output.find("different configuration"), std::string::npos) << mixed.output;
+}
+
+TEST_F(LlamaEval, RefusesHeadGranularityBeforeTheGridRuns) {
+  const fs::path config = write_config("llama-eval-head", R"([
+      {"policy": "full"},
+      {"policy": "window", "granularity": "head", "label": "window per head"}])");
+  const fs::path out = dir_ / "head";
+  const Outcome outcome = run(std::string(KVEVICT_LLAMA_CLI) + " eval '" + config.string() +
+                                  "' --model '" + gguf_.string() + "' --out '" + out.string() + "'",
+                              dir_);
+  EXPECT_EQ(outcome.status, 2) << outcome.output;
+  EXPECT_NE(outcome.output.find("policies[1] (window per head) at budget 64"), std::string::npos)
+      << outcome.output;
+  EXPECT_NE(outcome.output.find("granularity head"), std::string::npos) << outcome.output;
+  EXPECT_FALSE(fs::exists(out)) << "nothing may be written before the refusal";
+}
+
+}  // namespace
