@@ -440,6 +440,34 @@ TEST(DecoderTargets, KernelsEqualPlainLoopsWithTails) {
         EXPECT_NEAR(y[static_cast<std::size_t>(i * 8 + c)], expected, 1e-5);
       }
     }
+    // A decode step's few rows of X (m <= 8): blocks of one vector's lane count of W rows, summed
+    // across lanes together, with the rows of W left over one at a time (n = 37 leaves some on
+    // every target); k = 32, 64 and 128 are unrolled, 48 and 80 not, 44 is no multiple of a lane
+    // count of 8 or 16 (one row at a time).
+    for (const int k : {32, 44, 48, 64, 80, 128}) {
+      for (const int m : {1, 3, 4, 6}) {
+        const int n = 37;
+        const std::vector<float> xs = test_values(static_cast<std::size_t>(m * k), 23);
+        const std::vector<float> ws = test_values(static_cast<std::size_t>(n * (k + 3)), 25);
+        std::vector<float> ys(static_cast<std::size_t>(m * (n + 2)), -1.0f);
+        kernels::matmul_transposed(xs.data(), k, m, ws.data(), k + 3, n, k, ys.data(), n + 2);
+        for (int i = 0; i < m; ++i) {
+          for (int c = 0; c < n; ++c) {
+            double expected = 0.0;
+            double magnitude = 0.0;  // f32 summation in any order is within (k + 1) eps of it
+            for (int t = 0; t < k; ++t) {
+              const double product = double{xs[static_cast<std::size_t>(i * k + t)]} *
+                                     ws[static_cast<std::size_t>(c * (k + 3) + t)];
+              expected += product;
+              magnitude += std::fabs(product);
+            }
+            EXPECT_NEAR(ys[static_cast<std::size_t>(i * (n + 2) + c)], expected,
+                        (k + 1) * 0x1p-24 * magnitude)
+                << "k " << k << " m " << m << " row " << i << " column " << c;
+          }
+        }
+      }
+    }
     // Y += P V with m = 3, n = 5, k = 21.
     const std::vector<float> p = test_values(3 * 5, 11);
     const std::vector<float> v = test_values(5 * 21, 13);
@@ -451,6 +479,29 @@ TEST(DecoderTargets, KernelsEqualPlainLoopsWithTails) {
         double expected = before[static_cast<std::size_t>(i * 21 + j)];
         for (int s = 0; s < 5; ++s) expected += double{p[i * 5 + s]} * v[s * 21 + j];
         EXPECT_NEAR(out[static_cast<std::size_t>(i * 21 + j)], expected, 1e-5);
+      }
+    }
+    // Y += P V over more rows of V than one block of them (64) and a part of one, m = 4.
+    {
+      const int rows = 150;
+      const std::vector<float> pl = test_values(4 * rows, 27);
+      const std::vector<float> vl = test_values(rows * 64, 29);
+      std::vector<float> yl = test_values(4 * 64, 31);
+      const std::vector<float> start = yl;
+      kernels::add_weighted_rows(pl.data(), rows, 4, vl.data(), 64, rows, 64, yl.data(), 64);
+      for (int i = 0; i < 4; ++i) {
+        for (int j = 0; j < 64; ++j) {
+          double expected = start[static_cast<std::size_t>(i * 64 + j)];
+          double magnitude = std::fabs(expected);
+          for (int s = 0; s < rows; ++s) {
+            const double product = double{pl[static_cast<std::size_t>(i * rows + s)]} *
+                                   vl[static_cast<std::size_t>(s * 64 + j)];
+            expected += product;
+            magnitude += std::fabs(product);
+          }
+          EXPECT_NEAR(yl[static_cast<std::size_t>(i * 64 + j)], expected,
+                      (rows + 2) * 0x1p-24 * magnitude);
+        }
       }
     }
     // Softmax pieces and SwiGLU over 23 values.

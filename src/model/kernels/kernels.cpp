@@ -1,11 +1,12 @@
 // Highway implementation of kernels.hpp: this file is compiled once per target (foreach_target.h
 // re-includes it with HWY_NAMESPACE = N_AVX3, N_AVX2, N_SSE4, ...); the exported functions at the
-// end dispatch to the best target the CPU supports.
+// end dispatch to the best target the CPU supports. The f32 products X W^T and P V are
+// tiles-inl.hpp's, shared with kv_kernels.cpp.
 //
 // Vectors are at most 16 floats (CappedTag<float, 16>: a 512-bit register), so that a lane count
 // always divides the 32 values of a Q8_0 / Q4_0 block and the 16 of a Q4_0 half-block. Scalable
-// vectors (SVE, RVV) are not compiled: the tiles below keep vectors in arrays, which sizeless
-// types do not allow; Arm builds use NEON.
+// vectors (SVE, RVV) are not compiled: the tiles keep vectors in arrays, which sizeless types do
+// not allow; Arm builds use NEON.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -28,23 +29,12 @@
 
 #include "model/half.hpp"
 #include "model/kernels/kernels.hpp"
+#include "model/kernels/tiles-inl.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvevict::model::kernels {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-using D = hn::CappedTag<float, 16>;
-using V = hn::Vec<D>;
-
-// x86 with AVX-512 has 32 vector registers, the others 16: the tiles are sized to fit.
-#if HWY_TARGET <= HWY_AVX3
-constexpr int kWideTile = 4;
-#else
-constexpr int kWideTile = 2;
-#endif
-
-HWY_INLINE float sum_lanes(D d, V v) { return hn::GetLane(hn::SumOfLanes(d, v)); }
 
 // One f16 scale (of a Q8_0 / Q4_0 block) as f32, through the target's conversion (F16C on AVX2).
 HWY_INLINE float block_scale(const std::uint8_t* block) {
@@ -261,132 +251,18 @@ void DequantizeRows(const WeightMatrix& w, std::int64_t begin, std::int64_t end,
 
 // --- f32 products -------------------------------------------------------------------------------
 
-// Y[i][c] = X[i] . W[c] for a tile of kM rows of X and kN rows of W: kM * kN accumulators, each
-// loaded vector of X used kN times and of W kM times.
-template <int kM, int kN>
-HWY_INLINE void product_tile(const float* x, std::ptrdiff_t x_stride, const float* w,
-                             std::ptrdiff_t w_stride, std::int64_t k, float* y,
-                             std::ptrdiff_t y_stride) {
-  const D d;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  V acc[kM][kN];
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kN; ++c) acc[i][c] = hn::Zero(d);
-  }
-  std::int64_t j = 0;
-  for (; j + lanes <= k; j += lanes) {
-    V wv[kN];
-    for (int c = 0; c < kN; ++c) wv[c] = hn::LoadU(d, w + c * w_stride + j);
-    for (int i = 0; i < kM; ++i) {
-      const V xv = hn::LoadU(d, x + i * x_stride + j);
-      for (int c = 0; c < kN; ++c) acc[i][c] = hn::MulAdd(xv, wv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kN; ++c) {
-      float total = sum_lanes(d, acc[i][c]);
-      for (std::int64_t t = j; t < k; ++t) total += x[i * x_stride + t] * w[c * w_stride + t];
-      y[i * y_stride + c] = total;
-    }
-  }
-}
-
-// Rows [0, m) of X against rows of W in tiles; kN W rows stay in L1 while the X rows stream past.
-template <int kN>
-HWY_INLINE void product_columns(const float* x, std::ptrdiff_t x_stride, std::int64_t m,
-                                const float* w, std::ptrdiff_t w_stride, std::int64_t k, float* y,
-                                std::ptrdiff_t y_stride) {
-  std::int64_t i = 0;
-  for (; i + 4 <= m; i += 4) {
-    product_tile<4, kN>(x + i * x_stride, x_stride, w, w_stride, k, y + i * y_stride, y_stride);
-  }
-  for (; i < m; ++i) {
-    product_tile<1, kN>(x + i * x_stride, x_stride, w, w_stride, k, y + i * y_stride, y_stride);
-  }
-}
-
 void MatmulTransposed(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const float* w,
                       std::ptrdiff_t w_stride, std::int64_t n, std::int64_t k, float* y,
                       std::ptrdiff_t y_stride) {
-  // A few rows of X (a decode step's stacked queries against a KV head's keys): one row of W at a
-  // time, read front to back. Tiles of kWideTile rows of W read them as interleaved short streams,
-  // which the prefetcher does not follow (as in matvec); with so few rows of X the tiles save
-  // little. Each value is summed in the same order either way.
-  if (m <= 4) {
-    for (std::int64_t c = 0; c < n; ++c)
-      product_columns<1>(x, x_stride, m, w + c * w_stride, w_stride, k, y + c, y_stride);
-    return;
-  }
-  // Blocks of 64 rows of X (64 x k floats, in L2) against every row of W.
-  constexpr std::int64_t kRowBlock = 64;
-  for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
-    const std::int64_t rows = std::min(kRowBlock, m - i0);
-    const float* xb = x + i0 * x_stride;
-    float* yb = y + i0 * y_stride;
-    std::int64_t c = 0;
-    for (; c + kWideTile <= n; c += kWideTile) {
-      product_columns<kWideTile>(xb, x_stride, rows, w + c * w_stride, w_stride, k, yb + c,
-                                 y_stride);
-    }
-    for (; c < n; ++c)
-      product_columns<1>(xb, x_stride, rows, w + c * w_stride, w_stride, k, yb + c, y_stride);
-  }
-}
-
-// Y[i] += sum_s P[i][s] V[s] for kM rows and kV vectors of columns starting at column j.
-template <int kM, int kV>
-HWY_INLINE void weighted_tile(const float* p, std::ptrdiff_t p_stride, const float* v,
-                              std::ptrdiff_t v_stride, std::int64_t n, float* y,
-                              std::ptrdiff_t y_stride) {
-  const D d;
-  const auto lanes = static_cast<std::ptrdiff_t>(hn::Lanes(d));
-  V acc[kM][kV];
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kV; ++c) acc[i][c] = hn::LoadU(d, y + i * y_stride + c * lanes);
-  }
-  for (std::int64_t s = 0; s < n; ++s) {
-    V vv[kV];
-    for (int c = 0; c < kV; ++c) vv[c] = hn::LoadU(d, v + s * v_stride + c * lanes);
-    for (int i = 0; i < kM; ++i) {
-      const V weight = hn::Set(d, p[i * p_stride + s]);
-      for (int c = 0; c < kV; ++c) acc[i][c] = hn::MulAdd(weight, vv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kV; ++c) hn::StoreU(acc[i][c], d, y + i * y_stride + c * lanes);
-  }
-}
-
-template <int kM>
-HWY_INLINE void weighted_rows(const float* p, std::ptrdiff_t p_stride, const float* v,
-                              std::ptrdiff_t v_stride, std::int64_t n, std::int64_t k, float* y,
-                              std::ptrdiff_t y_stride) {
-  const D d;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  std::int64_t j = 0;
-  for (; j + 4 * lanes <= k; j += 4 * lanes)
-    weighted_tile<kM, 4>(p, p_stride, v + j, v_stride, n, y + j, y_stride);
-  for (; j + lanes <= k; j += lanes)
-    weighted_tile<kM, 1>(p, p_stride, v + j, v_stride, n, y + j, y_stride);
-  for (; j < k; ++j) {
-    for (int i = 0; i < kM; ++i) {
-      float total = y[i * y_stride + j];
-      for (std::int64_t s = 0; s < n; ++s) total += p[i * p_stride + s] * v[s * v_stride + j];
-      y[i * y_stride + j] = total;
-    }
-  }
+  scores<F32Row>(x, x_stride, m, reinterpret_cast<const std::uint8_t*>(w),
+                 static_cast<std::size_t>(w_stride) * sizeof(float), n, k, y, y_stride);
 }
 
 void AddWeightedRows(const float* p, std::ptrdiff_t p_stride, std::int64_t m, const float* v,
                      std::ptrdiff_t v_stride, std::int64_t n, std::int64_t k, float* y,
                      std::ptrdiff_t y_stride) {
-  std::int64_t i = 0;
-  for (; i + kWideTile <= m; i += kWideTile) {
-    weighted_rows<kWideTile>(p + i * p_stride, p_stride, v, v_stride, n, k, y + i * y_stride,
-                             y_stride);
-  }
-  for (; i < m; ++i)
-    weighted_rows<1>(p + i * p_stride, p_stride, v, v_stride, n, k, y + i * y_stride, y_stride);
+  weighted<F32Row>(p, p_stride, m, reinterpret_cast<const std::uint8_t*>(v),
+                   static_cast<std::size_t>(v_stride) * sizeof(float), n, k, y, y_stride);
 }
 
 // --- Element-wise -------------------------------------------------------------------------------

@@ -1,10 +1,8 @@
 // Highway implementation of kv_kernels.hpp, compiled once per target like kernels.cpp (see there
 // for why vectors are capped at 16 floats: a lane count then divides a Q8_0 block of 32).
 //
-// A row format reads a vector of f32 values at column j of a stored row; the products are
-// kernels.cpp's f32 tiles (kM rows of X or P, kN rows of K or kV vectors of V) with the stored row
-// read through it.
-#include <algorithm>
+// A row reader per stored type reads a vector of f32 values at column j of a stored row; the
+// products are tiles-inl.hpp's, the ones kernels.cpp runs over f32 rows.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -22,22 +20,12 @@
 #include "model/half.hpp"
 #include "model/kernels/kernels.hpp"
 #include "model/kernels/kv_kernels.hpp"
+#include "model/kernels/tiles-inl.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace kvevict::model::kernels {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-using D = hn::CappedTag<float, 16>;
-using V = hn::Vec<D>;
-
-#if HWY_TARGET <= HWY_AVX3
-constexpr int kWideTile = 4;
-#else
-constexpr int kWideTile = 2;
-#endif
-
-HWY_INLINE float sum_lanes(D d, V v) { return hn::GetLane(hn::SumOfLanes(d, v)); }
 
 HWY_INLINE std::uint16_t bits_at(const std::uint8_t* p) {
   std::uint16_t bits;
@@ -83,145 +71,6 @@ struct Q8_0Row {
            f16_to_float(bits_at(block));
   }
 };
-
-// Y[i][c] = X[i] . K[c] for kM rows of X and kN stored rows of K (kernels.cpp's product_tile).
-template <class Row, int kM, int kN>
-HWY_INLINE void score_tile(const float* x, std::ptrdiff_t x_stride, const std::uint8_t* keys,
-                           std::size_t row_bytes, std::int64_t k, float* y,
-                           std::ptrdiff_t y_stride) {
-  const D d;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  V acc[kM][kN];
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kN; ++c) acc[i][c] = hn::Zero(d);
-  }
-  std::int64_t j = 0;
-  for (; j + lanes <= k; j += lanes) {
-    V kv[kN];
-    for (int c = 0; c < kN; ++c) kv[c] = Row::load(d, keys + c * row_bytes, j);
-    for (int i = 0; i < kM; ++i) {
-      const V xv = hn::LoadU(d, x + i * x_stride + j);
-      for (int c = 0; c < kN; ++c) acc[i][c] = hn::MulAdd(xv, kv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kN; ++c) {
-      float total = sum_lanes(d, acc[i][c]);
-      for (std::int64_t t = j; t < k; ++t) {
-        total += x[i * x_stride + t] * Row::value(keys + c * row_bytes, t);
-      }
-      y[i * y_stride + c] = total;
-    }
-  }
-}
-
-template <class Row, int kN>
-HWY_INLINE void score_columns(const float* x, std::ptrdiff_t x_stride, std::int64_t m,
-                              const std::uint8_t* keys, std::size_t row_bytes, std::int64_t k,
-                              float* y, std::ptrdiff_t y_stride) {
-  std::int64_t i = 0;
-  for (; i + 4 <= m; i += 4) {
-    score_tile<Row, 4, kN>(x + i * x_stride, x_stride, keys, row_bytes, k, y + i * y_stride,
-                           y_stride);
-  }
-  for (; i < m; ++i) {
-    score_tile<Row, 1, kN>(x + i * x_stride, x_stride, keys, row_bytes, k, y + i * y_stride,
-                           y_stride);
-  }
-}
-
-template <class Row>
-void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const std::uint8_t* keys,
-            std::size_t row_bytes, std::int64_t n, std::int64_t k, float* y,
-            std::ptrdiff_t y_stride) {
-  // A decode step's few queries: one stored row at a time, front to back, as MatmulTransposed
-  // (interleaved rows are short streams the prefetcher does not follow).
-  if (m <= 4) {
-    for (std::int64_t c = 0; c < n; ++c) {
-      score_columns<Row, 1>(x, x_stride, m, keys + c * row_bytes, row_bytes, k, y + c, y_stride);
-    }
-    return;
-  }
-  // Blocks of 64 rows of X (in L2) against every stored row, as MatmulTransposed.
-  constexpr std::int64_t kRowBlock = 64;
-  for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
-    const std::int64_t rows = std::min(kRowBlock, m - i0);
-    const float* xb = x + i0 * x_stride;
-    float* yb = y + i0 * y_stride;
-    std::int64_t c = 0;
-    for (; c + kWideTile <= n; c += kWideTile) {
-      score_columns<Row, kWideTile>(xb, x_stride, rows, keys + c * row_bytes, row_bytes, k, yb + c,
-                                    y_stride);
-    }
-    for (; c < n; ++c) {
-      score_columns<Row, 1>(xb, x_stride, rows, keys + c * row_bytes, row_bytes, k, yb + c,
-                            y_stride);
-    }
-  }
-}
-
-// Y[i] += sum_s P[i][s] V[s] for kM rows and kV vectors of columns from column j (weighted_tile).
-template <class Row, int kM, int kV>
-HWY_INLINE void weighted_tile(const float* p, std::ptrdiff_t p_stride, const std::uint8_t* values,
-                              std::size_t row_bytes, std::int64_t n, std::int64_t j, float* y,
-                              std::ptrdiff_t y_stride) {
-  const D d;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  V acc[kM][kV];
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kV; ++c) acc[i][c] = hn::LoadU(d, y + i * y_stride + j + c * lanes);
-  }
-  for (std::int64_t s = 0; s < n; ++s) {
-    V vv[kV];
-    for (int c = 0; c < kV; ++c) vv[c] = Row::load(d, values + s * row_bytes, j + c * lanes);
-    for (int i = 0; i < kM; ++i) {
-      const V weight = hn::Set(d, p[i * p_stride + s]);
-      for (int c = 0; c < kV; ++c) acc[i][c] = hn::MulAdd(weight, vv[c], acc[i][c]);
-    }
-  }
-  for (int i = 0; i < kM; ++i) {
-    for (int c = 0; c < kV; ++c) hn::StoreU(acc[i][c], d, y + i * y_stride + j + c * lanes);
-  }
-}
-
-template <class Row, int kM>
-HWY_INLINE void weighted_rows(const float* p, std::ptrdiff_t p_stride, const std::uint8_t* values,
-                              std::size_t row_bytes, std::int64_t n, std::int64_t k, float* y,
-                              std::ptrdiff_t y_stride) {
-  const D d;
-  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  std::int64_t j = 0;
-  for (; j + 4 * lanes <= k; j += 4 * lanes) {
-    weighted_tile<Row, kM, 4>(p, p_stride, values, row_bytes, n, j, y, y_stride);
-  }
-  for (; j + lanes <= k; j += lanes) {
-    weighted_tile<Row, kM, 1>(p, p_stride, values, row_bytes, n, j, y, y_stride);
-  }
-  for (; j < k; ++j) {
-    for (int i = 0; i < kM; ++i) {
-      float total = y[i * y_stride + j];
-      for (std::int64_t s = 0; s < n; ++s) {
-        total += p[i * p_stride + s] * Row::value(values + s * row_bytes, j);
-      }
-      y[i * y_stride + j] = total;
-    }
-  }
-}
-
-template <class Row>
-void weighted(const float* p, std::ptrdiff_t p_stride, std::int64_t m, const std::uint8_t* values,
-              std::size_t row_bytes, std::int64_t n, std::int64_t k, float* y,
-              std::ptrdiff_t y_stride) {
-  std::int64_t i = 0;
-  for (; i + kWideTile <= m; i += kWideTile) {
-    weighted_rows<Row, kWideTile>(p + i * p_stride, p_stride, values, row_bytes, n, k,
-                                  y + i * y_stride, y_stride);
-  }
-  for (; i < m; ++i) {
-    weighted_rows<Row, 1>(p + i * p_stride, p_stride, values, row_bytes, n, k, y + i * y_stride,
-                          y_stride);
-  }
-}
 
 void StoredScores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, KvType type,
                   const std::uint8_t* keys, std::size_t row_bytes, std::int64_t n, std::int64_t k,
