@@ -12,11 +12,20 @@
 #   ratio <type> tg128 <median>
 #   ratio <type> pp512 <median>
 #
-# llama-bench: $LLAMA_BENCH if set; else the first of /var/tmp/llama-build/build/bin/llama-bench and
-# /var/tmp/llama-bench-build/build/bin/llama-bench that exists; else it is built into
-# /var/tmp/llama-bench-build from /work/shared/third_party/llama.cpp (or $LLAMA_CPP_DIR) as a
-# portable CPU build (GGML_NATIVE=OFF, AVX, AVX2, FMA, F16C on: what a distribution would ship).
-# kvevict's binary picks its best SIMD target at run time; KVEVICT_TARGET (e.g. AVX2) forces one.
+# llama-bench: $LLAMA_BENCH if set; else /var/tmp/llama-bench-avx512/build/bin/llama-bench if it
+# exists; else it is built there (once) from /work/shared/third_party/llama.cpp (or $LLAMA_CPP_DIR)
+# with the instruction sets of kvevict's own llama.cpp build, so that both programs use what this
+# CPU has (AVX-512 included) and the comparison is at equal width:
+#
+#   cmake -S /work/shared/third_party/llama.cpp -B /var/tmp/llama-bench-avx512/build \
+#     -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON \
+#     -C cmake/llama_cpp_options.cmake   # GGML_NATIVE=OFF, AVX..AVX-512 from /proc/cpuinfo, AMX off
+#   cmake --build /var/tmp/llama-bench-avx512/build --target llama-bench -j2
+#
+# (the directory keeps its name on a CPU without AVX-512: the options file then turns it off).
+# kvevict's binary picks its best SIMD target at run time; KVEVICT_TARGET (e.g. AVX2) forces one,
+# to be compared with a llama-bench of that width given as LLAMA_BENCH (a portable build with
+# GGML_NATIVE=OFF and only GGML_AVX, GGML_AVX2, GGML_FMA, GGML_F16C on).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,24 +39,18 @@ find_llama_bench() {
     echo "${LLAMA_BENCH}"
     return
   fi
-  local candidate
-  for candidate in /var/tmp/llama-build/build/bin/llama-bench /var/tmp/llama-bench-build/build/bin/llama-bench; do
-    if [[ -x "${candidate}" ]]; then
-      echo "${candidate}"
-      return
-    fi
-  done
-  local source="${LLAMA_CPP_DIR:-/work/shared/third_party/llama.cpp}"
-  echo "compare_llama_cpp: building llama-bench into /var/tmp/llama-bench-build (once)" >&2
-  cmake -S "${source}" -B /var/tmp/llama-bench-build/build -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DGGML_OPENMP=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-    >&2
-  nice -n 10 cmake --build /var/tmp/llama-bench-build/build -j2 --target llama-bench >&2
-  echo /var/tmp/llama-bench-build/build/bin/llama-bench
+  local dir=/var/tmp/llama-bench-avx512/build
+  if [[ ! -x "${dir}/bin/llama-bench" ]]; then
+    local source="${LLAMA_CPP_DIR:-/work/shared/third_party/llama.cpp}"
+    echo "compare_llama_cpp: building llama-bench into ${dir} (once)" >&2
+    cmake -S "${source}" -B "${dir}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_COMMON=ON \
+      -DLLAMA_BUILD_TOOLS=ON -C "${repo}/cmake/llama_cpp_options.cmake" >&2
+    nice -n 10 cmake --build "${dir}" -j2 --target llama-bench >&2
+  fi
+  echo "${dir}/bin/llama-bench"
 }
 llama_bench="$(find_llama_bench)"
+echo "llama-bench: ${llama_bench}" >&2
 
 work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
