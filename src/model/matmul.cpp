@@ -42,7 +42,9 @@ void product_rows(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x,
     return;
   }
   thread_local std::vector<float> buffer;
-  const std::int64_t step = std::max<std::int64_t>(1, kBlockFloats / w.cols);
+  // A multiple of 16 rows: the products take rows of W in blocks of a vector's lane count (at most
+  // 16), and a block's left-over rows cost a whole block (kernels::matmul_transposed).
+  const std::int64_t step = std::max<std::int64_t>(16, kBlockFloats / w.cols / 16 * 16);
   buffer.resize(static_cast<std::size_t>(std::min(step, end - begin) * w.cols));
   for (std::int64_t block = begin; block < end; block += step) {
     const std::int64_t block_end = std::min(block + step, end);

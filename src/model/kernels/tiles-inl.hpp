@@ -198,35 +198,44 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
 #endif
 
 // Y = X K^T over n rows of K: Y[i][c] = X[i] . K[c], i in [0, m), c in [0, n), k values a row.
+// Blocks of 64 rows of X (64 x k floats, in L2) against every row of K: a decode step's few
+// stacked queries are one block, a prefill's chunk several. The common row widths unrolled.
 template <class Row>
 void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const std::uint8_t* keys,
             std::size_t row_bytes, std::int64_t n, std::int64_t k, float* y,
             std::ptrdiff_t y_stride) {
-  // A few rows of X (a decode step's stacked queries of one KV head, a short chunk's tokens):
-  // key_blocks, the common row widths unrolled.
+  constexpr std::int64_t kRowBlock = 64;
 #if HWY_TARGET != HWY_SCALAR
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(D()));
-  if (m <= 8 && k % lanes == 0) {
-    switch (k / lanes) {
-      case 2:
-        return key_blocks<Row, 2>(x, x_stride, m, keys, row_bytes, n, k, y, y_stride);
-      case 4:
-        return key_blocks<Row, 4>(x, x_stride, m, keys, row_bytes, n, k, y, y_stride);
-      case 8:
-        return key_blocks<Row, 8>(x, x_stride, m, keys, row_bytes, n, k, y, y_stride);
-      default:
-        return key_blocks<Row, 0>(x, x_stride, m, keys, row_bytes, n, k, y, y_stride);
+  if (k % lanes == 0) {
+    for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+      const std::int64_t rows = std::min(kRowBlock, m - i0);
+      const float* xb = x + i0 * x_stride;
+      float* yb = y + i0 * y_stride;
+      switch (k / lanes) {
+        case 2:
+          key_blocks<Row, 2>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
+          break;
+        case 4:
+          key_blocks<Row, 4>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
+          break;
+        case 8:
+          key_blocks<Row, 8>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
+          break;
+        default:
+          key_blocks<Row, 0>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
+      }
     }
+    return;
   }
 #endif
+  // Rows not a multiple of the lanes: score_tile, whose sums across lanes finish the tails.
   if (m <= 8) {  // one key at a time, read front to back
     for (std::int64_t c = 0; c < n; ++c) {
       score_columns<Row, 1>(x, x_stride, m, keys + c * row_bytes, row_bytes, k, y + c, y_stride);
     }
     return;
   }
-  // Blocks of 64 rows of X (64 x k floats, in L2) against every row of K in tiles.
-  constexpr std::int64_t kRowBlock = 64;
   for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
     const std::int64_t rows = std::min(kRowBlock, m - i0);
     const float* xb = x + i0 * x_stride;
