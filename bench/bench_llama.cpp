@@ -12,13 +12,15 @@
 //      load between the two shows.
 //    - each policy, configured as `kvevict-llama stream --policy P --budget N` does (cli_common's
 //      policy setup: the --budget mapping, 4 sinks, chunk 64, its position mode, token
-//      granularity, InfiniPot's general catalyst; TOVA under cache_index), filled with N + 128
-//      tokens (every bounded policy has evicted; InfiniPot: filled so that one catalyst falls
-//      within the timed steps), then `steps` timed LlamaSequence::forward calls of one token.
+//      granularity, InfiniPot's general catalyst; TOVA under cache_index at token granularity),
+//      filled with N + 128 tokens (every bounded policy has evicted; InfiniPot: filled so that
+//      one catalyst falls within the timed steps), then `steps` timed LlamaSequence::forward
+//      calls of one token.
 //      `full` is filled like plain.
 //    Per step: the wall time of the call, and the policy's time inside it from kvevict's
-//    StageClock (policy + reposition: scoring, selection, re-indexing the attention rows from
-//    cells to slots, llama_memory_seq_rm / seq_add). llama.cpp's decode is the rest. Reported:
+//    StageClock (policy + reposition: scoring, selection, handing over the attention rows,
+//    llama_memory_seq_rm / seq_add; the reposition part alone in its own column). llama.cpp's
+//    decode is the rest. Reported:
 //    medians over the steps (the machine is shared: medians resist other jobs' bursts), the
 //    policy's share of a step (median of the per-step ratios) and tokens/s against plain; and,
 //    for costs that come once per several steps (a block's eviction under --granularity block:B,
@@ -182,6 +184,7 @@ struct Row {
   int live = 0;            // cells held after the steps
   double step = 0;         // median step, seconds
   double policy = 0;       // median policy time per step, seconds
+  double reposition = 0;   // median of its reposition part (slot metadata, seq_rm / seq_add)
   double share = 0;        // median of policy / step over the steps
   double mean_step = 0;    // mean step, seconds: periodic costs (a block's eviction) included
   double amortised = 0;    // policy time over step time, summed over the steps
@@ -256,8 +259,11 @@ kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget, const
   options.positions = bench.positions;
   options.granularity = bench.granularity;
   // TOVA can evict the newest token, which llama.cpp cannot represent under `original`
-  // (docs/engines.md, limits): it runs under cache_index, as in test_llama.
-  if (policy == "tova" && bench.positions.empty()) options.positions = "cache_index";
+  // (docs/engines.md, limits): it runs under cache_index, as in test_llama. In blocks it cannot
+  // (the newest block is kept whole), so there it keeps its original positions.
+  if (policy == "tova" && bench.positions.empty() && !bench.granularity.starts_with("block")) {
+    options.positions = "cache_index";
+  }
   return kvevict::llama_cli::make_setup(options, model);
 }
 
@@ -304,6 +310,7 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
 
   std::vector<double> steps;
   std::vector<double> policy_times;
+  std::vector<double> reposition_times;
   std::vector<double> shares;
   Row row;
   row.name = fmt::format("{} ({}{})", policy, kvevict::to_string(kv.position_mode()),
@@ -313,6 +320,7 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
   for (int s = 0; s < options.steps; ++s) {
     const std::int32_t token = stream_token(next++);
     const double policy_before = eviction_seconds(clock);
+    const double reposition_before = clock.seconds(Stage::reposition);
     const std::int64_t catalysts_before = sequence->stats().catalyst_runs;
     const Clock::time_point start = Clock::now();
     (void)sequence->forward(std::span<const std::int32_t>(&token, 1), turns);
@@ -325,11 +333,13 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
     const double in_policy = eviction_seconds(clock) - policy_before;
     steps.push_back(step);
     policy_times.push_back(in_policy);
+    reposition_times.push_back(clock.seconds(Stage::reposition) - reposition_before);
     shares.push_back(in_policy / step);
   }
   row.live = sequence->live_cells();
   row.step = median(steps);
   row.policy = median(policy_times);
+  row.reposition = median(reposition_times);
   row.share = median(shares);
   row.mean_step = mean(steps);
   row.amortised = mean(policy_times) / row.mean_step;
@@ -339,18 +349,20 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
 
 void print_rows(int budget, const std::vector<Row>& rows, double plain_step) {
   std::cout << fmt::format("\n## budget {}\n\n", budget);
-  std::cout << "| run | live cells | step ms | tokens/s | vs plain | policy µs/step | policy share "
-               "| catalyst step ms | mean step ms | amortised share |\n"
-               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+  std::cout << "| run | live cells | step ms | tokens/s | vs plain | policy µs/step | of which "
+               "reposition | policy share | catalyst step ms | mean step ms | amortised share |\n"
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Row& row : rows) {
     const std::string catalyst =
         row.catalyst_steps > 0
             ? fmt::format("{:.2f} ({} step)", row.catalyst_step * 1e3, row.catalyst_steps)
             : std::string("-");
     std::cout << fmt::format(
-        "| {} | {} | {:.3f} | {:.1f} | {:.3f} | {:.1f} | {:.2f}% | {} | {:.3f} | {:.2f}% |\n",
+        "| {} | {} | {:.3f} | {:.1f} | {:.3f} | {:.1f} | {:.1f} | {:.2f}% | {} | {:.3f} | {:.2f}% "
+        "|\n",
         row.name, row.live, row.step * 1e3, 1.0 / row.step, plain_step / row.step, row.policy * 1e6,
-        row.share * 100.0, catalyst, row.mean_step * 1e3, row.amortised * 100.0);
+        row.reposition * 1e6, row.share * 100.0, catalyst, row.mean_step * 1e3,
+        row.amortised * 100.0);
   }
 }
 
@@ -434,7 +446,7 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--positions", options.positions,
                  "position mode of every policy run (default: each policy's own; TOVA's is "
-                 "cache_index here)");
+                 "cache_index here at token granularity)");
   app.add_option("--granularity", options.granularity,
                  "token (default) or block:B for every policy run (policies without a block form "
                  "are reported as errors and skipped)");

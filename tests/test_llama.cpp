@@ -112,6 +112,7 @@ struct Case {
   int n_ctx = 512;
   bool catalyst = false;  // InfiniPot: the paper's general catalyst prompt (CaP-G)
   Granularity granularity = Granularity::token;
+  kvevict::SlotReuse slot_reuse = kvevict::SlotReuse::lowest_first;
 };
 
 std::string describe(const Case& c) {
@@ -170,6 +171,7 @@ int expect_same(const ModelFile& file, const Case& c) {
   llama_options.granularity = c.granularity;
   llama_options.max_chunk = c.chunk;
   llama_options.catalyst = catalyst;
+  llama_options.slot_reuse = c.slot_reuse;
   kvevict::llama::LlamaSequence llama(file.llama, params, make(c), llama_options);
   kvevict::cli::StreamScorer engine(
       [&llama](std::span<const std::int32_t> chunk, bool turn_start) {
@@ -204,6 +206,14 @@ int expect_same(const ModelFile& file, const Case& c) {
       EXPECT_EQ(llama_memory_seq_pos_min(memory, 0), sequence.position(0, 0, order.front()));
       EXPECT_EQ(llama_memory_seq_pos_max(memory, 0), sequence.position(0, 0, order.back()));
     }
+  }
+  // Slots taken lowest first are llama.cpp's cells (it scans from the lowest freed cell), so the
+  // softmax rows go to the policy as computed; kvevict's own stack order parts from llama.cpp's as
+  // soon as one chunk fills several freed cells, and the rows are re-indexed.
+  if (c.slot_reuse == kvevict::SlotReuse::lowest_first) {
+    EXPECT_EQ(llama.stats().reindexed_layers, 0);
+  } else if (llama.reads_attention()) {
+    EXPECT_GT(llama.stats().reindexed_layers, 0);
   }
   // InfiniPot: llama.cpp decoded the catalyst at every distillation the reference ran.
   EXPECT_EQ(llama.stats().catalyst_runs, decoder.stats().catalyst_runs);
@@ -258,6 +268,21 @@ TEST(LlamaEquivalence, H2oTovaKeepTheSameTokensOverALongStream) {
                                       .tokens = 4000}),
               200);
   }
+}
+
+// The re-indexing path: with kvevict's stack order of free slots, slot i is no longer cell i
+// after the first chunk that refills several freed cells.
+TEST(LlamaEquivalence, SlotsOtherThanCellsAreReindexed) {
+  const auto reuse = kvevict::SlotReuse::newest_freed_first;
+  EXPECT_GT(expect_same(*LlamaModels::toy,
+                        Case{.policy = "h2o", .budget = 64, .tokens = 2000, .slot_reuse = reuse}),
+            100);
+  EXPECT_GT(expect_same(*LlamaModels::toy, Case{.policy = "tova",
+                                                .budget = 64,
+                                                .positions = PositionMode::cache_index,
+                                                .tokens = 2000,
+                                                .slot_reuse = reuse}),
+            100);
 }
 
 // Blocks of 16 (paged engines): whole blocks leave, and llama.cpp's cells follow. 1,500 tokens are

@@ -801,6 +801,29 @@ TEST(Sequence, ClearErrorsForBadConfigurations) {
                "rope.head_dim (16) differs");
 }
 
+// Slots 1, 3 and 5 freed in that order (one evict() each; slot k holds position k):
+// the stack gives them back 5, 3, 1 (newest freed first), the heap 1, 3, 5, as llama.cpp fills
+// freed cells from the lowest; then the slots never used, from 8.
+TEST(SlotTable, FreeSlotsAreReusedInTheTablesOrder) {
+  const auto reused = [](kvevict::SlotReuse reuse) {
+    SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original,
+                    16, 0, reuse);
+    std::vector<std::int32_t> out(8);
+    slots.append(0, Positions{0, 1, 2, 3, 4, 5, 6, 7}, std::vector<std::int32_t>(8, 0),
+                 std::vector<std::uint8_t>(8, 0), out);
+    slots.evict(0, std::vector<std::int32_t>{1});
+    slots.evict(0, std::vector<std::int32_t>{3});
+    slots.evict(0, std::vector<std::int32_t>{5});
+    out.resize(4);
+    slots.append(0, Positions{8, 9, 10, 11}, std::vector<std::int32_t>(4, 0),
+                 std::vector<std::uint8_t>(4, 0), out);
+    return out;
+  };
+  EXPECT_EQ(reused(kvevict::SlotReuse::newest_freed_first),
+            (std::vector<std::int32_t>{5, 3, 1, 8}));
+  EXPECT_EQ(reused(kvevict::SlotReuse::lowest_first), (std::vector<std::int32_t>{1, 3, 5, 8}));
+}
+
 TEST(SlotTable, RejectsBadChanges) {
   SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 4,
                   0);

@@ -74,6 +74,9 @@ struct SequenceConfig {
   /// into the stored keys. 0: fold at every decision (engines whose attention cannot rotate the
   /// query per run). A sliding window with sinks carries two and never folds.
   int max_pending_rotations = 32;
+  /// Which free slot a new token takes: lowest_first when the engine allocates its cells that way
+  /// (llama.cpp), so that slot i stays the engine's cell i.
+  SlotReuse slot_reuse = SlotReuse::newest_freed_first;
 };
 
 /// Counters over the life of a sequence. Slot counts are summed over all (layer, KV head) heads.
@@ -108,7 +111,8 @@ class Sequence {
                   "use head, layer or token");
     }
     const int capacity = initial_capacity();
-    slots_ = SlotTable(layout_, position_mode_, capacity, policy_->score_columns());
+    slots_ =
+        SlotTable(layout_, position_mode_, capacity, policy_->score_columns(), config_.slot_reuse);
     if (backend_ != nullptr) backend_->reserve(capacity);
     decision_.reset(layout_.units());
     chunk_slots_.resize(static_cast<std::size_t>(layout_.units()));

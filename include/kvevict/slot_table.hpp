@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <utility>
@@ -42,6 +43,17 @@
 #include "kvevict/positions.hpp"
 
 namespace kvevict {
+
+/// Which free slot a new token takes. Decisions never depend on it (ties go by original position);
+/// the order only decides where rows sit, and so the order of sums over slots.
+enum class SlotReuse : std::uint8_t {
+  /// The slot freed last (kvevict's decoder: a stack, O(1)).
+  newest_freed_first,
+  /// The lowest free slot, as an engine that scans its cells from the lowest freed one allocates
+  /// (llama.cpp's KV cache): then slot i is the engine's cell i and per-cell rows need no
+  /// re-indexing. A min-heap, O(log free slots).
+  lowest_first,
+};
 
 class SlotTable {
  public:
@@ -59,8 +71,9 @@ class SlotTable {
   static constexpr std::int64_t kMaxCapacity = std::int64_t{1} << 28;
 
   SlotTable() = default;
-  SlotTable(const UnitLayout& layout, PositionMode mode, int capacity, int score_columns)
-      : layout_(layout), mode_(mode), score_columns_(score_columns) {
+  SlotTable(const UnitLayout& layout, PositionMode mode, int capacity, int score_columns,
+            SlotReuse reuse = SlotReuse::newest_freed_first)
+      : layout_(layout), mode_(mode), reuse_(reuse), score_columns_(score_columns) {
     KVEVICT_REQUIRE(capacity > 0,
                     "SlotTable: capacity must be positive, got " + std::to_string(capacity));
     KVEVICT_REQUIRE(
@@ -195,8 +208,8 @@ class SlotTable {
   }
 
   /// Appends tokens at `originals` (ascending, after every live token) to `unit` and writes the
-  /// slot each one takes to `slots_out`. Scores start at 0. Free slots are reused newest-freed
-  /// first, so a sliding window keeps reusing the slot it just freed.
+  /// slot each one takes to `slots_out`. Scores start at 0. Free slots are reused in the table's
+  /// SlotReuse order (either way a sliding window keeps reusing the slot it just freed).
   void append(int unit, std::span<const std::int64_t> originals,
               std::span<const std::int32_t> token_ids, std::span<const std::uint8_t> flags,
               std::span<std::int32_t> slots_out) {
@@ -213,6 +226,9 @@ class SlotTable {
                       "SlotTable::append: original positions must increase");
       std::int32_t slot;
       if (!s.free_slots.empty()) {
+        if (reuse_ == SlotReuse::lowest_first) {
+          std::pop_heap(s.free_slots.begin(), s.free_slots.end(), std::greater<>());
+        }
         slot = s.free_slots.back();
         s.free_slots.pop_back();
       } else {
@@ -288,7 +304,8 @@ class SlotTable {
   struct UnitState {
     int live = 0;
     int slot_limit = 0;
-    std::vector<std::int32_t> free_slots;  // stack: the newest freed slot is reused first
+    // newest_freed_first: a stack; lowest_first: a min-heap.
+    std::vector<std::int32_t> free_slots;
     detail::StreamOrder order;
     std::vector<PositionGroup> groups;         // by id
     std::vector<std::int32_t> free_group_ids;  // ids to reuse
@@ -388,6 +405,9 @@ class SlotTable {
     const std::int32_t g = group_[i];
     group_[i] = kFree;
     s.free_slots.push_back(slot);
+    if (reuse_ == SlotReuse::lowest_first) {
+      std::push_heap(s.free_slots.begin(), s.free_slots.end(), std::greater<>());
+    }
     --s.live;
     if (--s.groups[static_cast<std::size_t>(g)].live == 0) {
       s.group_order.erase(std::find(s.group_order.begin(), s.group_order.end(), g));
@@ -476,6 +496,7 @@ class SlotTable {
 
   UnitLayout layout_;
   PositionMode mode_ = PositionMode::original;
+  SlotReuse reuse_ = SlotReuse::newest_freed_first;
   int capacity_ = 0;
   int score_columns_ = 0;
   std::vector<UnitState> units_;

@@ -56,9 +56,11 @@ std::string decode_failure(int status, int n_ctx) {
 }  // namespace
 
 // What the graph callback (cb_eval) needs: the sequence, the layer-0 K store's cell indices and the
-// softmax of every layer, re-indexed from llama.cpp's cells to kvevict's slots.
+// softmax of every layer, handed to the policy as llama.cpp computed it while kvevict's slots are
+// llama.cpp's cells, else re-indexed from cells to slots.
 struct LlamaSequence::GraphTap {
   Sequence* sequence = nullptr;
+  LlamaSequenceStats* stats = nullptr;
   int layers = 0;
   int q_heads = 0;
   int kv_heads = 0;
@@ -70,7 +72,11 @@ struct LlamaSequence::GraphTap {
   std::vector<std::int32_t> cell_of_slot;  // [capacity] llama.cpp cell holding each live slot
   std::vector<std::int32_t> gather;        // [slot limit] cell per slot this forward, -1 if free
   bool gather_ready = false;
-  std::vector<float> rows;  // [q_heads][queries][slot limit]
+  // Every live slot sits in the cell of the same index (as both sides take the lowest free one),
+  // so the softmax rows are already slot-indexed.
+  bool cells_are_slots = false;
+  std::vector<std::int32_t> free_slots;  // free slots below the slot limit
+  std::vector<float> rows;               // [q_heads][queries][slot limit]
   std::vector<int> keys_per_kv_head;
   std::vector<std::byte> scratch;
 
@@ -121,9 +127,15 @@ struct LlamaSequence::GraphTap {
     const SlotTable& table = sequence->slots();
     const int limit = sequence->slot_limit(0, 0);
     gather.assign(static_cast<std::size_t>(limit), -1);
+    cells_are_slots = true;
+    free_slots.clear();
     for (int slot = 0; slot < limit; ++slot) {
       if (table.is_live(0, slot)) {
-        gather[static_cast<std::size_t>(slot)] = cell_of_slot.at(static_cast<std::size_t>(slot));
+        const std::int32_t cell = cell_of_slot.at(static_cast<std::size_t>(slot));
+        gather[static_cast<std::size_t>(slot)] = cell;
+        cells_are_slots = cells_are_slots && cell == slot;
+      } else {
+        free_slots.push_back(slot);
       }
     }
     keys_per_kv_head.assign(static_cast<std::size_t>(kv_heads), limit);
@@ -142,8 +154,20 @@ struct LlamaSequence::GraphTap {
     const int first = all_queries || catalyst ? 0 : tokens - 1;
     const int queries = tokens - first;
     const auto limit = static_cast<std::ptrdiff_t>(gather.size());
-    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
     const auto* data = host_data<char>(&softmax, scratch);
+    const std::int32_t first_slot = sequence->chunk_slots(0, 0)[static_cast<std::size_t>(first)];
+    const std::int64_t first_position =
+        sequence->slots().original_positions(0)[static_cast<std::size_t>(first_slot)];
+    if (const float* direct = slot_indexed_rows(softmax, data, first, queries)) {
+      // Row i of head h starts at direct + (h * queries + i) * stride, as AttentionRows reads.
+      const auto stride = static_cast<std::ptrdiff_t>(
+          (queries == 1 ? softmax.nb[2] : softmax.nb[1]) / sizeof(float));
+      hand_over(layer, AttentionRows(direct, q_heads, q_heads / kv_heads, queries, stride,
+                                     keys_per_kv_head, first_position));
+      return;
+    }
+    ++stats->reindexed_layers;
+    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
     for (int h = 0; h < q_heads; ++h) {
       for (int i = 0; i < queries; ++i) {
         const auto* in = reinterpret_cast<const float*>(
@@ -155,10 +179,37 @@ struct LlamaSequence::GraphTap {
         }
       }
     }
-    const std::int32_t first_slot = sequence->chunk_slots(0, 0)[static_cast<std::size_t>(first)];
-    const AttentionRows view(
-        rows.data(), q_heads, q_heads / kv_heads, queries, limit, keys_per_kv_head,
-        sequence->slots().original_positions(0)[static_cast<std::size_t>(first_slot)]);
+    hand_over(layer, AttentionRows(rows.data(), q_heads, q_heads / kv_heads, queries, limit,
+                                   keys_per_kv_head, first_position));
+  }
+
+  // The softmax tensor's own rows when they can be handed over as they are: every live slot in
+  // its own cell, rows [first, first + queries) laid out as AttentionRows reads them (head stride
+  // = queries x row stride), and every free slot below the limit reading exactly 0 (its cell is
+  // empty, masked to -inf before the softmax). Else null: the rows are gathered.
+  const float* slot_indexed_rows(const ggml_tensor& softmax, const char* data, int first,
+                                 int queries) const {
+    const auto limit = static_cast<std::int64_t>(gather.size());
+    if (!cells_are_slots || limit > softmax.ne[0] || softmax.nb[0] != sizeof(float)) {
+      return nullptr;
+    }
+    const bool laid_out = queries == 1 ? softmax.nb[2] % sizeof(float) == 0
+                                       : softmax.nb[1] % sizeof(float) == 0 &&
+                                             softmax.nb[2] == softmax.nb[1] * softmax.ne[1];
+    if (!laid_out) return nullptr;
+    for (int h = 0; h < q_heads; ++h) {
+      for (int i = first; i < first + queries; ++i) {
+        const auto* in = reinterpret_cast<const float*>(
+            data + h * softmax.nb[2] + static_cast<std::size_t>(i) * softmax.nb[1]);
+        for (const std::int32_t slot : free_slots) {
+          if (in[slot] != 0.0f) return nullptr;
+        }
+      }
+    }
+    return reinterpret_cast<const float*>(data + static_cast<std::size_t>(first) * softmax.nb[1]);
+  }
+
+  void hand_over(int layer, const AttentionRows& view) {
     if (catalyst) {
       sequence->observe_catalyst(layer, view);
     } else {
@@ -224,6 +275,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
   config.granularity = granularity;
   config.key_storage = KeyStorage::pre_rope;  // llama.cpp re-rotates keys itself (K-shift)
   config.max_chunk = widest;
+  config.slot_reuse = options_.slot_reuse;
 
   context_ = llama_init_from_model(model_, params);
   KVEVICT_REQUIRE(context_ != nullptr, "llama_init_from_model failed (see llama.cpp's log)");
@@ -247,6 +299,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
                        ggml_row_size(params.type_v, config.kv_heads * head_dim));
     sequence_ = std::make_unique<Sequence>(config, std::move(policy), &cells_, options_.observer);
     tap_->sequence = sequence_.get();
+    tap_->stats = &stats_;
     tap_->layers = config.layers;
     tap_->q_heads = config.q_heads;
     tap_->kv_heads = config.kv_heads;

@@ -11,9 +11,12 @@
 //   - llama.cpp's KV cells are shared by every layer and head, so a decision is one keep-set for
 //     the sequence: Granularity::token (the default here), or block:B, which evicts whole blocks
 //     of B tokens and so shifts positions (one K-shift) at most once per B tokens.
-//   - A kvevict slot is a llama.cpp cell. kvevict picks slots and llama.cpp picks cells; the
-//     attention rows are re-indexed from cells to slots with the cell each token was written to
-//     (the K store's set_rows indices, read from the same graph callback).
+//   - A kvevict slot is a llama.cpp cell. kvevict picks slots and llama.cpp picks cells, both
+//     the lowest free one (SlotReuse::lowest_first; llama.cpp's find_slot scans from the lowest
+//     cell a removal freed), so slot i is cell i and the softmax rows are handed to the policy as
+//     llama.cpp computed them, without a copy. Should the two ever part, the rows are re-indexed
+//     from cells to slots with the cell each token was written to (the K store's set_rows
+//     indices, read from the same graph callback), counted in stats().reindexed_layers.
 //   - Positions: llama.cpp's cell positions are kvevict's positions at all times. `original`
 //     removes cells only; `cache_index` and `reset_on_compact` also lower every newer cell by the
 //     evictions before it (llama_memory_seq_add), which llama.cpp applies to the stored keys as
@@ -60,6 +63,10 @@ struct LlamaSequenceOptions {
   /// InfiniPot's catalyst prompt (required when the policy runs one; may be empty: no catalyst
   /// attention, the "w/o CaP" ablation).
   std::optional<std::vector<std::int32_t>> catalyst;
+  /// Which free slot a new token takes: lowest_first is llama.cpp's order of cells, so that no
+  /// attention row needs re-indexing; newest_freed_first (kvevict's decoder's) exercises the
+  /// re-indexing path.
+  SlotReuse slot_reuse = SlotReuse::lowest_first;
   /// Stage timing (policy, reposition, catalyst; llama_decode is not split into stages). Must
   /// outlive the sequence.
   StageObserver* observer = nullptr;
@@ -82,7 +89,10 @@ struct LlamaSequenceStats {
   std::int64_t catalyst_runs = 0;   ///< catalyst prompts decoded
   std::int64_t removed_ranges = 0;  ///< llama_memory_seq_rm calls
   std::int64_t shifted_ranges = 0;  ///< llama_memory_seq_add calls
-  int peak_cells = 0;               ///< most cells the sequence held (right after a decode)
+  /// Layers whose softmax rows were copied from cell order to slot order: 0 while every slot is
+  /// the cell of the same index (both sides take the lowest free one; see the header comment).
+  std::int64_t reindexed_layers = 0;
+  int peak_cells = 0;  ///< most cells the sequence held (right after a decode)
 };
 
 class LlamaSequence final {
