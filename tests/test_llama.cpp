@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cli_common/log_loss.hpp"
+#include "llama/cli/llama_model.hpp"
 #include "model/model_io.hpp"
 
 namespace {
@@ -399,5 +400,73 @@ TEST(LlamaErrors, BudgetLargerThanTheContext) {
       }).find("raise the context size (-c)"),
       std::string::npos);
 }
+
+// kvevict-llama tokenizes SentencePiece vocabularies (Llama 2, TinyLlama) with kvevict's tokenizer
+// rebuilt from llama.cpp's vocabulary (src/llama/cli/llama_model.hpp), and `kvevict` reads the same
+// GGUF with its own reader: both must give the tokens llama.cpp's own tokenizer test expects
+// (models/ggml-vocab-llama-spm.gguf.inp / .out of the llama.cpp tree: 46 texts, written by its
+// test-tokenizer-0 without special tokens). The model is random weights under that vocabulary,
+// written by kvevict's GGUF writer.
+#ifdef KVEVICT_LLAMA_VOCABS
+TEST(LlamaVocabularies, SentencePieceGivesLlamaCppsTestTokens) {
+  const fs::path vocabs(KVEVICT_LLAMA_VOCABS);
+  llama_model_params params = llama_model_default_params();
+  params.vocab_only = true;
+  llama_model* vocab_model =
+      llama_model_load_from_file((vocabs / "ggml-vocab-llama-spm.gguf").string().c_str(), params);
+  ASSERT_NE(vocab_model, nullptr);
+  const llama_vocab* vocab = llama_model_get_vocab(vocab_model);
+  kvevict::model::ModelConfig config;
+  config.dim = 32;
+  config.hidden_dim = 64;
+  config.layers = 1;
+  config.heads = 2;
+  config.kv_heads = 1;
+  config.vocab_size = llama_vocab_n_tokens(vocab);
+  config.context_length = 64;
+  kvevict::model::Model model = kvevict::model::make_random_model(config, 3);
+  kvevict::model::Tokenizer& tokenizer = model.tokenizer;
+  tokenizer = {};
+  tokenizer.kind = kvevict::model::Tokenizer::Kind::sentencepiece;
+  tokenizer.vocab_size = config.vocab_size;
+  tokenizer.bos_id = llama_vocab_bos(vocab);
+  tokenizer.eos_id = llama_vocab_eos(vocab);
+  for (llama_token id = 0; id < config.vocab_size; ++id) {
+    tokenizer.pieces.emplace_back(llama_vocab_get_text(vocab, id));
+    tokenizer.scores.push_back(llama_vocab_get_score(vocab, id));
+  }
+  llama_model_free(vocab_model);
+  const fs::path path = fs::temp_directory_path() / "kvevict_test_llama_spm.gguf";
+  kvevict::model::write_gguf(model, path);
+  const kvevict::llama_cli::LlamaModel engine(path.string(), 0);
+  const kvevict::model::Model reference = kvevict::model::load_model(path);
+  std::error_code ignored;
+  fs::remove(path, ignored);
+  ASSERT_NE(engine.kvevict_tokenizer(), nullptr);
+  ASSERT_EQ(reference.tokenizer.kind, kvevict::model::Tokenizer::Kind::sentencepiece);
+
+  std::ifstream inputs_file(vocabs / "ggml-vocab-llama-spm.gguf.inp", std::ios::binary);
+  std::ifstream outputs(vocabs / "ggml-vocab-llama-spm.gguf.out");
+  const std::string inputs((std::istreambuf_iterator<char>(inputs_file)),
+                           std::istreambuf_iterator<char>());
+  const std::string separator = "\n__ggml_vocab_test__\n";
+  std::size_t begin = 0;
+  int cases = 0;
+  for (std::size_t end = inputs.find(separator); end != std::string::npos;
+       begin = end + separator.size(), end = inputs.find(separator, begin)) {
+    const std::string text = inputs.substr(begin, end - begin);
+    std::string line;
+    ASSERT_TRUE(std::getline(outputs, line)) << "fewer expected lines than texts";
+    std::istringstream ids(line);
+    const std::vector<std::int32_t> expected{std::istream_iterator<std::int32_t>(ids), {}};
+    EXPECT_EQ(engine.encode(text, /*add_bos=*/false), expected)
+        << "kvevict-llama: '" << text << "'";
+    EXPECT_EQ(reference.tokenizer.encode(text, /*add_bos=*/false), expected)
+        << "kvevict: '" << text << "'";
+    ++cases;
+  }
+  EXPECT_EQ(cases, 46);
+}
+#endif
 
 }  // namespace
