@@ -456,6 +456,36 @@ TEST(CApi, AttentionOutsideZeroToOneIsAnErrorThatChangesNothing) {
 
 // Without a reserve callback the engine sized its buffers for kvevict_sequence_capacity(): an
 // unbounded policy that outgrows it fails as a failed reserve does, with a message naming the fix.
+// A window of 4 fed chunks of 4: the second chunk (slots 4-7) evicts slots 0-3, freed oldest
+// first; the third chunk takes them back last-freed first (3, 2, 1, 0), or lowest first.
+TEST(CApi, SlotReuseOrder) {
+  const auto third_chunk = [](const char* reuse) {
+    kvevict_config c = config(1, 1, 1);
+    c.slot_reuse = reuse;
+    CSequence s = create("window", "recent=4", c);
+    const std::int32_t ids[4] = {1, 2, 3, 4};
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 4, 0), KVEVICT_OK);
+      EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK);
+    }
+    EXPECT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 4, 0), KVEVICT_OK);
+    const std::int32_t* slots = nullptr;
+    int count = 0;
+    EXPECT_EQ(kvevict_sequence_chunk_slots(s.get(), 0, 0, &slots, &count), KVEVICT_OK);
+    return std::vector<std::int32_t>(slots, slots + count);
+  };
+  EXPECT_EQ(third_chunk(nullptr), (std::vector<std::int32_t>{3, 2, 1, 0}));
+  EXPECT_EQ(third_chunk("newest_freed_first"), (std::vector<std::int32_t>{3, 2, 1, 0}));
+  EXPECT_EQ(third_chunk("lowest_first"), (std::vector<std::int32_t>{0, 1, 2, 3}));
+  kvevict_config c = config(1, 1, 1);
+  c.slot_reuse = "lowest";
+  kvevict_sequence* raw = nullptr;
+  EXPECT_EQ(kvevict_sequence_create("window", "recent=4", &c, nullptr, &raw),
+            KVEVICT_INVALID_ARGUMENT);
+  EXPECT_EQ(raw, nullptr);
+  EXPECT_NE(std::string(kvevict_last_error()).find("slot_reuse"), std::string::npos);
+}
+
 TEST(CApi, NoReserveCallbackMeansAFixedCapacity) {
   kvevict_backend backend{nullptr, nullptr, nullptr};
   CSequence s = create("full", nullptr, config(1, 1, 1, 1), &backend);

@@ -61,6 +61,10 @@ typedef struct kvevict_config {
   const char* granularity;   /* NULL: the policy's; "head", "layer", "token", "block:B" */
   int post_rope_keys;        /* 1: keys stored rotated (folds may rotate them); 0: before RoPE */
   int max_pending_rotations; /* see SequenceConfig; kvevict_config_init sets 32 */
+  /* NULL or "newest_freed_first": a new token takes the slot freed last; "lowest_first": the
+   * lowest free slot, as an allocator that scans from the lowest freed cell (llama.cpp's), so that
+   * kvevict's slot i can be the engine's cell i */
+  const char* slot_reuse;
 } kvevict_config;
 
 /* Fills `config` with the defaults (everything 0 / NULL but post_rope_keys = 1, max_chunk = 1,

@@ -14,6 +14,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvevict/c_api.h"
@@ -261,6 +262,14 @@ kvevict_status kvevict_sequence_create(const char* policy, const char* params,
     sequence_config.key_storage = config->post_rope_keys != 0 ? kvevict::KeyStorage::post_rope
                                                               : kvevict::KeyStorage::pre_rope;
     sequence_config.max_pending_rotations = config->max_pending_rotations;
+    if (config->slot_reuse != nullptr) {
+      const std::string_view reuse(config->slot_reuse);
+      KVEVICT_REQUIRE(reuse == "newest_freed_first" || reuse == "lowest_first",
+                      "slot_reuse must be \"newest_freed_first\" or \"lowest_first\", got \"" +
+                          std::string(reuse) + "\"");
+      sequence_config.slot_reuse = reuse == "lowest_first" ? kvevict::SlotReuse::lowest_first
+                                                           : kvevict::SlotReuse::newest_freed_first;
+    }
     const kvevict::PolicyParams parsed =
         kvevict::PolicyParams::parse(params != nullptr ? params : "");
     *out = new kvevict_sequence(sequence_config, kvevict::make_policy(policy, parsed), backend);
