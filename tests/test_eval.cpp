@@ -464,6 +464,41 @@ TEST_F(Grid, AnchorsAreInsertedInEverythingFed) {
             full.at("metrics").at("live_kv_bytes").get<double>());
 }
 
+TEST_F(Grid, GranularityAndEngineAreRecorded) {
+  // Without the key the normalised entry is as before it existed (configs keep their hashes).
+  EXPECT_FALSE(to_json(parse(tiny_config()).policies[1]).contains("granularity"));
+  json config = tiny_config();
+  config["policies"] = json::parse(R"([
+      {"policy": "streaming_llm", "sinks": 4, "granularity": "head"},
+      {"policy": "streaming_llm", "sinks": 4, "granularity": "token"}])");
+  config["tasks"] = json::parse(R"([{"task": "stream_bpb", "tokens": 120, "window": 64}])");
+  const EvalConfig parsed = parse(config);
+  EXPECT_EQ(to_json(parsed.policies[1]).at("granularity"), "token");
+  EXPECT_EQ(parsed.policies[1].label, "streaming_llm sinks=4 granularity=token");
+  const GridContext grid = prepare_grid(parsed);
+  ASSERT_EQ(grid.cells.size(), 2u);
+  const json per_head = run_cell(grid, grid.cells[0]);
+  const json per_token = run_cell(grid, grid.cells[1]);
+  EXPECT_EQ(per_head.at("policy_setup").at("granularity"), "head");
+  EXPECT_EQ(per_token.at("policy_setup").at("granularity"), "token");
+  // StreamingLLM keeps the sinks and the newest tokens in every head: one keep-set per head or
+  // one for the model is the same cache.
+  EXPECT_GT(per_token.at("metrics").at("evicted_slots").get<int>(), 0);
+  EXPECT_EQ(per_head.at("metrics").at("bits_per_byte"),
+            per_token.at("metrics").at("bits_per_byte"));
+  // kvevict's decoder is the engine; its cells' config does not name it (hashes as before).
+  EXPECT_EQ(per_head.at("engine"), "kvevict");
+  EXPECT_FALSE(per_head.at("config").contains("engine"));
+
+  const auto bad = [&](const std::string& granularity) {
+    json entry = config;
+    entry["policies"][1]["granularity"] = granularity;
+    return entry;
+  };
+  expect_error([&] { (void)parse(bad("rows")); }, "policies[1]");
+  expect_error([&] { (void)parse(bad("block:0")); }, "policies[1]");
+}
+
 TEST_F(Grid, TurnSeparatorStartsTurnsInStreams) {
   json config = tiny_config();
   config["policies"] = json::parse(R"([{"policy": "full"}, {"policy": "sirllm"}])");
@@ -687,6 +722,16 @@ TEST_F(Grid, MergeRefusesShardsOfAnotherGridOrIncompleteShards) {
       },
       "grid name 'tiny' vs 'tiny2'");
   expect_error([&] { (void)merge({first, out("absent")}, "refused"); }, "holds no results.json");
+  // A shard another engine computed (kvevict-llama eval records "llama.cpp ..."): not one grid.
+  fs::copy(second, out("llama2"), fs::copy_options::recursive);
+  json llama_results = json::parse(read_text(out("llama2") / "results.json"));
+  llama_results["engine"] = "llama.cpp ggml test";
+  write_text(out("llama2") / "results.json", llama_results.dump());
+  expect_error(
+      [&] {
+        (void)merge({first, out("llama2")}, "refused");
+      },
+      "engine 'kvevict' vs 'llama.cpp ggml test'");
   EXPECT_FALSE(fs::exists(out("refused")));  // nothing written by a refused merge
 
   // A shard written before the rename of "compactions" (the decision count) merges as

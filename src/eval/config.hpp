@@ -34,7 +34,7 @@ struct PolicyEntry {
   std::vector<std::string> params;  ///< "key=value", applied after the budget mapping
   std::string positions;            ///< empty: the policy's own mode
   /// head, layer, token or block:B; empty: the engine's default (kvevict's decoder: the policy's
-  /// own, per head; llama.cpp: token)
+  /// own; llama.cpp: token)
   std::string granularity;
   std::string keys = "post_rope";
   std::string kv_type = "f32";          ///< --kv-type: how the cache stores keys and values

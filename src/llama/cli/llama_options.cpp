@@ -26,13 +26,18 @@ ggml_type ggml_cell_type(KvType type) {
 }  // namespace
 
 cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel& model) {
-  // The setup reads only the model's tokenizer; a vocabulary kvevict does not hold gets a
-  // byte-level stand-in without an anchor (AnLLM then asks for --param anchor_ids) and llama.cpp
-  // tokenizes the catalyst.
+  // The setup reads only the model's tokenizer and shape (--kv-type checks the head size); a
+  // vocabulary kvevict does not hold gets a byte-level stand-in without an anchor (AnLLM then asks
+  // for --param anchor_ids) and llama.cpp tokenizes the catalyst.
   kvevict::model::Model stand_in;
   if (const kvevict::model::Tokenizer* tokenizer = model.kvevict_tokenizer()) {
     stand_in.tokenizer = *tokenizer;
   }
+  stand_in.config.dim = llama_model_n_embd(model.get());
+  stand_in.config.heads = llama_model_n_head(model.get());
+  stand_in.config.kv_heads = llama_model_n_head_kv(model.get());
+  stand_in.config.layers = llama_model_n_layer(model.get());
+  stand_in.config.vocab_size = model.vocab_size();
   cli::PolicySetup setup = cli::make_policy_setup(options, stand_in);
   if (setup.catalyst && model.kvevict_tokenizer() == nullptr) {
     setup.catalyst = model.encode(
