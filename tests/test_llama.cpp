@@ -6,6 +6,7 @@
 // kvevict's Eigen with f32 K/V).
 #include <gtest/gtest.h>
 #include <llama.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -51,7 +52,9 @@ struct ModelFile {
 // byte-level vocabulary overridden to "none", as kvevict-llama does).
 std::unique_ptr<ModelFile> make_file(const kvevict::model::Model& model, const std::string& name) {
   auto file = std::make_unique<ModelFile>();
-  file->path = fs::temp_directory_path() / ("kvevict_test_llama_" + name + ".gguf");
+  // One file per process: ctest runs each test in its own process, several at once.
+  file->path = fs::temp_directory_path() /
+               ("kvevict_test_llama_" + name + "_" + std::to_string(getpid()) + ".gguf");
   kvevict::model::write_gguf(model, file->path);
   file->model = kvevict::model::load_model(file->path);
   llama_model_kv_override overrides[2]{};
@@ -436,7 +439,8 @@ TEST(LlamaVocabularies, SentencePieceGivesLlamaCppsTestTokens) {
     tokenizer.scores.push_back(llama_vocab_get_score(vocab, id));
   }
   llama_model_free(vocab_model);
-  const fs::path path = fs::temp_directory_path() / "kvevict_test_llama_spm.gguf";
+  const fs::path path =
+      fs::temp_directory_path() / ("kvevict_test_llama_spm_" + std::to_string(getpid()) + ".gguf");
   kvevict::model::write_gguf(model, path);
   const kvevict::llama_cli::LlamaModel engine(path.string(), 0);
   const kvevict::model::Model reference = kvevict::model::load_model(path);
