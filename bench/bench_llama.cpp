@@ -258,6 +258,7 @@ kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget, const
                                     const kvevict::llama_cli::LlamaModel& model) {
   kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
+  options.kv_type = "f16";  // llama.cpp's default cells, as plain's context
   if (policy != "full") options.budget = budget;
   options.positions = bench.positions;
   options.granularity = bench.granularity;

@@ -2,8 +2,7 @@
 // kvevict: a random-weight model and toy-base converted. Both engines stream the same tokens in
 // the same chunks under the same policy at token granularity; after every chunk both must keep
 // exactly the same tokens, and the stream's bits per byte must agree within 1e-4 relative (the two
-// engines compute the same f32 model with different kernels: llama.cpp's ggml with f16 K/V cells,
-// kvevict's Eigen with f32 K/V).
+// engines compute the same f32 model, f32 K/V cells included, with different kernels).
 #include <gtest/gtest.h>
 #include <llama.h>
 #include <unistd.h>
@@ -381,6 +380,35 @@ TEST(LlamaErrors, AttentionPolicyWithFlashAttentionForcedOn) {
             std::string::npos);
   // A policy that reads no attention runs with it.
   EXPECT_EQ(error_of([&] { (void)open("streaming_llm", params); }), "no error");
+}
+
+TEST(LlamaErrors, QuantizedValueCellsWithoutFlashAttention) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = 512;
+  params.type_k = GGML_TYPE_Q8_0;
+  params.type_v = GGML_TYPE_Q8_0;
+  // An attention policy turns flash attention off, which llama.cpp's quantized V cells need on.
+  EXPECT_NE(error_of([&] { (void)open("h2o", params); }).find("quantized V cells (q8_0)"),
+            std::string::npos);
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  EXPECT_NE(error_of([&] { (void)open("streaming_llm", params); }).find("(-fa off)"),
+            std::string::npos);
+  // With flash attention on, a policy that reads no attention runs on them.
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  EXPECT_EQ(error_of([&] { (void)open("streaming_llm", params); }), "no error");
+}
+
+TEST(LlamaErrors, ShiftingPositionsOverCellsTheKShiftCannotRotate) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = 512;
+  params.type_k = GGML_TYPE_BF16;
+  params.type_v = GGML_TYPE_BF16;
+  kvevict::llama::LlamaSequenceOptions options;
+  options.position_mode = PositionMode::cache_index;
+  EXPECT_NE(error_of([&] { (void)open("window", params, options); }).find("cannot rotate bf16"),
+            std::string::npos);
+  options.position_mode = PositionMode::original;  // nothing to rotate
+  EXPECT_EQ(error_of([&] { (void)open("window", params, options); }), "no error");
 }
 
 TEST(LlamaErrors, GranularityOtherThanToken) {

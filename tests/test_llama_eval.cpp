@@ -17,6 +17,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 
 #include "model/model_io.hpp"
 
@@ -166,6 +167,39 @@ TEST_F(LlamaEval, RefusesHeadGranularityBeforeTheGridRuns) {
       << outcome.output;
   EXPECT_NE(outcome.output.find("granularity head"), std::string::npos) << outcome.output;
   EXPECT_FALSE(fs::exists(out)) << "nothing may be written before the refusal";
+}
+
+// `--kv-type` sets llama.cpp's cells in `kvevict-llama stream` as it sets kvevict's K/V: with the
+// same type on both sides the two executables report the same cache (toy-base: 4 layers x 2 KV
+// heads x 32 dimensions, K and V: 512 values per kept token, 4 bytes each in f32, 2 in bf16) and
+// bits per byte within 1e-4. llama.cpp's own default is f16: f32 would show its cells' size.
+TEST_F(LlamaEval, StreamCellsFollowKvType) {
+  const fs::path errors = dir_ / "stream.err";
+  for (const auto& [kv_type, bytes_per_token] :
+       {std::pair<std::string, int>{"f32", 2048}, std::pair<std::string, int>{"bf16", 1024}}) {
+    SCOPED_TRACE(kv_type);
+    const std::string flags = " stream --model '" + gguf_.string() + "' --input '" +
+                              (fs::path(KVEVICT_SOURCE_DIR) / "data/kjv-heldout.txt").string() +
+                              "' --limit-bytes 1500 --policy window --budget 128 --positions "
+                              "original --granularity token --json --kv-type " +
+                              kv_type;
+    const auto stream = [&](const std::string& executable, const std::string& extra) {
+      // stdout alone is the JSON: llama.cpp logs to stderr.
+      const Outcome outcome =
+          run("(" + executable + flags + extra + " 2> '" + errors.string() + "')", dir_);
+      EXPECT_EQ(outcome.status, 0) << read_text(errors);
+      return Json::parse(outcome.output);
+    };
+    const Json reference = stream(KVEVICT_CLI, "");
+    const Json llama = stream(KVEVICT_LLAMA_CLI, " -c 512");
+    EXPECT_EQ(reference.at("policy").at("kv_type"), kv_type);
+    EXPECT_EQ(llama.at("policy").at("kv_type"), kv_type);
+    EXPECT_EQ(llama.at("cache").at("live_kv_bytes"), 128 * bytes_per_token);
+    EXPECT_EQ(reference.at("cache").at("live_kv_bytes"), llama.at("cache").at("live_kv_bytes"));
+    EXPECT_EQ(reference.at("cache").at("evicted_slots"), llama.at("cache").at("evicted_slots"));
+    const double bpb = reference.at("bits_per_byte").get<double>();
+    EXPECT_NEAR(llama.at("bits_per_byte").get<double>(), bpb, 1e-4 * bpb);
+  }
 }
 
 }  // namespace

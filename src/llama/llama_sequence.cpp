@@ -260,6 +260,25 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
     params.cb_eval = &GraphTap::callback;
     params.cb_eval_user_data = tap_.get();
   }
+  // llama.cpp's CPU K-shift ropes f32 and f16 keys in place (quantized ones through an f32 copy);
+  // any other cell type aborts the process at the first shift.
+  const bool shiftable_keys = params.type_k == GGML_TYPE_F32 || params.type_k == GGML_TYPE_F16 ||
+                              ggml_is_quantized(params.type_k);
+  if (mode != PositionMode::original && !shiftable_keys) {
+    throw Error("positions " + std::string(to_string(mode)) + " shift kept keys, and llama.cpp's " +
+                "CPU K-shift cannot rotate " + ggml_type_name(params.type_k) +
+                " cells (it aborts): use positions original, or f32, f16 or q8_0 cells");
+  }
+  // llama.cpp refuses this itself, with only "llama_init_from_model failed" reaching the caller.
+  if (ggml_is_quantized(params.type_v) &&
+      params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+    throw Error(std::string("llama.cpp's quantized V cells (") + ggml_type_name(params.type_v) +
+                ") need flash attention, which is off " +
+                (reads_attention_
+                     ? "because policy '" + policy_name + "' reads attention probabilities"
+                     : std::string("(-fa off)")) +
+                ": use f32, f16 or bf16 cells");
+  }
   const int catalyst_size = options_.catalyst ? static_cast<int>(options_.catalyst->size()) : 0;
   const int widest = std::max(options_.max_chunk, catalyst_size);
   params.n_batch = std::max<std::uint32_t>(params.n_batch, static_cast<std::uint32_t>(widest));

@@ -32,7 +32,7 @@ class LlamaEvalSequence final : public eval::EvalSequence {
     setup_.name = setup.name;
     setup_.params = setup.params;
     setup_.catalyst = setup.catalyst;
-    kv_type_ = setup.decoder_options.kv_type;
+    setup_.decoder_options.kv_type = setup.decoder_options.kv_type;
   }
 
   eval::FeedLogits feed(std::span<const std::int32_t> tokens, bool turn_start,
@@ -64,16 +64,13 @@ class LlamaEvalSequence final : public eval::EvalSequence {
   }
 
   [[nodiscard]] nlohmann::ordered_json policy_json() const override {
-    nlohmann::ordered_json json = llama_cli::policy_json(setup_, *sequence_);
-    json["kv_type"] = std::string(to_string(kv_type_));  // of llama.cpp's cells
-    return json;
+    return llama_cli::policy_json(setup_, *sequence_);
   }
 
  private:
   std::unique_ptr<llama::LlamaSequence> sequence_;
   const StageClock& clock_;
   cli::PolicySetup setup_;
-  KvType kv_type_ = KvType::f32;
   double feed_seconds_ = 0;
 };
 
@@ -110,23 +107,21 @@ class LlamaEvalEngine final : public eval::EvalEngine {
   // (granularity, flash attention, position shifts, budget plus a chunk within -c), once.
   [[nodiscard]] std::optional<std::int64_t> check(cli::PolicySetup& setup) const override {
     const std::unique_ptr<llama::LlamaSequence> sequence =
-        make_llama_sequence(model_, options_for(setup, options_.threads), setup, nullptr);
+        make_llama_sequence(model_, options_, setup, nullptr);
     return llama_n_ctx(sequence->context());  // -c as llama.cpp rounds it
   }
   [[nodiscard]] std::unique_ptr<eval::EvalSequence> start(cli::PolicySetup& setup, int threads,
                                                           StageClock& clock) const override {
     std::unique_ptr<llama::LlamaSequence> sequence =
-        make_llama_sequence(model_, options_for(setup, threads), setup, &clock);
+        make_llama_sequence(model_, with_threads(threads), setup, &clock);
     return std::make_unique<LlamaEvalSequence>(std::move(sequence), setup, clock);
   }
 
  private:
-  // The entry's kv_type is the type of llama.cpp's cells (f32 by default, as the reference
-  // decoder's: llama.cpp's own default f16 alone moves bits/byte by about 1e-4 relative).
-  [[nodiscard]] LlamaOptions options_for(const cli::PolicySetup& setup, int threads) const {
+  // The entry's kv_type sets llama.cpp's cells through the setup (make_llama_sequence).
+  [[nodiscard]] LlamaOptions with_threads(int threads) const {
     LlamaOptions options = options_;
     options.threads = threads;
-    options.cell_type = setup.decoder_options.kv_type;
     return options;
   }
 

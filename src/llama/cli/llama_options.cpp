@@ -48,10 +48,13 @@ cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel&
 
 std::string describe_policy(const cli::PolicySetup& setup, const llama::LlamaSequence& sequence) {
   const std::string params = setup.params.to_string();
-  return fmt::format("{}{}, positions {}, granularity {}, keys post_rope (llama.cpp), chunk {}",
-                     setup.name, params.empty() ? std::string() : " (" + params + ")",
-                     to_string(sequence.sequence().position_mode()),
-                     to_string(sequence.sequence().granularity()), sequence.max_chunk());
+  const KvType cell_type = setup.decoder_options.kv_type;
+  return fmt::format(
+      "{}{}, positions {}, granularity {}, keys post_rope (llama.cpp), chunk {}{}", setup.name,
+      params.empty() ? std::string() : " (" + params + ")",
+      to_string(sequence.sequence().position_mode()), to_string(sequence.sequence().granularity()),
+      sequence.max_chunk(),
+      cell_type == KvType::f32 ? std::string() : ", kv " + std::string(to_string(cell_type)));
 }
 
 nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
@@ -62,6 +65,7 @@ nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
   json["positions"] = std::string(to_string(sequence.sequence().position_mode()));
   json["granularity"] = std::string(to_string(sequence.sequence().granularity()));
   json["keys"] = "post_rope";
+  json["kv_type"] = std::string(to_string(setup.decoder_options.kv_type));  // llama.cpp's cells
   json["chunk"] = sequence.max_chunk();
   if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
   return json;
@@ -91,11 +95,10 @@ std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& mode
   } else {
     throw Error("--flash-attn must be on, off or auto, got '" + options.flash_attention + "'");
   }
-  if (options.cell_type) {
-    const ggml_type type = ggml_cell_type(*options.cell_type);
-    params.type_k = type;
-    params.type_v = type;
-  }
+  // --kv-type is the type of llama.cpp's cells, f32 by default as kvevict's own cache (llama.cpp's
+  // default f16 alone moves bits/byte by about 1e-4 relative): the same flags, the same cache.
+  params.type_k = ggml_cell_type(setup.decoder_options.kv_type);
+  params.type_v = params.type_k;
   llama::LlamaSequenceOptions sequence_options;
   sequence_options.position_mode = setup.decoder_options.position_mode;
   sequence_options.granularity = setup.decoder_options.granularity;

@@ -5,12 +5,10 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
-#include <kvevict/kv_type.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
 #include <kvevict/timing.hpp>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
 
 #include "cli_common/policy_setup.hpp"
@@ -23,9 +21,6 @@ struct LlamaOptions {
   int gpu_layers = 0;
   int context = 4096;
   std::string flash_attention = "auto";
-  /// The type of llama.cpp's K and V cells; nullopt: llama.cpp's default (f16). `kvevict-llama
-  /// eval` sets it from the entry's kv_type, so that its default f32 matches the reference decoder.
-  std::optional<KvType> cell_type;
 };
 
 /// -t, -ngl, -c, -fa (group "llama.cpp").
@@ -54,7 +49,8 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
 [[nodiscard]] cli::PolicySetup make_setup(const cli::PolicyOptions& options,
                                           const LlamaModel& model);
 
-/// `kvevict`'s policy line and JSON for a LlamaSequence (keys: llama.cpp stores them after RoPE).
+/// `kvevict`'s policy line and JSON for a LlamaSequence (keys: llama.cpp stores them after RoPE;
+/// kv_type: the type of llama.cpp's K and V cells).
 [[nodiscard]] std::string describe_policy(const cli::PolicySetup& setup,
                                           const llama::LlamaSequence& sequence);
 [[nodiscard]] nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
