@@ -346,6 +346,29 @@ TEST_F(TextPiecesTest, SentencePieceCutsGiveTheTokensOfTheWholeText) {
   }
 }
 
+// A cut falls only before a space that follows a character other than whitespace: a run of
+// whitespace ("\n    " of indented text) is one pre-token for byte-level BPE and stays whole.
+TEST_F(TextPiecesTest, CutsOnlyBeforeASpaceAfterANonWhitespaceCharacter) {
+  using kvevict::cli::may_cut_before;
+  EXPECT_TRUE(may_cut_before("a b", 1));
+  EXPECT_TRUE(may_cut_before(".  b", 1));
+  EXPECT_FALSE(may_cut_before("a  b", 2));  // after a space
+  EXPECT_FALSE(may_cut_before("a\n b", 2));
+  EXPECT_FALSE(may_cut_before("a\t b", 2));
+  EXPECT_FALSE(may_cut_before("a\r b", 2));
+  EXPECT_FALSE(may_cut_before("ab c", 1));  // not a space
+  const std::string text = "def f():\n    return 1\n\n    \n  x = 2  # two words\n";
+  for (std::size_t block : {3, 4, 5}) {
+    const auto list = pieces(text, piece_options(block, "", true));
+    EXPECT_EQ(joined(list), text);
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i + 1 < list.size(); ++i) {
+      offset += list[i].text.size();
+      EXPECT_TRUE(may_cut_before(text, offset)) << "block " << block << ", cut at " << offset;
+    }
+  }
+}
+
 TEST_F(TextPiecesTest, TextWithoutSpacesIsCutBetweenUtf8Characters) {
   std::string text;
   for (int i = 0; i < 100; ++i) text += "\xc3\xa9";  // "é" x 100, no space anywhere

@@ -25,9 +25,11 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli_common/log_loss.hpp"
+#include "cli_common/text_pieces.hpp"
 #include "llama/cli/llama_model.hpp"
 #include "model/model_io.hpp"
 
@@ -439,6 +441,67 @@ TEST(LlamaErrors, BudgetLargerThanTheContext) {
 // test-tokenizer-0 without special tokens). The model is random weights under that vocabulary,
 // written by kvevict's GGUF writer.
 #ifdef KVEVICT_LLAMA_VOCABS
+struct VocabCase {
+  std::string text;
+  std::vector<std::int32_t> ids;
+};
+
+// llama.cpp's tokenizer test vectors: VOCAB.inp holds the texts, each followed by
+// "\n__ggml_vocab_test__\n"; VOCAB.out one line of ids per text.
+std::vector<VocabCase> read_vocab_cases(const fs::path& vocab) {
+  std::ifstream inputs_file(vocab.string() + ".inp", std::ios::binary);
+  std::ifstream outputs(vocab.string() + ".out");
+  const std::string inputs((std::istreambuf_iterator<char>(inputs_file)),
+                           std::istreambuf_iterator<char>());
+  const std::string separator = "\n__ggml_vocab_test__\n";
+  std::vector<VocabCase> cases;
+  std::size_t begin = 0;
+  for (std::size_t end = inputs.find(separator); end != std::string::npos;
+       begin = end + separator.size(), end = inputs.find(separator, begin)) {
+    std::string line;
+    if (!std::getline(outputs, line)) break;
+    std::istringstream ids(line);
+    cases.push_back(
+        {inputs.substr(begin, end - begin), {std::istream_iterator<std::int32_t>(ids), {}}});
+  }
+  return cases;
+}
+
+// The tokens of `text` read as `stream` reads a file, in pieces (cli_common/text_pieces.hpp) of
+// blocks of 4 to 8 bytes, so that every cut the reader may make is taken somewhere: blocks of 4
+// bytes times the 16 blocks a piece may grow without a space hold the texts' longest run without
+// one (57 bytes), so no piece is cut inside a word.
+std::vector<std::int32_t> encode_in_pieces(
+    const std::string& text, bool drop_cut_space,
+    const std::function<std::vector<std::int32_t>(std::string_view)>& encode) {
+  const fs::path path = fs::temp_directory_path() /
+                        ("kvevict_test_llama_pieces_" + std::to_string(getpid()) + ".txt");
+  std::ofstream(path, std::ios::binary) << text;
+  std::vector<std::int32_t> first;
+  for (std::size_t block = 4; block <= 8; ++block) {
+    kvevict::cli::TextPiecesOptions options;
+    options.block_bytes = block;
+    options.cut_before_space = true;
+    kvevict::cli::TextPieces pieces(path.string(), options);
+    std::vector<std::int32_t> tokens;
+    kvevict::cli::TextPiece piece;
+    while (pieces.next(piece)) {
+      const std::string_view piece_text =
+          piece.space_cut && drop_cut_space ? std::string_view(piece.text).substr(1) : piece.text;
+      const std::vector<std::int32_t> ids = encode(piece_text);
+      tokens.insert(tokens.end(), ids.begin(), ids.end());
+    }
+    if (block == 4) {
+      first = tokens;
+    } else if (tokens != first) {
+      return {-1, static_cast<std::int32_t>(block)};  // the block size changed the tokens
+    }
+  }
+  std::error_code ignored;
+  fs::remove(path, ignored);
+  return first;
+}
+
 TEST(LlamaVocabularies, SentencePieceGivesLlamaCppsTestTokens) {
   const fs::path vocabs(KVEVICT_LLAMA_VOCABS);
   llama_model_params params = llama_model_default_params();
@@ -477,27 +540,49 @@ TEST(LlamaVocabularies, SentencePieceGivesLlamaCppsTestTokens) {
   ASSERT_NE(engine.kvevict_tokenizer(), nullptr);
   ASSERT_EQ(reference.tokenizer.kind, kvevict::model::Tokenizer::Kind::sentencepiece);
 
-  std::ifstream inputs_file(vocabs / "ggml-vocab-llama-spm.gguf.inp", std::ios::binary);
-  std::ifstream outputs(vocabs / "ggml-vocab-llama-spm.gguf.out");
-  const std::string inputs((std::istreambuf_iterator<char>(inputs_file)),
-                           std::istreambuf_iterator<char>());
-  const std::string separator = "\n__ggml_vocab_test__\n";
-  std::size_t begin = 0;
-  int cases = 0;
-  for (std::size_t end = inputs.find(separator); end != std::string::npos;
-       begin = end + separator.size(), end = inputs.find(separator, begin)) {
-    const std::string text = inputs.substr(begin, end - begin);
-    std::string line;
-    ASSERT_TRUE(std::getline(outputs, line)) << "fewer expected lines than texts";
-    std::istringstream ids(line);
-    const std::vector<std::int32_t> expected{std::istream_iterator<std::int32_t>(ids), {}};
-    EXPECT_EQ(engine.encode(text, /*add_bos=*/false), expected)
-        << "kvevict-llama: '" << text << "'";
-    EXPECT_EQ(reference.tokenizer.encode(text, /*add_bos=*/false), expected)
-        << "kvevict: '" << text << "'";
-    ++cases;
+  const std::vector<VocabCase> cases = read_vocab_cases(vocabs / "ggml-vocab-llama-spm.gguf");
+  ASSERT_EQ(cases.size(), 46u);
+  for (const VocabCase& test : cases) {
+    EXPECT_EQ(engine.encode(test.text, /*add_bos=*/false), test.ids)
+        << "kvevict-llama: '" << test.text << "'";
+    EXPECT_EQ(reference.tokenizer.encode(test.text, /*add_bos=*/false), test.ids)
+        << "kvevict: '" << test.text << "'";
+    // In pieces, as `stream` reads a text (SentencePiece: a piece cut before a space is encoded
+    // without it, the dummy prefix standing for it).
+    EXPECT_EQ(encode_in_pieces(test.text, /*drop_cut_space=*/true,
+                               [&](std::string_view text) { return engine.encode(text, false); }),
+              test.ids)
+        << "kvevict-llama in pieces: '" << test.text << "'";
   }
-  EXPECT_EQ(cases, 46);
+}
+
+// Byte-level BPE vocabularies (GPT-2 here; Llama 3, Qwen, SmolLM2 alike) are tokenized by
+// llama.cpp itself, so its whole-text tokens are llama.cpp's to get right; what kvevict-llama
+// adds is the cut: `stream` reads a text in pieces, cut only where the pre-tokenizer never joins
+// the two sides, and encodes each piece with its leading space. The pieces' tokens must be the
+// whole text's, for llama.cpp's GPT-2 tokenizer test texts (models/ggml-vocab-gpt-2.gguf).
+TEST(LlamaVocabularies, ByteLevelBpeTextsInPiecesGiveTheWholeTextsTokens) {
+  const fs::path vocab = fs::path(KVEVICT_LLAMA_VOCABS) / "ggml-vocab-gpt-2.gguf";
+  const kvevict::llama_cli::LlamaModel engine(vocab.string(), 0,
+                                              kvevict::llama_cli::LlamaLoad::vocabulary_only);
+  ASSERT_EQ(engine.kvevict_tokenizer(), nullptr);  // llama.cpp tokenizes
+  const std::vector<VocabCase> cases = read_vocab_cases(vocab);
+  ASSERT_EQ(cases.size(), 46u);
+  for (const VocabCase& test : cases) {
+    EXPECT_EQ(engine.encode(test.text, /*add_bos=*/false), test.ids) << "'" << test.text << "'";
+    EXPECT_EQ(encode_in_pieces(test.text, /*drop_cut_space=*/false,
+                               [&](std::string_view text) { return engine.encode(text, false); }),
+              test.ids)
+        << "in pieces: '" << test.text << "'";
+    // Every place the reader may cut, one at a time.
+    for (std::size_t p = 1; p < test.text.size(); ++p) {
+      if (!kvevict::cli::may_cut_before(test.text, p)) continue;
+      std::vector<std::int32_t> ids = engine.encode(test.text.substr(0, p), false);
+      const std::vector<std::int32_t> rest = engine.encode(test.text.substr(p), false);
+      ids.insert(ids.end(), rest.begin(), rest.end());
+      EXPECT_EQ(ids, test.ids) << "cut before byte " << p << " of '" << test.text << "'";
+    }
+  }
 }
 #endif
 

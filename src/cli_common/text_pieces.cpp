@@ -56,12 +56,20 @@ void TextPieces::read_block() {
   if (got < want || limit_reached || want == 0) at_end_ = true;
 }
 
+bool may_cut_before(std::string_view text, std::size_t p) {
+  // Not after other whitespace: a run of whitespace is one pre-token for byte-level BPE
+  // ("\n   \n" under Llama 3's `\s*[\r\n]+`, GPT-2's `\s+(?!\S)`), which a cut would split.
+  const auto whitespace = [](char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+  };
+  return text[p] == ' ' && !whitespace(text[p - 1]);
+}
+
 std::size_t TextPieces::cut_point(std::size_t limit) const {
   if (!options_.cut_before_space) return limit;
   // Here limit < buffer_.size(): buffer_[limit] is the first byte of the next piece.
-  // Before a space that follows a non-space: the next piece starts a word.
   for (std::size_t p = limit; p > 0; --p) {
-    if (buffer_[p] == ' ' && buffer_[p - 1] != ' ') return p;
+    if (may_cut_before(buffer_, p)) return p;
   }
   // No word boundary yet: read on (0) until the buffer is kBlocksWithoutSpace blocks long, then
   // at least do not split a UTF-8 character.

@@ -3,11 +3,14 @@
 //
 // Where a piece may end: a byte-level tokenizer maps bytes to tokens one to one, so anywhere. A
 // SentencePiece tokenizer merges across characters and prepends a "dummy prefix" space to every
-// text it encodes, so a piece ends just before a space that follows a non-space; the next piece
-// then starts with that space and the caller encodes it without it (`space_cut`), letting the
-// dummy prefix stand for it. The merges do not cross the "▁" that begins a word, so the tokens
-// match. Without such a space the piece grows up to 16 blocks (1 MiB) and is then cut at a UTF-8
-// character boundary (text without spaces, e.g. Chinese): one extra "▁" token per MiB there.
+// text it encodes, so a piece ends just before a space that follows a character other than
+// whitespace; the next piece then starts with that space and the caller encodes it without it
+// (`space_cut`), letting the dummy prefix stand for it. The merges do not cross the "▁" that
+// begins a word, so the tokens match. Byte-level BPE (llama.cpp's tokenizer in kvevict-llama)
+// takes the same cuts and keeps the space: no pre-tokenizer of GPT-2, Llama 3 or Qwen2 joins a
+// non-space character to the space after it, and a run of whitespace, which they keep whole, is
+// never cut. Without such a space the piece grows up to 16 blocks (1 MiB) and is then cut at a
+// UTF-8 character boundary (text without spaces, e.g. Chinese): one extra "▁" token per MiB there.
 //
 // Turns: with a separator, a piece also ends right after every occurrence of it, and the next
 // piece starts a turn (SirLLM evicts before each turn). The separator stays in the text, at the
@@ -19,6 +22,7 @@
 #include <fstream>
 #include <istream>
 #include <string>
+#include <string_view>
 
 namespace kvevict::cli {
 
@@ -37,6 +41,11 @@ struct TextPiece {
   /// The piece starts with the space the previous piece was cut before (cut_before_space).
   bool space_cut = false;
 };
+
+/// Whether `text` may be cut before byte `p` (0 < p < text.size()) when cutting before spaces: a
+/// space that follows a character other than whitespace, so that the next piece starts a word
+/// (see the header comment).
+[[nodiscard]] bool may_cut_before(std::string_view text, std::size_t p);
 
 class TextPieces {
  public:

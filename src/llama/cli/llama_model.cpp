@@ -84,7 +84,7 @@ void quiet_llama_log() {
   });
 }
 
-LlamaModel::LlamaModel(const std::string& path, int gpu_layers) {
+LlamaModel::LlamaModel(const std::string& path, int gpu_layers, LlamaLoad load) {
   quiet_llama_log();
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error)) {
@@ -93,6 +93,7 @@ LlamaModel::LlamaModel(const std::string& path, int gpu_layers) {
   const TokenizerKeys keys = read_tokenizer_keys(path);
   llama_model_params params = llama_model_default_params();
   params.n_gpu_layers = gpu_layers;
+  params.vocab_only = load == LlamaLoad::vocabulary_only;
   llama_model_kv_override overrides[2]{};
   if (keys.model == kByteTokenizerModel) {
     overrides[0].tag = LLAMA_KV_OVERRIDE_TYPE_STR;

@@ -26,10 +26,14 @@ struct LlamaModelDeleter {
   void operator()(llama_model* model) const { llama_model_free(model); }
 };
 
+/// What of a GGUF LlamaModel loads: everything, or the vocabulary only (llama.cpp's vocab_only:
+/// tokenizing with no weights, e.g. llama.cpp's models/ggml-vocab-*.gguf).
+enum class LlamaLoad { model, vocabulary_only };
+
 class LlamaModel {
  public:
   /// Loads `path` with `gpu_layers` layers offloaded (-ngl). Throws kvevict::Error.
-  LlamaModel(const std::string& path, int gpu_layers);
+  LlamaModel(const std::string& path, int gpu_layers, LlamaLoad load = LlamaLoad::model);
 
   [[nodiscard]] llama_model* get() const { return model_.get(); }
   [[nodiscard]] std::vector<std::int32_t> encode(std::string_view text, bool add_bos) const;
