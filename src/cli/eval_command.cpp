@@ -17,6 +17,7 @@
 #include "command.hpp"
 #include "eval/config.hpp"
 #include "eval/grid.hpp"
+#include "eval/grid_options.hpp"
 
 namespace kvevict::cli {
 namespace {
@@ -126,23 +127,10 @@ Command add_eval_command(CLI::App& parent) {
   eval::EvalCommand& grid_command = options->command;
   CLI::App* app = parent.add_subcommand(
       "eval", "Run a benchmark grid (policies x budgets x tasks) from a JSON config, resumable");
-  app->add_option("config", grid_command.config, "grid config (JSON; see docs/eval.md)");
-  app->add_option("-o,--out", grid_command.out,
-                  "output directory (default: eval/results/<config name>); cells/<id>.json holds "
-                  "each finished cell");
-  app->add_option("-j,--jobs", grid_command.jobs, "cells run at once, each in its own process")
-      ->capture_default_str();
+  (void)eval::add_grid_options(*app, grid_command);
   add_threads_option(*app, grid_command.threads);
-  app->add_option("--shard", grid_command.shard,
-                  "run only shard I of N (1 <= I <= N): the cells at positions I-1, I-1+N, ... of "
-                  "the grid; combine the shards' outputs with `eval merge`");
-  app->add_flag("--fresh", grid_command.fresh,
-                "discard the output directory's cells and results and run every cell again");
-  app->add_flag("--list", grid_command.list, "print the grid's cells and exit (nothing is loaded)");
   app->add_option("--model", grid_command.model,
                   "use this model instead of the config's \"model\"");
-  app->add_option("--text", grid_command.text,
-                  "use this text file instead of the config's \"text\"");
   app->add_option("--kv-type", options->kv_type,
                   "store every policy's keys and values as f32, f16, bf16 or q8_0 (labels get "
                   "\" kv=TYPE\"; for a config without \"kv_types\" or \"kv_type\")");

@@ -15,6 +15,7 @@
 #include "cli_common/policy_setup.hpp"
 #include "eval/engine.hpp"
 #include "eval/grid.hpp"
+#include "eval/grid_options.hpp"
 #include "llama/cli/commands.hpp"
 #include "llama/cli/llama_options.hpp"
 
@@ -153,22 +154,10 @@ Command add_eval_command(CLI::App& parent) {
       "Run a `kvevict eval` benchmark grid (policies x budgets x tasks) on a GGUF through "
       "llama.cpp, resumable");
   eval::EvalCommand& command = options->command;
-  app->add_option("config", command.config, "grid config (JSON; see docs/eval.md)")->required();
+  eval::add_grid_options(*app, command)->required();
   app->add_option("-m,--model", command.model,
                   "the GGUF llama.cpp loads (replaces the config's \"model\")")
       ->required();
-  app->add_option("-o,--out", command.out,
-                  "output directory (default: eval/results/<config name>); cells/<id>.json holds "
-                  "each finished cell");
-  app->add_option("-j,--jobs", command.jobs, "cells run at once, each in its own process")
-      ->capture_default_str();
-  app->add_option("--shard", command.shard,
-                  "run only shard I of N (1 <= I <= N); combine the shards' outputs with "
-                  "`kvevict eval merge`");
-  app->add_flag("--fresh", command.fresh,
-                "discard the output directory's cells and results and run every cell again");
-  app->add_flag("--list", command.list, "print the grid's cells and exit (nothing is loaded)");
-  app->add_option("--text", command.text, "use this text file instead of the config's \"text\"");
   add_llama_options(*app, options->llama);
   app->footer(
       "The grid, documents, scoring and outputs of `kvevict eval` (docs/eval.md), computed by\n"
