@@ -413,6 +413,25 @@ TEST(LlamaErrors, ShiftingPositionsOverCellsTheKShiftCannotRotate) {
   EXPECT_EQ(error_of([&] { (void)open("window", params, options); }), "no error");
 }
 
+// A model file llama.cpp cannot read is an error naming it, before anything runs: cut short, cut
+// inside its header, not a GGUF, empty. (kvevict's own readers are fuzzed, docs/reliability.md;
+// llama.cpp's loader is llama.cpp's, and kvevict-llama must only turn its refusal into an error.)
+TEST(LlamaErrors, UnreadableModelFiles) {
+  std::ifstream in(LlamaModels::toy->path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const fs::path path =
+      fs::temp_directory_path() / ("kvevict_test_llama_bad_" + std::to_string(getpid()) + ".gguf");
+  for (const std::string& content : {bytes.substr(0, bytes.size() / 2), bytes.substr(0, 20),
+                                     "GGML" + bytes.substr(4), std::string()}) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << content;
+    const std::string error =
+        error_of([&] { (void)kvevict::llama_cli::LlamaModel(path.string(), 0); });
+    EXPECT_NE(error.find(path.string()), std::string::npos) << error;
+  }
+  std::error_code ignored;
+  fs::remove(path, ignored);
+}
+
 TEST(LlamaErrors, GranularityOtherThanToken) {
   llama_context_params params = llama_context_default_params();
   params.n_ctx = 512;
