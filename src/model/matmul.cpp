@@ -4,17 +4,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "kernels/kernels.hpp"
+#include "kernels/weight_product.hpp"
 #include "kvevict/error.hpp"
 
 namespace kvevict::model {
 namespace {
-
-// Rows of a non-f32 W converted per block: about 64 KiB of f32, so the block stays in L2 while
-// every row of X is multiplied with it.
-constexpr std::int64_t kBlockFloats = 16 * 1024;
 
 void check_matrix(const WeightMatrix& w) {
   KVEVICT_REQUIRE(w.data != nullptr && w.rows > 0 && w.cols > 0,
@@ -31,28 +27,11 @@ int task_count(const WeightMatrix& w, std::int64_t x_rows, const ThreadPool* poo
   return static_cast<int>(std::clamp<std::int64_t>(by_size, 1, 4 * pool->threads()));
 }
 
-// y = X W^T for the rows [begin, end) of W (columns [begin, end) of Y).
+// Y = X W^T for the rows [begin, end) of W (columns [begin, end) of Y).
 void product_rows(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x,
                   Eigen::Ref<RowMatrix>& y, std::int64_t begin, std::int64_t end) {
-  const std::int64_t n = x.rows();
-  if (w.dtype == DType::f32) {
-    const auto* rows = reinterpret_cast<const float*>(w.data) + begin * w.cols;
-    kernels::matmul_transposed(x.data(), x.outerStride(), n, rows, w.cols, end - begin, w.cols,
-                               y.data() + begin, y.outerStride());
-    return;
-  }
-  thread_local std::vector<float> buffer;
-  // A multiple of 16 rows: the products take rows of W in blocks of a vector's lane count (at most
-  // 16), and a block's left-over rows cost a whole block (kernels::matmul_transposed).
-  const std::int64_t step = std::max<std::int64_t>(16, kBlockFloats / w.cols / 16 * 16);
-  buffer.resize(static_cast<std::size_t>(std::min(step, end - begin) * w.cols));
-  for (std::int64_t block = begin; block < end; block += step) {
-    const std::int64_t block_end = std::min(block + step, end);
-    kernels::dequantize_rows(w, block, block_end, buffer.data());  // [block_end - block, cols]
-    kernels::matmul_transposed(x.data(), x.outerStride(), n, buffer.data(), w.cols,
-                               block_end - block, w.cols, y.data() + block,
-                               y.outerStride());  // [n, block_end - block]
-  }
+  kernels::weight_product(w, begin, end, x.data(), x.outerStride(), x.rows(), y.data(),
+                          y.outerStride());
 }
 
 }  // namespace

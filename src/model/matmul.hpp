@@ -1,9 +1,9 @@
 // Products with model weights: y = W x and Y = X W^T, f32 activations, W in its own type.
 //
 // W is a WeightMatrix [rows, cols], row-major (rows = output features). One row of X (decoding)
-// is a fused dequantise-and-dot per row of W (kernels::matvec); several rows convert W a block of
-// rows at a time into an f32 buffer of about 64 KiB (f32 W is used in place) and multiply every
-// row of X with it (kernels::matmul_transposed), so each weight is converted once per product.
+// is a fused dequantise-and-dot per row of W (kernels::matvec); several rows convert W a panel of
+// rows at a time into f32, transposed, and multiply every row of X with it in outer-product tiles
+// (kernels::weight_product), so each weight is converted once per product.
 //
 // With a pool, the rows of W are split among its threads: every output value is computed exactly
 // as on one thread, so the result is bit-identical for any number of threads.
