@@ -23,10 +23,13 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "model/attention.hpp"
 #include "model/half.hpp"
 #include "model/kernels/kernels.hpp"
+#include "model/kernels/weight_product.hpp"
 #include "model/matmul.hpp"
 #include "support/expect_error.hpp"
 #include "support/policy_harness.hpp"
@@ -521,6 +524,121 @@ TEST(DecoderTargets, KernelsEqualPlainLoopsWithTails) {
     for (std::size_t i = 0; i < 23; ++i) {
       const double g = gate_before[i];
       EXPECT_NEAR(gate[i], g / (1.0 + std::exp(-g)) * up[i], 1e-6);
+    }
+  });
+}
+
+// Prefill's products with W in every type (kernels::weight_product): m rows of X against panels of
+// W's rows, m and the row ranges chosen to leave partial tiles and partial panels on every target
+// (panels of 48 rows at AVX-512, 16 at AVX2, 8 at SSE4; tiles of 8 or 6 rows of X). Each output is
+// within (k + 1) eps of the exact sum, and a split of W's rows gives the same bits as the whole.
+TEST(DecoderTargets, WeightProductsWithPartialTilesAndPanels) {
+  for_each_target([](const std::string&) {
+    for (const DType dtype : {DType::f32, DType::f16, DType::bf16, DType::q8_0, DType::q4_0}) {
+      const Model model =
+          kvevict::model::make_random_model(small_config(RopeLayout::half_split), 3, dtype);
+      const WeightMatrix& w = model.layers[0].w_gate;  // [96, 64]
+      const std::int64_t n = w.rows;
+      const std::int64_t k = w.cols;
+      for (const std::int64_t m : {1, 5, 8, 9, 13}) {
+        SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)) + " m " + std::to_string(m));
+        const std::vector<float> x = test_values(static_cast<std::size_t>(m * (k + 1)), 41);
+        const std::ptrdiff_t y_stride = n + 3;
+        std::vector<float> whole(static_cast<std::size_t>(m * y_stride), -1.0f);
+        kernels::weight_product(w, 0, n, x.data(), k + 1, m, whole.data(), y_stride);
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t r = 0; r < n; ++r) {
+            double expected = 0.0;
+            double magnitude = 0.0;
+            for (std::int64_t t = 0; t < k; ++t) {
+              const double product = weight(w, r, t) * x[static_cast<std::size_t>(i * (k + 1) + t)];
+              expected += product;
+              magnitude += std::fabs(product);
+            }
+            EXPECT_NEAR(whole[static_cast<std::size_t>(i * y_stride + r)], expected,
+                        (k + 1) * 0x1p-24 * magnitude)
+                << "row " << i << " output " << r;
+          }
+          EXPECT_EQ(whole[static_cast<std::size_t>(i * y_stride + n)], -1.0f);  // not written
+        }
+        // Rows [0, 37), [37, 59), [59, 96) as three threads might take them.
+        std::vector<float> split(whole.size(), -1.0f);
+        for (const auto& [begin, end] :
+             {std::pair<std::int64_t, std::int64_t>{0, 37}, {37, 59}, {59, n}}) {
+          kernels::weight_product(w, begin, end, x.data(), k + 1, m, split.data(), y_stride);
+        }
+        EXPECT_EQ(std::memcmp(split.data(), whole.data(), whole.size() * sizeof(float)), 0);
+      }
+    }
+  });
+}
+
+// A long chunk's attention leaves out each block of queries' products with the chunk's later
+// slots; the probabilities and outputs must be those of whole rows, bit for bit: two query heads
+// of one KV head, 70 queries in consecutive slots [10, 80) after 10 older slots and before 5
+// younger ones (a chunk in a gap), the slots in two runs of different pending rotation.
+TEST(DecoderTargets, SkippedMaskedProductsChangeNoBit) {
+  const int head_dim = 16;
+  const int heads = 2;
+  const int n = 70;
+  const int limit = 85;
+  kvevict::RopeConfig rope_config;
+  rope_config.head_dim = head_dim;
+  rope_config.rotary_dim = head_dim;
+  const kvevict::Rope rope(rope_config);
+  const std::vector<float> queries =
+      test_values(static_cast<std::size_t>(n * heads * head_dim), 51);
+  const std::vector<float> keys = test_values(static_cast<std::size_t>(limit * head_dim), 53);
+  const std::vector<float> values = test_values(static_cast<std::size_t>(limit * head_dim), 55);
+  std::vector<std::int64_t> positions(n);
+  std::vector<std::int32_t> slots(n);
+  for (int i = 0; i < n; ++i) {
+    positions[static_cast<std::size_t>(i)] = 15 + i;
+    slots[static_cast<std::size_t>(i)] = 10 + i;
+  }
+  const std::vector<kvevict::model::KeyRun> runs{{0, 40, 0}, {40, limit, 3}};
+  for_each_target([&](const std::string&) {
+    std::vector<float> probabilities[2];
+    std::vector<float> outputs[2];
+    for (const bool skip : {false, true}) {
+      kvevict::model::GroupAttention group;
+      group.queries = queries.data();
+      group.query_stride = heads * head_dim;
+      group.heads = heads;
+      group.query_positions = positions;
+      group.query_slots = slots;
+      group.keys = {reinterpret_cast<const std::uint8_t*>(keys.data()), kvevict::KvType::f32,
+                    head_dim * sizeof(float)};
+      group.values = {reinterpret_cast<const std::uint8_t*>(values.data()), kvevict::KvType::f32,
+                      head_dim * sizeof(float)};
+      group.slot_limit = limit;
+      group.head_dim = head_dim;
+      group.runs = runs;
+      group.skip_masked = skip;
+      kvevict::model::QueryAngles angles(rope);
+      kvevict::model::AttentionBuffers buffers;
+      std::vector<float>& p = probabilities[skip ? 1 : 0];
+      std::vector<float>& out = outputs[skip ? 1 : 0];
+      p.assign(static_cast<std::size_t>(heads * n * limit), -1.0f);
+      out.assign(static_cast<std::size_t>(n * heads * head_dim), -1.0f);
+      kvevict::model::attend(group, angles, p.data(), out.data(), heads * head_dim, buffers);
+    }
+    EXPECT_EQ(std::memcmp(probabilities[0].data(), probabilities[1].data(),
+                          probabilities[0].size() * sizeof(float)),
+              0);
+    EXPECT_EQ(std::memcmp(outputs[0].data(), outputs[1].data(), outputs[0].size() * sizeof(float)),
+              0);
+    // Query i sees the 10 older slots, the chunk up to its own slot and the 5 younger ones.
+    for (int h = 0; h < heads; ++h) {
+      for (int i = 0; i < n; i += 23) {
+        const float* row = probabilities[1].data() + static_cast<std::size_t>((h * n + i) * limit);
+        EXPECT_GT(row[10 + i], 0.0f);
+        if (10 + i + 1 < 80) {
+          EXPECT_EQ(row[10 + i + 1], 0.0f);
+        }
+        EXPECT_GT(row[80], 0.0f);
+        EXPECT_NEAR(std::accumulate(row, row + limit, 0.0), 1.0, 1e-5);
+      }
     }
   });
 }

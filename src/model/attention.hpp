@@ -64,6 +64,10 @@ struct GroupAttention {
   int slot_limit = 0;
   int head_dim = 0;
   std::span<const KeyRun> runs;  ///< the live slots
+  /// A chunk of more than 32 queries in consecutive slots leaves out the products of each block of
+  /// 32 queries with the chunk's slots after the block (masked: exact zeros either way). Tests turn
+  /// it off to compare the bits.
+  bool skip_masked = true;
 };
 
 /// Scratch of attend(), grown on demand.
