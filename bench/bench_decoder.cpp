@@ -22,6 +22,10 @@
 // last-level cache holds the 61 MB of weights, a decode step reads them from that cache, and the
 // DRAM figures above understate what it can get.
 //
+// BM_PrefillProduct/dtype:<0 f32, 4 q4_0>/which:<0 w_gate, 1 w_down>: one prefill product of the
+// 15M model (512 rows of X), GFLOPs per CPU second. BM_FmaPeak (x86 with AVX-512): the core's
+// multiply-add peak in the same unit.
+//
 // BM_DecodeAtContext/setup:<s>/streamed:<tokens>: decode tokens/s after <tokens> tokens were
 // streamed, for "full" (setup 0) and streaming_llm with 4 sinks + 1020 recent, keys stored after
 // RoPE (1, the decoder's default) or before (2), 256 decode steps each, on a small model (dim 64, 2
@@ -33,6 +37,10 @@
 // of a step spent in begin_chunk + end_forward (DecoderStats).
 #include <benchmark/benchmark.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstdint>
@@ -42,6 +50,7 @@
 #include <kvevict/policy_registry.hpp>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <span>
 #include <vector>
 
@@ -207,6 +216,70 @@ BENCHMARK(BM_Decode15M)
     ->Arg(static_cast<int>(DType::q8_0))
     ->Arg(static_cast<int>(DType::q4_0))
     ->Unit(benchmark::kMillisecond);
+
+// Prefill's products alone: Y = X W^T with 512 rows of X (a pp512 chunk) and W the 15M model's
+// w_gate [768, 288] (which: 0) or w_down [288, 768] (which: 1), in each weight type, one thread
+// (kvevict::model::matmul). GFLOPs counts 2 m n k per CPU second: with the clock rate (perf stat
+// -e cycles) it gives the FLOPs per cycle to set against the core's peak (docs/kernels.md).
+void BM_PrefillProduct(benchmark::State& state) {
+  const auto dtype = static_cast<DType>(state.range(0));
+  const kvevict::model::WeightMatrix& w =
+      state.range(1) == 0 ? model_15m(dtype).layers[0].w_gate : model_15m(dtype).layers[0].w_down;
+  const std::int64_t m = 512;
+  kvevict::model::RowMatrix x = kvevict::model::RowMatrix::Random(m, w.cols);
+  kvevict::model::RowMatrix y(m, w.rows);
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const double start = thread_seconds();
+    kvevict::model::matmul(w, x, y);
+    benchmark::DoNotOptimize(y.data());
+    seconds += thread_seconds() - start;
+  }
+  state.counters["GFLOPs"] = 2.0 * static_cast<double>(m * w.rows * w.cols) *
+                             static_cast<double>(state.iterations()) / seconds / 1e9;
+}
+BENCHMARK(BM_PrefillProduct)
+    ->ArgNames({"dtype", "which"})
+    ->ArgsProduct({{static_cast<int>(DType::f32), static_cast<int>(DType::q4_0)}, {0, 1}})
+    ->Unit(benchmark::kMillisecond);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The core's multiply-add peak, for BM_PrefillProduct's fraction: 24 independent AVX-512
+// accumulators (as many as the product's tile) and nothing else, FLOPs per CPU second. Compiled
+// for AVX-512 here only; skipped on a CPU without it.
+__attribute__((target("avx512f"))) float fma_chains(std::int64_t steps) {
+  __m512 acc[24];
+  const __m512 a = _mm512_set1_ps(0.999f);
+  const __m512 b = _mm512_set1_ps(1e-4f);
+  for (__m512& v : acc) v = _mm512_set1_ps(1.0f);
+  for (std::int64_t i = 0; i < steps; ++i) {
+#pragma GCC unroll 24
+    for (__m512& v : acc) v = _mm512_fmadd_ps(v, a, b);
+  }
+  __m512 total = acc[0];
+  for (int i = 1; i < 24; ++i) total = _mm512_add_ps(total, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, total);
+  return std::accumulate(lanes, lanes + 16, 0.0f);
+}
+
+void BM_FmaPeak(benchmark::State& state) {
+  if (!__builtin_cpu_supports("avx512f")) {
+    state.SkipWithError("no AVX-512 on this CPU");
+    return;
+  }
+  constexpr std::int64_t kSteps = 1 << 16;
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const double start = thread_seconds();
+    benchmark::DoNotOptimize(fma_chains(kSteps));
+    seconds += thread_seconds() - start;
+  }
+  state.counters["GFLOPs"] =
+      2.0 * 16 * 24 * kSteps * static_cast<double>(state.iterations()) / seconds / 1e9;
+}
+BENCHMARK(BM_FmaPeak)->Unit(benchmark::kMillisecond);
+#endif
 
 const Model& small_model() {
   static const Model model = [] {
