@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# kvevict's reference decoder against llama.cpp on the same GGUF files, one thread.
+# kvevict's reference decoder against llama.cpp on the same GGUF files, one thread (THREADS: more).
 #
 #   bench/compare_llama_cpp.sh [kvevict build dir, default build/release] [rounds, default 3]
 #
@@ -23,6 +23,7 @@
 #   cmake --build /var/tmp/llama-bench-avx512/build --target llama-bench -j2
 #
 # (the directory keeps its name on a CPU without AVX-512: the options file then turns it off).
+# THREADS (default 1) runs both programs at that many threads (-t), for the thread speed-up.
 # kvevict's binary picks its best SIMD target at run time; KVEVICT_TARGET (e.g. AVX2) forces one,
 # to be compared with a llama-bench of that width given as LLAMA_BENCH (a portable build with
 # GGML_NATIVE=OFF and only GGML_AVX, GGML_AVX2, GGML_FMA, GGML_F16C on).
@@ -59,12 +60,13 @@ for type in "${types[@]}"; do
   "${pp_tg}" --write-stories15m "${work}/stories15m-${type}.gguf" --dtype "${type}"
 done
 
+threads="${THREADS:-1}"
 target_args=()
 [[ -n "${KVEVICT_TARGET:-}" ]] && target_args=(--target "${KVEVICT_TARGET}")
 
 # "<test> <tokens/s>" lines of llama-bench's CSV (columns found by name).
 llama_rates() {
-  "${llama_bench}" -m "$1" -p 512 -n 128 -t 1 -r 5 -o csv 2>/dev/null | awk -F, '
+  "${llama_bench}" -m "$1" -p 512 -n 128 -t "${threads}" -r 5 -o csv 2>/dev/null | awk -F, '
     NR == 1 { for (i = 1; i <= NF; ++i) { gsub(/"/, "", $i); column[$i] = i }; next }
     { gsub(/"/, "");
       test = $column["n_prompt"] > 0 ? "pp" $column["n_prompt"] : "tg" $column["n_gen"];
@@ -75,7 +77,7 @@ for ((round = 1; round <= rounds; ++round)); do
   for type in "${types[@]}"; do
     model="${work}/stories15m-${type}.gguf"
     llama_rates "${model}" > "${work}/llama"
-    "${pp_tg}" --model "${model}" -p 512 -n 128 -r 5 "${target_args[@]}" > "${work}/kvevict"
+    "${pp_tg}" --model "${model}" -p 512 -n 128 -r 5 -t "${threads}" "${target_args[@]}" > "${work}/kvevict"
     echo "round ${round} ${type} (load $(cut -d' ' -f1-3 /proc/loadavg)):" \
       "kvevict $(grep -h '^target' "${work}/kvevict")" \
       "$(awk '/^(pp|tg)/ { printf "%s %s  ", $1, $2 }' "${work}/kvevict")" \
