@@ -5,7 +5,7 @@
 //
 // Weights are read in their own type (model.hpp's DType): a product dequantises each weight as it
 // is multiplied, in registers, and never holds an f32 copy of a Q8_0 / Q4_0 / f16 / bf16 matrix
-// (matmul's rows are converted a block of rows at a time into a small buffer; see matmul.cpp).
+// (matmul's rows are converted a panel of rows at a time into a small buffer: weight_product.hpp).
 // All arithmetic is f32 with f32 accumulators; results differ from a naive loop only by the
 // order of the additions (and by Highway's exp, within 1 ulp, in softmax and SiLU).
 #pragma once
