@@ -144,6 +144,17 @@ struct Q4_0 {
     const hn::Rebind<std::int32_t, D> di;
     const hn::Rebind<std::uint8_t, D> d8;
     const auto low_mask = hn::Set(di, 0xf);
+#if HWY_TARGET <= HWY_AVX3
+    // 16 lanes hold the 16 values a nibble stands for, q - 8: one permutation per half-block looks
+    // them up, instead of a subtraction and a conversion (the same values, exactly).
+    HWY_ALIGN static constexpr float kValues[16] = {-8, -7, -6, -5, -4, -3, -2, -1,
+                                                    0,  1,  2,  3,  4,  5,  6,  7};
+    const V values = hn::Load(d, kValues);
+    const auto bytes =
+        hn::BitCast(di, hn::PromoteTo(hn::Rebind<std::uint32_t, D>(), hn::LoadU(d8, block + 2)));
+    f(0, hn::TableLookupLanes(values, hn::IndicesFromVec(d, hn::And(bytes, low_mask))),
+      hn::TableLookupLanes(values, hn::IndicesFromVec(d, hn::ShiftRight<4>(bytes))));
+#else
     const auto offset = hn::Set(di, 8);
     for (std::size_t j = 0; j < 16; j += hn::Lanes(d)) {
       const auto bytes = hn::BitCast(
@@ -151,6 +162,7 @@ struct Q4_0 {
       f(j, hn::ConvertTo(d, hn::Sub(hn::And(bytes, low_mask), offset)),
         hn::ConvertTo(d, hn::Sub(hn::ShiftRight<4>(bytes), offset)));
     }
+#endif
   }
   static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x) {
     V total = hn::Zero(d);
