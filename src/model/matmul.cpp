@@ -32,13 +32,6 @@ int task_count(const WeightMatrix& w, std::int64_t x_rows, const ThreadPool* poo
 // padded with zeros (a task of 36 rows of W would pay for 48).
 constexpr std::int64_t kPanelRows = 48;
 
-// Y = X W^T for the rows [begin, end) of W (columns [begin, end) of Y).
-void product_rows(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x,
-                  Eigen::Ref<RowMatrix>& y, std::int64_t begin, std::int64_t end) {
-  kernels::weight_product(w, begin, end, x.data(), x.outerStride(), x.rows(), y.data(),
-                          y.outerStride());
-}
-
 }  // namespace
 
 void matvec(const WeightMatrix& w, const float* x, float* y, ThreadPool* pool) {
@@ -67,10 +60,14 @@ void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::
   }
   const std::int64_t panels = (w.rows + kPanelRows - 1) / kPanelRows;
   const int tasks = static_cast<int>(std::min<std::int64_t>(task_count(w, n, pool), panels));
-  if (tasks == 1) return product_rows(w, x, y, 0, w.rows);
+  // Y = X W^T for the rows [begin, end) of W (columns [begin, end) of Y).
+  const auto product_rows = [&](std::int64_t begin, std::int64_t end) {
+    kernels::weight_product(w, begin, end, x.data(), x.outerStride(), n, y.data(), y.outerStride());
+  };
+  if (tasks == 1) return product_rows(0, w.rows);
   pool->run(tasks, [&](int task, int /*thread*/) {
     const Range part = part_of(panels, tasks, task);
-    product_rows(w, x, y, part.begin * kPanelRows, std::min(part.end * kPanelRows, w.rows));
+    product_rows(part.begin * kPanelRows, std::min(part.end * kPanelRows, w.rows));
   });
 }
 
