@@ -169,13 +169,15 @@ nlohmann::ordered_json params_json(const PolicyParams& params) {
 std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder) {
   const std::string params = setup.params.to_string();
   const Sequence& sequence = decoder.cache().sequence();
-  const KvType kv_type = decoder.options().kv_type;
-  return fmt::format(
-      "{}{}, positions {}, granularity {}, keys {}, chunk {}{}", setup.name,
-      params.empty() ? std::string() : " (" + params + ")", to_string(sequence.position_mode()),
-      to_string(sequence.granularity()), to_string(decoder.options().key_storage),
-      decoder.options().max_chunk,
-      kv_type == KvType::f32 ? std::string() : ", kv " + std::string(to_string(kv_type)));
+  return fmt::format("{}{}, positions {}, granularity {}, keys {}, chunk {}{}", setup.name,
+                     params.empty() ? std::string() : " (" + params + ")",
+                     to_string(sequence.position_mode()), to_string(sequence.granularity()),
+                     to_string(decoder.options().key_storage), decoder.options().max_chunk,
+                     describe_kv_type(decoder.options().kv_type));
+}
+
+std::string describe_kv_type(KvType type) {
+  return type == KvType::f32 ? std::string() : ", kv " + std::string(to_string(type));
 }
 
 nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decoder& decoder) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <kvevict/kv_type.hpp>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/policy.hpp>
@@ -90,8 +91,11 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
 /// {"recent": 28, "sinks": 4, "anchor_ids": [258]}: integers as JSON integers.
 [[nodiscard]] nlohmann::ordered_json params_json(const PolicyParams& params);
 
+/// The policy line's K/V type: ", kv q8_0", nothing for f32 (both executables' policy lines).
+[[nodiscard]] std::string describe_kv_type(KvType type);
+
 /// "streaming_llm (recent=28 sinks=4), positions cache_index, granularity token, keys post_rope,
-/// chunk 64" (and ", kv q8_0" when the K/V storage type is not f32).
+/// chunk 64" (and describe_kv_type's ", kv q8_0").
 [[nodiscard]] std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder);
 /// {"name", "params", "positions", "granularity", "keys", "kv_type", "chunk", "catalyst_tokens"
 /// (when it has one)}.

@@ -48,13 +48,11 @@ cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel&
 
 std::string describe_policy(const cli::PolicySetup& setup, const llama::LlamaSequence& sequence) {
   const std::string params = setup.params.to_string();
-  const KvType cell_type = setup.decoder_options.kv_type;
-  return fmt::format(
-      "{}{}, positions {}, granularity {}, keys post_rope (llama.cpp), chunk {}{}", setup.name,
-      params.empty() ? std::string() : " (" + params + ")",
-      to_string(sequence.sequence().position_mode()), to_string(sequence.sequence().granularity()),
-      sequence.max_chunk(),
-      cell_type == KvType::f32 ? std::string() : ", kv " + std::string(to_string(cell_type)));
+  return fmt::format("{}{}, positions {}, granularity {}, keys post_rope (llama.cpp), chunk {}{}",
+                     setup.name, params.empty() ? std::string() : " (" + params + ")",
+                     to_string(sequence.sequence().position_mode()),
+                     to_string(sequence.sequence().granularity()), sequence.max_chunk(),
+                     cli::describe_kv_type(setup.decoder_options.kv_type));
 }
 
 nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
