@@ -12,6 +12,11 @@
 #   ratio <type> tg128 <median>
 #   ratio <type> pp512 <median>
 #
+# and for Q8_0 and Q4_0 one more line, kvevict decoding with 8-bit activations and integer
+# products as llama.cpp does (pp_tg --decode-activations q8_0; the default keeps f32 ones):
+#
+#   ratio <type> tg128 decode-activations=q8_0 <median>
+#
 # llama-bench: $LLAMA_BENCH if set; else /var/tmp/llama-bench-avx512/build/bin/llama-bench if it
 # exists; else it is built there (once) from /work/shared/third_party/llama.cpp (or $LLAMA_CPP_DIR)
 # with the instruction sets of kvevict's own llama.cpp build, so that both programs use what this
@@ -73,6 +78,14 @@ llama_rates() {
       print test, $column["avg_ts"] }'
 }
 
+# Appends kvevict's tokens/s over llama.cpp's for one test: <kvevict output> <test> <ratios file>.
+ratio() {
+  local ours theirs
+  ours="$(awk -v t="$2" '$1 == t { print $2 }' "$1")"
+  theirs="$(awk -v t="$2" '$1 == t { print $2 }' "${work}/llama")"
+  awk -v a="${ours}" -v b="${theirs}" 'BEGIN { printf "%.4f\n", a / b }' >> "$3"
+}
+
 for ((round = 1; round <= rounds; ++round)); do
   for type in "${types[@]}"; do
     model="${work}/stories15m-${type}.gguf"
@@ -82,19 +95,26 @@ for ((round = 1; round <= rounds; ++round)); do
       "kvevict $(grep -h '^target' "${work}/kvevict")" \
       "$(awk '/^(pp|tg)/ { printf "%s %s  ", $1, $2 }' "${work}/kvevict")" \
       "llama.cpp $(awk '{ printf "%s %s  ", $1, $2 }' "${work}/llama")" >&2
-    for test in tg128 pp512; do
-      ours="$(awk -v t="${test}" '$1 == t { print $2 }' "${work}/kvevict")"
-      theirs="$(awk -v t="${test}" '$1 == t { print $2 }' "${work}/llama")"
-      awk -v a="${ours}" -v b="${theirs}" 'BEGIN { printf "%.4f\n", a / b }' \
-        >> "${work}/ratios-${type}-${test}"
-    done
+    for test in tg128 pp512; do ratio "${work}/kvevict" "${test}" "${work}/ratios-${type}-${test}"; done
+    if [[ "${type}" == q8_0 || "${type}" == q4_0 ]]; then
+      "${pp_tg}" --model "${model}" -p 16 -n 128 -r 5 -t "${threads}" "${target_args[@]}" \
+        --decode-activations q8_0 > "${work}/kvevict-q8"
+      echo "round ${round} ${type} kvevict decode-activations=q8_0:" \
+        "$(awk '/^tg/ { printf "%s %s", $1, $2 }' "${work}/kvevict-q8")" >&2
+      ratio "${work}/kvevict-q8" tg128 "${work}/ratios-${type}-tg128-q8"
+    fi
   done
 done
 
+median() {
+  sort -g "$1" | awk '{ v[NR] = $1 } END {
+    print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
+}
 for type in "${types[@]}"; do
   for test in tg128 pp512; do
-    median="$(sort -g "${work}/ratios-${type}-${test}" | awk '{ v[NR] = $1 } END {
-      print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }')"
-    echo "ratio ${type} ${test} ${median}"
+    echo "ratio ${type} ${test} $(median "${work}/ratios-${type}-${test}")"
   done
+  if [[ -f "${work}/ratios-${type}-tg128-q8" ]]; then
+    echo "ratio ${type} tg128 decode-activations=q8_0 $(median "${work}/ratios-${type}-tg128-q8")"
+  fi
 done

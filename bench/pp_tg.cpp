@@ -9,6 +9,7 @@
 // The policy is "full" (no eviction), keys stored after RoPE (the decoder's default).
 //
 //   pp_tg --model m.gguf [-p 512] [-n 128] [-r 5] [-t 1] [--target AVX2]
+//         [--decode-activations f32|q8_0]
 //   pp_tg --write-stories15m out.gguf --dtype f32|f16|bf16|q8_0|q4_0
 //
 // --write-stories15m writes a stories15M-shaped Llama (dim 288, 6 layers, 6 heads, hidden 768,
@@ -16,6 +17,8 @@
 // kvevict's GGUF writer, with a SentencePiece vocabulary of placeholder pieces (<unk>, <s>, </s>,
 // the 256 byte pieces, then "▁t<i>") that llama.cpp accepts. --target runs every kernel on one
 // SIMD target (kernels::available_targets(), e.g. AVX2 to match a llama.cpp built for AVX2).
+// --decode-activations q8_0 multiplies Q8_0 / Q4_0 weights by 8-bit activations when decoding
+// (model::DecodeActivations), as llama.cpp does; f32 (the default) keeps the f32 ones.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -44,6 +47,7 @@ struct Options {
   std::string write_path;
   std::string dtype = "f32";
   std::string target;
+  model::DecodeActivations decode_activations = model::DecodeActivations::f32;
   int prompt = 512;
   int generate = 128;
   int repetitions = 5;
@@ -79,6 +83,8 @@ Options parse(int argc, char** argv) {
       options.dtype = value;
     } else if (flag == "--target") {
       options.target = value;
+    } else if (flag == "--decode-activations") {
+      options.decode_activations = model::parse_decode_activations(value);
     } else if (flag == "-p") {
       options.prompt = parse_count(flag, value);
     } else if (flag == "-n") {
@@ -177,6 +183,7 @@ void run_tests(const Options& options) {
   model::DecoderOptions decoder_options;
   decoder_options.max_chunk = options.prompt;
   decoder_options.threads = options.threads;
+  decoder_options.decode_activations = options.decode_activations;
   const auto fresh_decoder = [&] {
     return std::make_unique<model::Decoder>(m, make_policy("full", PolicyParams()),
                                             decoder_options);
@@ -191,6 +198,8 @@ void run_tests(const Options& options) {
         for (const std::int32_t token : generated) decoder.forward({&token, 1});
       });
   std::printf("target %s\n", model::kernels::active_target().c_str());
+  std::printf("decode_activations %s\n",
+              std::string(to_string(options.decode_activations)).c_str());
   std::printf("pp%d %.2f %.2f\n", options.prompt, pp.mean, pp.deviation);
   std::printf("tg%d %.2f %.2f\n", options.generate, tg.mean, tg.deviation);
 }

@@ -723,6 +723,32 @@ TEST_F(Cli, KvTypeStoresTheCacheInThatTypeAndBadValuesNameTheOption) {
       << result.err;
 }
 
+// --decode-activations on stream and generate: recorded in the report; on this f32 model it
+// changes nothing (only Q8_0 / Q4_0 weights have integer products: test_decoder's
+// DecoderActivations); a bad value is an error naming the option.
+TEST_F(Cli, DecodeActivationsAreReportedAndBadValuesNameTheOption) {
+  std::vector<std::string> stream = {"stream",  "--model",          *model_,
+                                     "--input", file("text2k.txt"), "--policy",
+                                     "window",  "--budget",         "32"};
+  const json f32 = run_json(stream);
+  stream.insert(stream.end(), {"--decode-activations", "q8_0"});
+  const json q8 = run_json(stream);
+  EXPECT_EQ(f32["policy"]["decode_activations"], "f32");
+  EXPECT_EQ(q8["policy"]["decode_activations"], "q8_0");
+  EXPECT_EQ(q8["bits_per_byte"], f32["bits_per_byte"]);
+  stream.back() = "int8";
+  CommandResult result = run(stream);
+  EXPECT_EQ(result.code, 2);
+  EXPECT_NE(result.err.find("--decode-activations: unknown decode activations 'int8' (expected "
+                            "f32 or q8_0)"),
+            std::string::npos)
+      << result.err;
+  result = run({"generate", "--model", *model_, "--prompt", "abc", "--max-tokens", "1",
+                "--decode-activations", "q8_0"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_NE(result.err.find("decode activations q8_0"), std::string::npos) << result.err;
+}
+
 TEST_F(Cli, MistakesSayWhatToDo) {
   const CommandResult typo = run({"strem", "--model", *model_});
   EXPECT_EQ(typo.code, 2);

@@ -573,6 +573,149 @@ TEST(DecoderTargets, WeightProductsWithPartialTilesAndPanels) {
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// 8-bit decode activations (DecodeActivations::q8_0): kernels::quantize_row and
+// kernels::matvec_quantized against their definitions in kernels.hpp, on every target.
+// ---------------------------------------------------------------------------------------------
+
+// Blocks of 32: ordinary values, all zero, one NaN, one infinity, values around 1e-41 (subnormal:
+// 127 / max overflows, the definition's division does not), and ties x / scale = k + 0.5.
+std::vector<float> activation_blocks() {
+  std::vector<float> x = test_values(6 * 32, 51);
+  std::fill(x.begin() + 32, x.begin() + 64, 0.0f);
+  x[64 + 7] = std::numeric_limits<float>::quiet_NaN();
+  x[96 + 30] = -std::numeric_limits<float>::infinity();
+  for (int j = 128; j < 160; ++j) x[static_cast<std::size_t>(j)] *= 1e-41f;
+  // Block 5: max 127 (scale exactly 1), so 2.5 and -3.5 are ties: rounded to even, 2 and -4.
+  x[160] = 127.0f;
+  x[161] = 2.5f;
+  x[162] = -3.5f;
+  return x;
+}
+
+TEST(DecoderTargets, QuantizedRowFollowsItsDefinition) {
+  const std::vector<float> x = activation_blocks();
+  for_each_target([&](const std::string&) {
+    kernels::QuantizedRow q;
+    kernels::quantize_row(x.data(), static_cast<std::int64_t>(x.size()), q);
+    ASSERT_EQ(q.values.size(), x.size());
+    ASSERT_EQ(q.scales.size(), 6u);
+    for (std::size_t b = 0; b < 6; ++b) {
+      SCOPED_TRACE("block " + std::to_string(b));
+      float largest = 0.0f;
+      bool finite = true;
+      for (std::size_t j = 32 * b; j < 32 * b + 32; ++j) {
+        finite = finite && std::isfinite(x[j]);
+        largest = std::max(largest, std::fabs(x[j]));
+      }
+      if (!finite) {
+        EXPECT_TRUE(std::isnan(q.scales[b]));
+        EXPECT_TRUE(std::isnan(q.nibble_offsets[b]));
+      }
+      const float scale = finite ? largest / 127.0f : 0.0f;
+      if (finite) {
+        EXPECT_EQ(q.scales[b], scale);
+      }
+      int sum = 0;
+      for (std::size_t j = 32 * b; j < 32 * b + 32; ++j) {
+        const float expected = scale == 0.0f ? 0.0f : std::nearbyint(x[j] / scale);
+        EXPECT_EQ(q.values[j], static_cast<std::int8_t>(expected)) << "value " << j;
+        EXPECT_LE(std::abs(int{q.values[j]}), 127);
+        sum += q.values[j];
+      }
+      if (finite) {
+        EXPECT_EQ(q.nibble_offsets[b], 8.0f * scale * static_cast<float>(sum));
+      }
+    }
+    EXPECT_EQ(q.values[161], 2);
+    EXPECT_EQ(q.values[162], -4);
+    EXPECT_EQ(q.values[160], 127);
+  });
+  kernels::QuantizedRow q;
+  kvevict::test::expect_error([&] { kernels::quantize_row(x.data(), 33, q); },
+                              "not whole blocks of 32");
+}
+
+// W's stored integers (Q8_0: the value; Q4_0: the nibble, value + 8) and block scales.
+std::int32_t stored(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
+  const std::size_t block_bytes = w.dtype == DType::q8_0 ? 34 : 18;
+  const std::byte* block = w.data + static_cast<std::size_t>(r) * w.row_bytes() +
+                           static_cast<std::size_t>(c / 32) * block_bytes;
+  const auto j = static_cast<std::size_t>(c % 32);
+  if (w.dtype == DType::q8_0) return static_cast<std::int8_t>(block[2 + j]);
+  const int byte = std::to_integer<int>(block[2 + j % 16]);
+  return j < 16 ? byte & 0xf : byte >> 4;
+}
+float block_scale(const WeightMatrix& w, std::int64_t r, std::int64_t b) {
+  std::uint16_t bits;
+  std::memcpy(&bits,
+              w.data + static_cast<std::size_t>(r) * w.row_bytes() +
+                  static_cast<std::size_t>(b) * (w.dtype == DType::q8_0 ? 34 : 18),
+              2);
+  return kvevict::model::f16_to_float(bits);
+}
+
+// The products follow kernels.hpp's formula to the bit (integer block sums, then the f32 fma
+// chain in block order) on every target and for any split of the rows (the 8-row kernel and the
+// row-at-a-time one compute the same), and stay within the rounding of the activations of the
+// f32 product: |W x - W x'| <= sum over blocks of (scale / 2) * sum |w| (|x - x'| <= scale / 2).
+TEST(DecoderTargets, QuantizedProductsFollowTheirFormula) {
+  ModelConfig config = small_config(RopeLayout::half_split);
+  config.dim = 96;  // w_gate [96, 96]: 3 blocks per row
+  const std::vector<float> x = test_values(96, 61);
+  kernels::QuantizedRow q;
+  kernels::quantize_row(x.data(), 96, q);
+  for (const DType dtype : {DType::q8_0, DType::q4_0}) {
+    SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)));
+    const Model model = kvevict::model::make_random_model(config, 3, dtype);
+    const WeightMatrix& w = model.layers[0].w_gate;
+    ASSERT_EQ(w.cols, 96);
+    std::vector<float> expected(static_cast<std::size_t>(w.rows));
+    for (std::int64_t r = 0; r < w.rows; ++r) {
+      float total = 0.0f;
+      float offset = 0.0f;
+      double exact = 0.0;
+      double bound = 0.0;
+      for (std::int64_t b = 0; b < 3; ++b) {
+        std::int32_t sum = 0;
+        double weight_magnitude = 0.0;
+        for (std::int64_t c = 32 * b; c < 32 * b + 32; ++c) {
+          sum += stored(w, r, c) * q.values[static_cast<std::size_t>(c)];
+          exact += weight(w, r, c) * x[static_cast<std::size_t>(c)];
+          weight_magnitude += std::fabs(weight(w, r, c));
+        }
+        const float scale = block_scale(w, r, b);
+        const auto bi = static_cast<std::size_t>(b);
+        total = std::fma(scale * q.scales[bi], static_cast<float>(sum), total);
+        if (dtype == DType::q4_0) offset = std::fma(scale, q.nibble_offsets[bi], offset);
+        bound += q.scales[bi] / 2 * weight_magnitude;
+      }
+      expected[static_cast<std::size_t>(r)] = total - offset;
+      EXPECT_NEAR(total - offset, exact, bound * (1 + 1e-5)) << "row " << r;
+    }
+    for_each_target([&](const std::string&) {
+      std::vector<float> whole(expected.size(), -1.0f);
+      kernels::matvec_quantized(w, q, whole.data(), 0, w.rows);
+      EXPECT_EQ(std::memcmp(whole.data(), expected.data(), whole.size() * sizeof(float)), 0);
+      // [0, 5), [5, 18), [18, 96): groups of 8 from odd starts, and rows left over.
+      std::vector<float> split(expected.size(), -1.0f);
+      for (const auto& [begin, end] :
+           {std::pair<std::int64_t, std::int64_t>{0, 5}, {5, 18}, {18, w.rows}}) {
+        kernels::matvec_quantized(w, q, split.data(), begin, end);
+      }
+      EXPECT_EQ(std::memcmp(split.data(), expected.data(), split.size() * sizeof(float)), 0);
+    });
+  }
+  // A non-finite activation gives NaN, not a number.
+  const Model model = kvevict::model::make_random_model(config, 3, DType::q4_0);
+  std::vector<float> bad = x;
+  bad[40] = std::numeric_limits<float>::infinity();
+  kernels::quantize_row(bad.data(), 96, q);
+  std::vector<float> y(96);
+  kernels::matvec_quantized(model.layers[0].w_gate, q, y.data(), 0, 96);
+  for (const float value : y) EXPECT_TRUE(std::isnan(value));
+}
+
 // A long chunk's attention leaves out each block of queries' products with the chunk's later
 // slots; the probabilities and outputs must be those of whole rows, bit for bit: two query heads
 // of one KV head, 70 queries in consecutive slots [10, 80) after 10 older slots and before 5
@@ -847,6 +990,55 @@ TEST(DecoderThreads, LogitsAreBitIdenticalForAnyThreadCount) {
         EXPECT_EQ(evicted, one_thread_evicted);
       }
     }
+  }
+}
+
+// DecodeActivations::q8_0 changes the one-row products of Q8_0 / Q4_0 weights only: a chunk's
+// rows before its last (several-row products) keep their bits, every other weight type keeps all
+// of them, and threads give the same bits. The rows it changes move less than rounding the
+// weights to Q8_0 moves them: both round to the same step (1/127 of a block's largest value),
+// and the activations' rounding reaches only the decode steps.
+TEST(DecoderActivations, Q8_0ChangesOnlyTheOneRowProductsOfBlockWeights) {
+  ModelConfig config = small_config(RopeLayout::half_split);
+  config.dim = 128;
+  config.hidden_dim = 384;
+  config.vocab_size = 2048;  // wide enough that one-row products are split between threads
+  const auto vocab = static_cast<std::size_t>(config.vocab_size);
+  const std::vector<std::int32_t> tokens = tokens_for(40, 5);
+  const std::vector<int> chunks{12, 1, 1, 7, 1};
+  using kvevict::model::DecodeActivations;
+  const auto logits = [&](DType dtype, DecodeActivations activations, int threads) {
+    const Model model = kvevict::model::make_random_model(config, 9, dtype);
+    DecoderOptions options;
+    options.max_chunk = 12;
+    options.threads = threads;
+    options.decode_activations = activations;
+    Decoder decoder(model, full_policy(), options);
+    return all_logits(decoder, tokens, chunks);
+  };
+  // What rounding the weights to Q8_0's blocks (the same step as the activations') moves.
+  const double weights_difference =
+      max_relative_difference(logits(DType::q8_0, DecodeActivations::f32, 1),
+                              logits(DType::f32, DecodeActivations::f32, 1), vocab);
+  std::printf("  q8_0 against f32 weights %.2e\n", weights_difference);
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16, DType::q8_0, DType::q4_0}) {
+    SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)));
+    const std::vector<float> f32 = logits(dtype, DecodeActivations::f32, 1);
+    const std::vector<float> q8 = logits(dtype, DecodeActivations::q8_0, 1);
+    const std::vector<float> q8_threads = logits(dtype, DecodeActivations::q8_0, 3);
+    ASSERT_EQ(q8.size(), f32.size());
+    EXPECT_EQ(std::memcmp(q8_threads.data(), q8.data(), q8.size() * sizeof(float)), 0);
+    const bool block_weights = dtype == DType::q8_0 || dtype == DType::q4_0;
+    const std::size_t unchanged = block_weights ? 11 * vocab : f32.size();
+    EXPECT_EQ(std::memcmp(q8.data(), f32.data(), unchanged * sizeof(float)), 0);
+    if (!block_weights) continue;
+    EXPECT_NE(std::memcmp(q8.data() + unchanged, f32.data() + unchanged,
+                          (f32.size() - unchanged) * sizeof(float)),
+              0);
+    const double difference = max_relative_difference(q8, f32, vocab);
+    std::printf("  %s: q8_0 against f32 decode activations %.2e\n",
+                std::string(kvevict::model::to_string(dtype)).c_str(), difference);
+    EXPECT_LT(difference, weights_difference);
   }
 }
 

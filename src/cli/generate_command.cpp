@@ -181,6 +181,7 @@ Command add_generate_command(CLI::App& parent) {
   add_sampling_options(*app, options->sampling);
   add_policy_options(*app, options->policy);
   add_threads_option(*app, options->policy.threads);
+  add_decode_activations_option(*app, options->policy.decode_activations);
   add_insert_anchors_option(*app, options->insert_anchors,
                             "anchors go into the prompt and after every generated sentence end "
                             "(fed to the model and the policy, never printed)");

@@ -117,6 +117,7 @@ Command add_stream_command(CLI::App& parent) {
       ->capture_default_str();
   add_policy_options(*app, options->policy);
   add_threads_option(*app, options->policy.threads);
+  add_decode_activations_option(*app, options->policy.decode_activations);
   add_insert_anchors_option(*app, options->insert_anchors,
                             "the anchors are fed and take positions but are not scored: bits per "
                             "byte and the token counts, overall and per window, cover the text "

@@ -40,6 +40,16 @@ inline void add_threads_option(CLI::App& app, int& threads) {
       ->capture_default_str();
 }
 
+/// --decode-activations (group "Decoder"): what decoding multiplies Q8_0 / Q4_0 weights with.
+inline void add_decode_activations_option(CLI::App& app, std::string& activations) {
+  app.add_option("--decode-activations", activations,
+                 "what a decode step multiplies Q8_0 / Q4_0 weights with: f32, or q8_0 (8-bit "
+                 "activations in blocks of 32, integer products, as llama.cpp: faster, and the "
+                 "logits move by the rounding)")
+      ->group("Decoder")
+      ->capture_default_str();
+}
+
 /// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --kv-type, --chunk,
 /// --catalyst
 /// (group "Policy" in --help).

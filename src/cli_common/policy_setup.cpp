@@ -94,6 +94,11 @@ void validate_policy_options(const PolicyOptions& options) {
   } catch (const Error& error) {
     throw Error(fmt::format("--kv-type: {}", error.what()));
   }
+  try {
+    (void)model::parse_decode_activations(options.decode_activations);
+  } catch (const Error& error) {
+    throw Error(fmt::format("--decode-activations: {}", error.what()));
+  }
   const PolicyParams params = resolve_params(options, nullptr);
   // AnLLM's default anchor ids come from the model; every other policy can be built now.
   if (options.policy == "anllm" && !params.has("anchor_ids")) return;
@@ -135,6 +140,8 @@ PolicySetup make_policy_setup(const PolicyOptions& options, const model::Model& 
   }
   setup.decoder_options.max_chunk = options.chunk;
   setup.decoder_options.threads = options.threads;
+  setup.decoder_options.decode_activations =
+      model::parse_decode_activations(options.decode_activations);
   if (setup.policy->signals().contains(Signal::catalyst_attention)) {
     const std::string text =
         options.catalyst.value_or(std::string(kInfiniPotGeneralCatalystPrompt));
@@ -169,11 +176,15 @@ nlohmann::ordered_json params_json(const PolicyParams& params) {
 std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder) {
   const std::string params = setup.params.to_string();
   const Sequence& sequence = decoder.cache().sequence();
-  return fmt::format("{}{}, positions {}, granularity {}, keys {}, chunk {}{}", setup.name,
+  const model::DecodeActivations activations = decoder.options().decode_activations;
+  return fmt::format("{}{}, positions {}, granularity {}, keys {}, chunk {}{}{}", setup.name,
                      params.empty() ? std::string() : " (" + params + ")",
                      to_string(sequence.position_mode()), to_string(sequence.granularity()),
                      to_string(decoder.options().key_storage), decoder.options().max_chunk,
-                     describe_kv_type(decoder.options().kv_type));
+                     describe_kv_type(decoder.options().kv_type),
+                     activations == model::DecodeActivations::f32
+                         ? std::string()
+                         : ", decode activations " + std::string(to_string(activations)));
 }
 
 std::string describe_kv_type(KvType type) {
@@ -189,6 +200,7 @@ nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decode
   json["granularity"] = std::string(to_string(sequence.granularity()));
   json["keys"] = std::string(to_string(decoder.options().key_storage));
   json["kv_type"] = std::string(to_string(decoder.options().kv_type));
+  json["decode_activations"] = std::string(to_string(decoder.options().decode_activations));
   json["chunk"] = decoder.options().max_chunk;
   if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
   return json;

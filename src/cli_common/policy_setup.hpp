@@ -41,6 +41,8 @@ struct PolicyOptions {
   int chunk = kDefaultChunk;
   std::optional<std::string> catalyst;  ///< InfiniPot's catalyst prompt; nullopt = the paper's
   int threads = 1;                      ///< -t/--threads: model::DecoderOptions::threads
+  /// --decode-activations: model::DecoderOptions::decode_activations (kvevict's decoder only)
+  std::string decode_activations = "f32";
 };
 
 /// Names of the policies, comma-separated, for messages and --help.
@@ -95,10 +97,10 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
 [[nodiscard]] std::string describe_kv_type(KvType type);
 
 /// "streaming_llm (recent=28 sinks=4), positions cache_index, granularity token, keys post_rope,
-/// chunk 64" (and describe_kv_type's ", kv q8_0").
+/// chunk 64" (and describe_kv_type's ", kv q8_0", and ", decode activations q8_0" when not f32).
 [[nodiscard]] std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder);
-/// {"name", "params", "positions", "granularity", "keys", "kv_type", "chunk", "catalyst_tokens"
-/// (when it has one)}.
+/// {"name", "params", "positions", "granularity", "keys", "kv_type", "decode_activations", "chunk",
+/// "catalyst_tokens" (when it has one)}.
 [[nodiscard]] nlohmann::ordered_json policy_json(const PolicySetup& setup,
                                                  const model::Decoder& decoder);
 

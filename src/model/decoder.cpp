@@ -354,9 +354,9 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       // Attention RMSNorm.                                                      // [n, dim]
       rmsnorm(xb, x, w.attention_norm, c.norm_eps);
       // Q, K, V projections.                               // [n, q_dim], [n, kv_dim], [n, kv_dim]
-      matmul(w.wq, xb, q, pool_.get());
-      matmul(w.wk, xb, k, pool_.get());
-      matmul(w.wv, xb, v, pool_.get());
+      matmul(w.wq, xb, q, products());
+      matmul(w.wk, xb, k, products());
+      matmul(w.wv, xb, v, products());
       // The chunk's keys (rotated by the cache for post-RoPE storage) and values.  // [n, head_dim]
       for (int g = 0; g < c.kv_heads; ++g) {
         cache_.write_chunk(l, g, k.middleCols(g * hd, hd), v.middleCols(g * hd, hd));
@@ -364,7 +364,7 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       // Attention of every query head over its KV head's cache; rows to the policy. // [n, q_dim]
       attention(l, n, pass);
       // Output projection and residual.                                         // [n, dim]
-      matmul(w.wo, att, xb, pool_.get());
+      matmul(w.wo, att, xb, products());
       kernels::add(x.data(), xb.data(), x.size());
     }
     {
@@ -372,12 +372,12 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       // FFN RMSNorm.                                                            // [n, dim]
       rmsnorm(xb, x, w.ffn_norm, c.norm_eps);
       // Gate and up projections.                                                // [n, hidden_dim]
-      matmul(w.w_gate, xb, hb, pool_.get());
-      matmul(w.w_up, xb, hb2, pool_.get());
+      matmul(w.w_gate, xb, hb, products());
+      matmul(w.w_up, xb, hb2, products());
       // SwiGLU: silu(gate) * up.                                                // [n, hidden_dim]
       kernels::swiglu(hb.data(), hb2.data(), hb.size());
       // Down projection and residual.                                           // [n, dim]
-      matmul(w.w_down, hb, xb, pool_.get());
+      matmul(w.w_down, hb, xb, products());
       kernels::add(x.data(), xb.data(), x.size());
     }
   }
@@ -485,6 +485,8 @@ void Decoder::attention(int layer, int n, Pass pass) {
   }
 }
 
+ProductSettings Decoder::products() const { return {pool_.get(), options_.decode_activations}; }
+
 // Final RMSNorm and output head: logits of every chunk token (rows 0..n-1 of logits_) or of the
 // last one (row 0). The last token always goes through matvec, so its logits do not depend on
 // whether the other rows were asked for.
@@ -501,9 +503,9 @@ void Decoder::output_head(int n, bool all_rows) {
   // Final RMSNorm.                                                              // [rows, dim]
   rmsnorm(xb, x, model_.final_norm, c.norm_eps);
   // Classifier: logits = W_out x.                                               // [rows, vocab]
-  if (rows > 1) matmul(model_.output, xb.topRows(rows - 1), logits.topRows(rows - 1), pool_.get());
+  if (rows > 1) matmul(model_.output, xb.topRows(rows - 1), logits.topRows(rows - 1), products());
   matvec(model_.output, xb_.data() + static_cast<std::size_t>(rows - 1) * c.dim,
-         logits_.data() + static_cast<std::size_t>(rows - 1) * c.vocab_size, pool_.get());
+         logits_.data() + static_cast<std::size_t>(rows - 1) * c.vocab_size, products());
   logit_rows_ = rows;
 }
 

@@ -34,18 +34,30 @@ constexpr std::int64_t kPanelRows = 48;
 
 }  // namespace
 
-void matvec(const WeightMatrix& w, const float* x, float* y, ThreadPool* pool) {
+void matvec(const WeightMatrix& w, const float* x, float* y, const ProductSettings& settings) {
   check_matrix(w);
+  const bool quantized = settings.decode_activations == DecodeActivations::q8_0 &&
+                         (w.dtype == DType::q8_0 || w.dtype == DType::q4_0);
+  // x rounded once, read by every task (through a reference: in a lambda that runs on a pool
+  // thread, the name of a thread_local is that thread's own instance).
+  thread_local kernels::QuantizedRow caller_row;
+  kernels::QuantizedRow& x_quantized = caller_row;
+  if (quantized) kernels::quantize_row(x, w.cols, x_quantized);
+  const auto product_rows = [&](std::int64_t begin, std::int64_t end) {
+    if (quantized) return kernels::matvec_quantized(w, x_quantized, y, begin, end);
+    kernels::matvec(w, x, y, begin, end);
+  };
+  ThreadPool* pool = settings.pool;
   const int tasks = task_count(w, 1, pool);
-  if (tasks == 1) return kernels::matvec(w, x, y, 0, w.rows);
+  if (tasks == 1) return product_rows(0, w.rows);
   pool->run(tasks, [&](int task, int /*thread*/) {
     const Range rows = part_of(w.rows, tasks, task);
-    kernels::matvec(w, x, y, rows.begin, rows.end);
+    product_rows(rows.begin, rows.end);
   });
 }
 
 void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::Ref<RowMatrix> y,
-            ThreadPool* pool) {
+            const ProductSettings& settings) {
   check_matrix(w);
   KVEVICT_REQUIRE(x.cols() == w.cols && y.cols() == w.rows && x.rows() == y.rows(),
                   "matmul: shapes do not match: X [" + std::to_string(x.rows()) + ", " +
@@ -55,10 +67,11 @@ void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::
   const std::int64_t n = x.rows();
   if (n == 0) return;
   if (n == 1) {
-    matvec(w, x.data(), y.data(), pool);  // one row: the fused dequantise-and-dot
+    matvec(w, x.data(), y.data(), settings);  // one row: the fused dequantise-and-dot
     return;
   }
   const std::int64_t panels = (w.rows + kPanelRows - 1) / kPanelRows;
+  ThreadPool* pool = settings.pool;
   const int tasks = static_cast<int>(std::min<std::int64_t>(task_count(w, n, pool), panels));
   // Y = X W^T for the rows [begin, end) of W (columns [begin, end) of Y).
   const auto product_rows = [&](std::int64_t begin, std::int64_t end) {

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/error.hpp>
 #include <kvevict/evicting_cache.hpp>
 #include <kvevict/granularity.hpp>
 #include <kvevict/policy.hpp>
@@ -33,11 +34,34 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvevict/model/model.hpp"
 
 namespace kvevict::model {
+
+/// What a one-row product (a decode step's, and the output head of a chunk's last token)
+/// multiplies Q8_0 and Q4_0 weights with. Other weight types, and the products of several rows
+/// (prefill), always use the f32 activations.
+enum class DecodeActivations {
+  f32,   ///< the f32 activations: logits within f32 rounding of the naive loops (the default)
+  q8_0,  ///< the activations rounded to 8 bits per value in blocks of 32, as llama.cpp does for
+         ///< these weights, and multiplied in integers: faster (on AVX2 / AVX-512), and every
+         ///< logit moves by the rounding (docs/kernels.md)
+};
+
+[[nodiscard]] inline std::string_view to_string(DecodeActivations activations) {
+  return activations == DecodeActivations::f32 ? "f32" : "q8_0";
+}
+
+/// Parses "f32" or "q8_0"; throws kvevict::Error otherwise.
+[[nodiscard]] inline DecodeActivations parse_decode_activations(std::string_view text) {
+  if (text == "f32") return DecodeActivations::f32;
+  if (text == "q8_0") return DecodeActivations::q8_0;
+  throw Error("unknown decode activations '" + std::string(text) + "' (expected f32 or q8_0)");
+}
 
 struct DecoderOptions {
   /// How the cache stores keys. Both give the same logits (up to rounding); post_rope is faster
@@ -61,6 +85,8 @@ struct DecoderOptions {
   /// Threads of a forward, the caller's included: products split by rows of W, attention by KV
   /// heads. The logits are bit-identical for any number (docs/kernels.md).
   int threads = 1;
+  /// What decoding multiplies Q8_0 / Q4_0 weights with (DecodeActivations).
+  DecodeActivations decode_activations = DecodeActivations::f32;
   /// Stage timing; must outlive the decoder. Null: nothing is timed.
   StageObserver* observer = nullptr;
 };
@@ -94,7 +120,8 @@ struct DecoderStats {
   std::size_t peak_kv_bytes = 0;   ///< largest live key + value bytes, taken right after appends
 };
 
-class ThreadPool;  // src/model/thread_pool.hpp
+class ThreadPool;        // src/model/thread_pool.hpp
+struct ProductSettings;  // src/model/matmul.hpp
 
 class Decoder {
  public:
@@ -154,10 +181,11 @@ class Decoder {
   std::vector<float> hb_;   // [n, hidden_dim] gate
   std::vector<float> hb2_;  // [n, hidden_dim] up
   // Sized by what a forward asks for, on first use.
-  std::vector<float> logits_;                    // [rows, vocab]
-  std::vector<float> surprisal_;                 // [n]
-  std::unique_ptr<AttentionScratch> attention_;  // sized on first use by the slot limit
-  std::unique_ptr<ThreadPool> pool_;             // options.threads > 1
+  std::vector<float> logits_;                      // [rows, vocab]
+  std::vector<float> surprisal_;                   // [n]
+  std::unique_ptr<AttentionScratch> attention_;    // sized on first use by the slot limit
+  std::unique_ptr<ThreadPool> pool_;               // options.threads > 1
+  [[nodiscard]] ProductSettings products() const;  // pool_ and options_.decode_activations
   // feed(): every chunk's logits / surprisal when asked for.
   std::vector<float> feed_logits_;
   std::vector<float> feed_surprisal_;

@@ -22,6 +22,30 @@ namespace kvevict::model::kernels {
 void matvec(const WeightMatrix& w, const float* x, float* y, std::int64_t row_begin,
             std::int64_t row_end);
 
+/// A row of activations rounded to 8 bits per value in blocks of 32, as llama.cpp rounds them for
+/// its Q8_0 / Q4_0 products: value j of block b is round(x[j] / scales[b]), scales[b] = max |x|
+/// over the block / 127, so values lie in [-127, 127]. A block holding NaN or an infinity gets a
+/// NaN scale (and zero values), so that the products give NaN rather than a number.
+struct QuantizedRow {
+  std::vector<std::int8_t> values;
+  std::vector<float> scales;
+  /// 8 * scales[b] * (sum of block b's values): a Q4_0 weight is its nibble minus 8, so a Q4_0
+  /// product multiplies the nibbles as they are and subtracts this times the weights' scale.
+  std::vector<float> nibble_offsets;
+};
+
+/// Rounds n values (a multiple of 32) of x into `out` (resized).
+void quantize_row(const float* x, std::int64_t n, QuantizedRow& out);
+
+/// y[r] = W[r] . x for the rows [row_begin, row_end) of a Q8_0 or Q4_0 W and x quantized by
+/// quantize_row. Each block's 32 products are summed exactly in integers (AVX2 and AVX-512:
+/// maddubs, as llama.cpp's kernels; other targets: a plain loop), then, in block order,
+/// total = fma(weight scale * x scale, sum, total) and for Q4_0 offset = fma(weight scale,
+/// nibble offset, offset); y[r] = total - offset. Every target and any split of the rows give the
+/// same bits.
+void matvec_quantized(const WeightMatrix& w, const QuantizedRow& x, float* y,
+                      std::int64_t row_begin, std::int64_t row_end);
+
 /// Rows [row_begin, row_end) of W as f32 into `out` ([row_end - row_begin, W.cols] row-major).
 void dequantize_rows(const WeightMatrix& w, std::int64_t row_begin, std::int64_t row_end,
                      float* out);
