@@ -86,21 +86,31 @@ std::unique_ptr<kvevict::Policy> full_policy() {
 // Naive reference: plain loops in double, no Eigen, no cache; every position from the whole prefix.
 // ---------------------------------------------------------------------------------------------
 
+// Q8_0 / Q4_0 blocks of 32 along a row: an f16 scale d, then 32 int8 q (weight q d) or 16 bytes
+// of nibbles (byte j: values j and j + 16, weight (nibble - 8) d). The stored integer (Q4_0: the
+// nibble) and the scale of the block holding (r, c):
+const std::byte* block_of(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
+  return w.data + static_cast<std::size_t>(r) * w.row_bytes() +
+         static_cast<std::size_t>(c / 32) * (w.dtype == DType::q8_0 ? 34 : 18);
+}
+std::int32_t stored(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
+  const std::byte* block = block_of(w, r, c);
+  const auto j = static_cast<std::size_t>(c % 32);
+  if (w.dtype == DType::q8_0) return static_cast<std::int8_t>(block[2 + j]);
+  const int byte = std::to_integer<int>(block[2 + j % 16]);
+  return j < 16 ? byte & 0xf : byte >> 4;
+}
+float block_scale(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
+  std::uint16_t bits;
+  std::memcpy(&bits, block_of(w, r, c), 2);
+  return kvevict::model::f16_to_float(bits);
+}
+
 // Weight (r, c) read from the bytes as model.hpp describes each type.
 double weight(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
   const std::size_t index = static_cast<std::size_t>(r * w.cols + c);
   if (w.dtype == DType::q8_0 || w.dtype == DType::q4_0) {
-    // Blocks of 32 along the row: f16 d, then 32 int8 q (q d) or 16 bytes of nibbles ((q - 8) d).
-    const std::size_t block_bytes = w.dtype == DType::q8_0 ? 34 : 18;
-    const std::byte* block = w.data + static_cast<std::size_t>(r) * w.row_bytes() +
-                             static_cast<std::size_t>(c / 32) * block_bytes;
-    std::uint16_t bits;
-    std::memcpy(&bits, block, 2);
-    const double d = kvevict::model::f16_to_float(bits);
-    const auto j = static_cast<std::size_t>(c % 32);
-    if (w.dtype == DType::q8_0) return static_cast<std::int8_t>(block[2 + j]) * d;
-    const int byte = std::to_integer<int>(block[2 + j % 16]);
-    return ((j < 16 ? byte & 0xf : byte >> 4) - 8) * d;
+    return (stored(w, r, c) - (w.dtype == DType::q4_0 ? 8 : 0)) * double{block_scale(w, r, c)};
   }
   if (w.dtype == DType::f32) {
     float value;
@@ -636,25 +646,6 @@ TEST(DecoderTargets, QuantizedRowFollowsItsDefinition) {
                               "not whole blocks of 32");
 }
 
-// W's stored integers (Q8_0: the value; Q4_0: the nibble, value + 8) and block scales.
-std::int32_t stored(const WeightMatrix& w, std::int64_t r, std::int64_t c) {
-  const std::size_t block_bytes = w.dtype == DType::q8_0 ? 34 : 18;
-  const std::byte* block = w.data + static_cast<std::size_t>(r) * w.row_bytes() +
-                           static_cast<std::size_t>(c / 32) * block_bytes;
-  const auto j = static_cast<std::size_t>(c % 32);
-  if (w.dtype == DType::q8_0) return static_cast<std::int8_t>(block[2 + j]);
-  const int byte = std::to_integer<int>(block[2 + j % 16]);
-  return j < 16 ? byte & 0xf : byte >> 4;
-}
-float block_scale(const WeightMatrix& w, std::int64_t r, std::int64_t b) {
-  std::uint16_t bits;
-  std::memcpy(&bits,
-              w.data + static_cast<std::size_t>(r) * w.row_bytes() +
-                  static_cast<std::size_t>(b) * (w.dtype == DType::q8_0 ? 34 : 18),
-              2);
-  return kvevict::model::f16_to_float(bits);
-}
-
 // The products follow kernels.hpp's formula to the bit (integer block sums, then the f32 fma
 // chain in block order) on every target and for any split of the rows (the 8-row kernel and the
 // row-at-a-time one compute the same), and stay within the rounding of the activations of the
@@ -684,7 +675,7 @@ TEST(DecoderTargets, QuantizedProductsFollowTheirFormula) {
           exact += weight(w, r, c) * x[static_cast<std::size_t>(c)];
           weight_magnitude += std::fabs(weight(w, r, c));
         }
-        const float scale = block_scale(w, r, b);
+        const float scale = block_scale(w, r, 32 * b);
         const auto bi = static_cast<std::size_t>(b);
         total = std::fma(scale * q.scales[bi], static_cast<float>(sum), total);
         if (dtype == DType::q4_0) offset = std::fma(scale, q.nibble_offsets[bi], offset);
