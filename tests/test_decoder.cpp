@@ -441,6 +441,38 @@ TEST(DecoderTargets, KernelsEqualPlainLoopsWithTails) {
             << kvevict::model::to_string(dtype);
       }
     }
+    // matvec for the block types, four rows at a time: rows 7 (a group of 4 and one of 3 that
+    // repeats its last row), 96 columns (3 blocks), from every first row (a split between
+    // threads). Each product is within (k + 2) eps of the magnitude of what the kernel adds: the
+    // products of the stored values (Q4_0's nibbles, 0-15) with x, and Q4_0's 8 * x.
+    for (const DType dtype : {DType::q8_0, DType::q4_0}) {
+      ModelConfig config = small_config(RopeLayout::half_split);
+      const Model model = kvevict::model::make_random_model(config, 3, dtype);
+      WeightMatrix w = model.layers[0].w_gate;  // [96, 64]: read as [7, 96] over its first bytes
+      w.rows = 7;
+      w.cols = 96;
+      const std::vector<float> x = test_values(96, 5);
+      for (std::int64_t first = 0; first < 7; ++first) {
+        std::vector<float> y(7, -1.0f);
+        kernels::matvec(w, x.data(), y.data(), first, 7);
+        for (std::int64_t r = 0; r < 7; ++r) {
+          if (r < first) {
+            EXPECT_EQ(y[static_cast<std::size_t>(r)], -1.0f) << "row " << r << " was written";
+            continue;
+          }
+          double expected = 0.0;
+          double magnitude = 0.0;
+          for (std::int64_t c = 0; c < 96; ++c) {
+            const double xc = x[static_cast<std::size_t>(c)];
+            expected += weight(w, r, c) * xc;
+            magnitude += std::fabs(double{block_scale(w, r, c)} * xc) *
+                         (std::abs(stored(w, r, c)) + (dtype == DType::q4_0 ? 8 : 0));
+          }
+          EXPECT_NEAR(y[static_cast<std::size_t>(r)], expected, 98 * 0x1p-24 * magnitude)
+              << kvevict::model::to_string(dtype) << " row " << r << " from " << first;
+        }
+      }
+    }
     // Y = X W^T with m = 5, n = 6, k = 19, strides wider than the rows.
     const std::vector<float> x = test_values(5 * 20, 7);
     const std::vector<float> w = test_values(6 * 21, 9);

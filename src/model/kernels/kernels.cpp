@@ -118,12 +118,14 @@ struct Q8_0 {
   static std::int32_t stored(const std::uint8_t* block, int j) {
     return static_cast<std::int8_t>(block[2 + j]);
   }
-  // sum over the block of q[j] * x[j], as lanes to be added.
-  static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x) {
+  // What dot() starts from for the block of x at `x`: nothing to add.
+  static HWY_INLINE V dot_start(D d, const float*) { return hn::Zero(d); }
+  // start + sum over the block of q[j] * x[j], as lanes to be added.
+  static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x, V start) {
     const hn::Rebind<std::int32_t, D> di;
     const hn::Rebind<std::int8_t, D> d8;
     const auto* q = reinterpret_cast<const std::int8_t*>(block + 2);
-    V total = hn::Zero(d);
+    V total = start;
     for (std::size_t j = 0; j < 32; j += hn::Lanes(d)) {
       const V values = hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q + j)));
       total = hn::MulAdd(values, hn::LoadU(d, x + j), total);
@@ -150,33 +152,28 @@ struct Q4_0 {
   static std::int32_t stored(const std::uint8_t* block, int j) {
     return j < 16 ? block[2 + j] & 0xf : block[2 + j - 16] >> 4;
   }
+  // f(j, nibbles j.., nibbles 16 + j..) over the block, the nibbles as floats 0-15 (value + 8).
   template <class F>
   static HWY_INLINE void for_each_half(D d, const std::uint8_t* block, F&& f) {
     const hn::Rebind<std::int32_t, D> di;
     const hn::Rebind<std::uint8_t, D> d8;
     const auto low_mask = hn::Set(di, 0xf);
-#if HWY_TARGET <= HWY_AVX3
-    // 16 lanes hold the 16 values a nibble stands for, q - 8: one permutation per half-block looks
-    // them up, instead of a subtraction and a conversion (the same values, exactly).
-    HWY_ALIGN static constexpr float kValues[16] = {-8, -7, -6, -5, -4, -3, -2, -1,
-                                                    0,  1,  2,  3,  4,  5,  6,  7};
-    const V values = hn::Load(d, kValues);
-    const auto bytes =
-        hn::BitCast(di, hn::PromoteTo(hn::Rebind<std::uint32_t, D>(), hn::LoadU(d8, block + 2)));
-    f(0, hn::TableLookupLanes(values, hn::IndicesFromVec(d, hn::And(bytes, low_mask))),
-      hn::TableLookupLanes(values, hn::IndicesFromVec(d, hn::ShiftRight<4>(bytes))));
-#else
-    const auto offset = hn::Set(di, 8);
     for (std::size_t j = 0; j < 16; j += hn::Lanes(d)) {
       const auto bytes = hn::BitCast(
           di, hn::PromoteTo(hn::Rebind<std::uint32_t, D>(), hn::LoadU(d8, block + 2 + j)));
-      f(j, hn::ConvertTo(d, hn::Sub(hn::And(bytes, low_mask), offset)),
-        hn::ConvertTo(d, hn::Sub(hn::ShiftRight<4>(bytes), offset)));
+      f(j, hn::ConvertTo(d, hn::And(bytes, low_mask)), hn::ConvertTo(d, hn::ShiftRight<4>(bytes)));
     }
-#endif
   }
-  static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x) {
-    V total = hn::Zero(d);
+  // The offset of 8 in every stored nibble, taken out once for all rows that read this block of
+  // x: -8 * x[j], added into lanes as dot() adds the products.
+  static HWY_INLINE V dot_start(D d, const float* x) {
+    V sum = hn::LoadU(d, x);
+    for (std::size_t j = hn::Lanes(d); j < 32; j += hn::Lanes(d))
+      sum = hn::Add(sum, hn::LoadU(d, x + j));
+    return hn::Mul(sum, hn::Set(d, -8.0f));
+  }
+  static HWY_INLINE V dot(D d, const std::uint8_t* block, const float* x, V start) {
+    V total = start;
     for_each_half(d, block, [&](std::size_t j, V low, V high) {
       total = hn::MulAdd(low, hn::LoadU(d, x + j), total);
       total = hn::MulAdd(high, hn::LoadU(d, x + 16 + j), total);
@@ -185,40 +182,46 @@ struct Q4_0 {
   }
   static HWY_INLINE void dequantize(D d, const std::uint8_t* block, float* out) {
     const V scale = hn::Set(d, block_scale(block));
+    const V offset = hn::Set(d, 8.0f);
     for_each_half(d, block, [&](std::size_t j, V low, V high) {
-      hn::StoreU(hn::Mul(low, scale), d, out + j);
-      hn::StoreU(hn::Mul(high, scale), d, out + 16 + j);
+      hn::StoreU(hn::Mul(hn::Sub(low, offset), scale), d, out + j);
+      hn::StoreU(hn::Mul(hn::Sub(high, offset), scale), d, out + 16 + j);
     });
   }
 };
 
-// W[r] . x for one row of blocks, read front to back; even and odd blocks in two accumulators.
-template <class Format>
-HWY_INLINE float dot_block_row(const std::uint8_t* row, std::int64_t blocks, const float* x) {
-  const D d;
-  V even = hn::Zero(d);
-  V odd = hn::Zero(d);
-  std::int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    const std::uint8_t* block = row + static_cast<std::size_t>(b) * Format::kBlockBytes;
-    const std::uint8_t* next = block + Format::kBlockBytes;
-    even = hn::MulAdd(hn::Set(d, block_scale(block)), Format::dot(d, block, x + 32 * b), even);
-    odd = hn::MulAdd(hn::Set(d, block_scale(next)), Format::dot(d, next, x + 32 * (b + 1)), odd);
-  }
-  if (b < blocks) {
-    const std::uint8_t* block = row + static_cast<std::size_t>(b) * Format::kBlockBytes;
-    even = hn::MulAdd(hn::Set(d, block_scale(block)), Format::dot(d, block, x + 32 * b), even);
-  }
-  return sum_lanes(d, hn::Add(even, odd));
-}
-
+// y[r] = W[r] . x for rows [begin, end), four rows at a time, block by block: the four rows'
+// products are independent chains (one row's would wait on each block's before it, and its sum
+// across lanes on all of them), and a block of x's start (Q4_0's offset) serves the four.
 template <class Format>
 void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, float* y,
                    std::int64_t begin, std::int64_t end) {
+  constexpr std::int64_t kRows = 4;
+  const D d;
   const std::int64_t blocks = cols / 32;
   const std::size_t row_bytes = static_cast<std::size_t>(blocks) * Format::kBlockBytes;
-  for (std::int64_t r = begin; r < end; ++r)
-    y[r] = dot_block_row<Format>(w + static_cast<std::size_t>(r) * row_bytes, blocks, x);
+  for (std::int64_t r = begin; r < end; r += kRows) {
+    // A last group of fewer rows repeats its last one: every row goes through the same
+    // instructions, so its bits do not depend on how the rows are split between threads.
+    const std::uint8_t* rows[kRows];
+    for (std::int64_t i = 0; i < kRows; ++i)
+      rows[i] = w + static_cast<std::size_t>(std::min(r + i, end - 1)) * row_bytes;
+    V acc[kRows];
+    for (V& a : acc) a = hn::Zero(d);
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + 32 * b;
+      const V start = Format::dot_start(d, xb);
+      const std::size_t at = static_cast<std::size_t>(b) * Format::kBlockBytes;
+      for (std::int64_t i = 0; i < kRows; ++i) {
+        // The next group's block b: rows read side by side are not a stream the hardware
+        // prefetcher follows.
+        hwy::Prefetch(rows[i] + at + 8 * kRows * row_bytes);
+        acc[i] = hn::MulAdd(hn::Set(d, block_scale(rows[i] + at)),
+                            Format::dot(d, rows[i] + at, xb, start), acc[i]);
+      }
+    }
+    for (std::int64_t i = 0; i < std::min(kRows, end - r); ++i) y[r + i] = sum_lanes(d, acc[i]);
+  }
 }
 
 template <class Format>
