@@ -45,6 +45,14 @@ HWY_INLINE float block_scale(const std::uint8_t* block) {
       hn::PromoteTo(d1, hn::LoadU(dh1, reinterpret_cast<const hwy::float16_t*>(block))));
 }
 
+// The same in every lane of a vector (a broadcast and a vector conversion).
+HWY_INLINE V broadcast_scale(D d, const std::uint8_t* block) {
+  std::uint16_t bits;
+  std::memcpy(&bits, block, 2);
+  return hn::PromoteTo(d, hn::BitCast(hn::Rebind<hwy::float16_t, D>(),
+                                      hn::Set(hn::Rebind<std::uint16_t, D>(), bits)));
+}
+
 // --- Element types: f32, f16, bf16 --------------------------------------------------------------
 
 HWY_INLINE V load_weights(D d, const float* p) { return hn::LoadU(d, p); }
@@ -216,7 +224,7 @@ void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, flo
         // The next group's block b: rows read side by side are not a stream the hardware
         // prefetcher follows.
         hwy::Prefetch(rows[i] + at + 8 * kRows * row_bytes);
-        acc[i] = hn::MulAdd(hn::Set(d, block_scale(rows[i] + at)),
+        acc[i] = hn::MulAdd(broadcast_scale(d, rows[i] + at),
                             Format::dot(d, rows[i] + at, xb, start), acc[i]);
       }
     }
