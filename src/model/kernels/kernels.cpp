@@ -143,7 +143,7 @@ struct Q8_0 {
   static HWY_INLINE void dequantize(D d, const std::uint8_t* block, float* out) {
     const hn::Rebind<std::int32_t, D> di;
     const hn::Rebind<std::int8_t, D> d8;
-    const V scale = hn::Set(d, block_scale(block));
+    const V scale = broadcast_scale(d, block);
     const auto* q = reinterpret_cast<const std::int8_t*>(block + 2);
     for (std::size_t j = 0; j < 32; j += hn::Lanes(d)) {
       hn::StoreU(hn::Mul(hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, q + j))), scale), d,
@@ -189,7 +189,7 @@ struct Q4_0 {
     return total;
   }
   static HWY_INLINE void dequantize(D d, const std::uint8_t* block, float* out) {
-    const V scale = hn::Set(d, block_scale(block));
+    const V scale = broadcast_scale(d, block);
     const V offset = hn::Set(d, 8.0f);
     for_each_half(d, block, [&](std::size_t j, V low, V high) {
       hn::StoreU(hn::Mul(hn::Sub(low, offset), scale), d, out + j);
@@ -205,6 +205,7 @@ template <class Format>
 void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, float* y,
                    std::int64_t begin, std::int64_t end) {
   constexpr std::int64_t kRows = 4;
+  constexpr std::int64_t kPrefetchRows = 32;  // 4 was too late for Q8_0 (docs/kernels.md)
   const D d;
   const std::int64_t blocks = cols / 32;
   const std::size_t row_bytes = static_cast<std::size_t>(blocks) * Format::kBlockBytes;
@@ -221,9 +222,9 @@ void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, flo
       const V start = Format::dot_start(d, xb);
       const std::size_t at = static_cast<std::size_t>(b) * Format::kBlockBytes;
       for (std::int64_t i = 0; i < kRows; ++i) {
-        // The next group's block b: rows read side by side are not a stream the hardware
-        // prefetcher follows.
-        hwy::Prefetch(rows[i] + at + 8 * kRows * row_bytes);
+        // Rows read side by side are not a stream the hardware prefetcher follows. (A hint: past
+        // the matrix's end it reads nothing.)
+        hwy::Prefetch(rows[i] + at + kPrefetchRows * row_bytes);
         acc[i] = hn::MulAdd(broadcast_scale(d, rows[i] + at),
                             Format::dot(d, rows[i] + at, xb, start), acc[i]);
       }
