@@ -19,6 +19,7 @@
 
 namespace {
 
+using kvevict::model::DecodeActivations;
 using kvevict::model::Decoder;
 using kvevict::model::DecoderOptions;
 using kvevict::model::ForwardRequest;
@@ -61,12 +62,15 @@ struct DecoderRun {
 const std::vector<std::string> kPolicies = {"streaming_llm", "h2o", "tova", "sirllm", "infinipot"};
 
 DecoderRun run_decoder(const Model& model, const std::string& policy, std::uint32_t seed,
-                       int decoder_threads = 1) {
+                       int decoder_threads = 1,
+                       DecodeActivations activations = DecodeActivations::f32) {
   DecoderRun run;
   try {
     DecoderOptions options;
-    options.max_chunk = 8;
+    // 8-bit activations are for one-row products: then every token is fed alone.
+    options.max_chunk = activations == DecodeActivations::q8_0 ? 1 : 8;
     options.threads = decoder_threads;
+    options.decode_activations = activations;
     Decoder decoder(model, kvevict::make_policy(policy, kvevict::budget_params(policy, 24, 2)),
                     options);
     if (policy == "infinipot") decoder.set_catalyst(stream(4, 99));
@@ -119,6 +123,52 @@ TEST(Threads, DecodersOverOneSharedModelComputeWhatTheyComputeAlone) {
                           alone[i].logits.size() * sizeof(float)),
               0)
         << policy;
+  }
+}
+
+// Q4_0 decoding with 8-bit activations: the calling thread rounds x once and the pool's threads
+// read it through a reference to the caller's buffer. Decoders on threads of their own, each
+// splitting its products between two threads, compute what each computes alone.
+TEST(Threads, Q4_0DecodersWith8BitActivationsComputeWhatTheyComputeAlone) {
+  ModelConfig config;
+  config.dim = 128;  // [2048, 128] classifier: 262,144 weights, split between threads
+  config.hidden_dim = 256;
+  config.layers = 2;
+  config.heads = 4;
+  config.kv_heads = 2;
+  config.vocab_size = 2048;
+  config.context_length = 256;
+  const Model model =
+      kvevict::model::make_random_model(config, /*seed=*/5, kvevict::model::DType::q4_0);
+  constexpr int kDecoders = 2;
+  std::vector<DecoderRun> alone;
+  for (int i = 0; i < kDecoders; ++i) {
+    alone.push_back(
+        run_decoder(model, "h2o", 17u + static_cast<std::uint32_t>(i), 1, DecodeActivations::q8_0));
+    ASSERT_EQ(alone.back().error, "");
+  }
+  const DecoderRun f32_activations = run_decoder(model, "h2o", 17u, 1, DecodeActivations::f32);
+  ASSERT_EQ(f32_activations.logits.size(), alone[0].logits.size());
+  EXPECT_NE(std::memcmp(f32_activations.logits.data(), alone[0].logits.data(),
+                        alone[0].logits.size() * sizeof(float)),
+            0)
+      << "the 8-bit activations should have been used";
+  std::vector<DecoderRun> together(kDecoders);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kDecoders; ++i) {
+    threads.emplace_back([&, i] {
+      together[static_cast<std::size_t>(i)] = run_decoder(
+          model, "h2o", 17u + static_cast<std::uint32_t>(i), 2, DecodeActivations::q8_0);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (std::size_t i = 0; i < alone.size(); ++i) {
+    EXPECT_EQ(together[i].error, "");
+    ASSERT_EQ(together[i].logits.size(), alone[i].logits.size());
+    EXPECT_EQ(std::memcmp(together[i].logits.data(), alone[i].logits.data(),
+                          alone[i].logits.size() * sizeof(float)),
+              0)
+        << "decoder " << i;
   }
 }
 
