@@ -423,7 +423,8 @@ std::vector<float> test_values(std::size_t count, std::uint32_t seed) {
 // Sizes that are not multiples of any vector width (7 rows, 37 columns...): every tail path.
 TEST(DecoderTargets, KernelsEqualPlainLoopsWithTails) {
   for_each_target([](const std::string&) {
-    // matvec for the element types: rows 7 (a group of 4 and 3 single rows), 37 columns.
+    // matvec for the element types (one row at a time): rows 7, 37 columns (no multiple of a
+    // lane count).
     for (const DType dtype : {DType::f32, DType::f16, DType::bf16}) {
       ModelConfig config = small_config(RopeLayout::half_split);
       const Model model = kvevict::model::make_random_model(config, 3, dtype);
