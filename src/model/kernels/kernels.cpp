@@ -213,8 +213,13 @@ void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, flo
     // A last group of fewer rows repeats its last one: every row goes through the same
     // instructions, so its bits do not depend on how the rows are split between threads.
     const std::uint8_t* rows[kRows];
-    for (std::int64_t i = 0; i < kRows; ++i)
+    // Rows read side by side are not a stream the hardware prefetcher follows: each block is
+    // prefetched kPrefetchRows rows ahead, within the range (a pointer past it is not formed).
+    const std::uint8_t* ahead[kRows];
+    for (std::int64_t i = 0; i < kRows; ++i) {
       rows[i] = w + static_cast<std::size_t>(std::min(r + i, end - 1)) * row_bytes;
+      ahead[i] = w + static_cast<std::size_t>(std::min(r + i + kPrefetchRows, end - 1)) * row_bytes;
+    }
     V acc[kRows];
     for (V& a : acc) a = hn::Zero(d);
     for (std::int64_t b = 0; b < blocks; ++b) {
@@ -222,9 +227,7 @@ void matvec_blocks(const std::uint8_t* w, std::int64_t cols, const float* x, flo
       const V start = Format::dot_start(d, xb);
       const std::size_t at = static_cast<std::size_t>(b) * Format::kBlockBytes;
       for (std::int64_t i = 0; i < kRows; ++i) {
-        // Rows read side by side are not a stream the hardware prefetcher follows. (A hint: past
-        // the matrix's end it reads nothing.)
-        hwy::Prefetch(rows[i] + at + kPrefetchRows * row_bytes);
+        hwy::Prefetch(ahead[i] + at);
         acc[i] = hn::MulAdd(broadcast_scale(d, rows[i] + at),
                             Format::dot(d, rows[i] + at, xb, start), acc[i]);
       }
@@ -351,17 +354,20 @@ std::int64_t matvec_quantized_8_rows(const std::uint8_t* w, std::int64_t blocks,
   std::int64_t r = begin;
   for (; r + 8 <= end; r += 8) {
     const std::uint8_t* rows = w + static_cast<std::size_t>(r) * row_bytes;
+    // The next eight rows, or the range's last eight (a pointer past it is not formed).
+    const std::uint8_t* next = w + static_cast<std::size_t>(std::min(r + 8, end - 8)) * row_bytes;
     __m256 total = _mm256_setzero_ps();
     __m256 offset = _mm256_setzero_ps();
     for (std::int64_t b = 0; b < blocks; ++b) {
       const __m256i a =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.values.data() + 32 * b));
-      const std::uint8_t* block = rows + static_cast<std::size_t>(b) * Format::kBlockBytes;
+      const std::size_t at = static_cast<std::size_t>(b) * Format::kBlockBytes;
+      const std::uint8_t* block = rows + at;
       __m256i products[8];
       for (int i = 0; i < 8; ++i) {
         // The next eight rows' block b: eight rows read side by side are not a stream the
         // hardware prefetcher follows (without this Q8_0 decodes at half the speed).
-        _mm_prefetch(reinterpret_cast<const char*>(block + (8 + i) * row_bytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + at + i * row_bytes), _MM_HINT_T0);
         products[i] = block_products<Format>(block + i * row_bytes, a);
       }
       const __m256 weight_scales = _mm256_cvtph_ps(
