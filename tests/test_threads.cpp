@@ -49,6 +49,23 @@ std::vector<std::int32_t> stream(int count, std::uint32_t seed) {
   return out;
 }
 
+// run(i) for i in [0, count), each on a thread of its own, all at once; the results in order.
+template <class Result, class Run>
+std::vector<Result> on_threads(int count, Run run) {
+  std::vector<Result> results(static_cast<std::size_t>(count));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < count; ++i) {
+    threads.emplace_back([&, i] { results[static_cast<std::size_t>(i)] = run(i); });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return results;
+}
+
+// The same number of floats with the same bits.
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
 // What one decoder produced: the logits of every token fed, and what its cache holds at the end.
 struct DecoderRun {
   std::vector<float> logits;
@@ -102,27 +119,20 @@ TEST(Threads, DecodersOverOneSharedModelComputeWhatTheyComputeAlone) {
   }
   // Together, each decoder runs its forwards on two threads of its own (DecoderOptions::threads:
   // products split by rows, attention by KV heads), which must not change a bit either.
-  std::vector<DecoderRun> together(alone.size());
-  std::vector<std::thread> threads;
-  for (std::size_t i = 0; i < alone.size(); ++i) {
-    threads.emplace_back([&, i] {
-      together[i] = run_decoder(model, kPolicies[i % kPolicies.size()],
-                                17u + static_cast<std::uint32_t>(i / kPolicies.size()),
-                                /*decoder_threads=*/2);
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  const std::vector<DecoderRun> together =
+      on_threads<DecoderRun>(static_cast<int>(alone.size()), [&](int i) {
+        const auto index = static_cast<std::size_t>(i);
+        return run_decoder(model, kPolicies[index % kPolicies.size()],
+                           17u + static_cast<std::uint32_t>(index / kPolicies.size()),
+                           /*decoder_threads=*/2);
+      });
   for (std::size_t i = 0; i < alone.size(); ++i) {
     const std::string& policy = kPolicies[i % kPolicies.size()];
     EXPECT_EQ(together[i].error, "") << policy;
     EXPECT_EQ(together[i].evicted_slots, alone[i].evicted_slots) << policy;
     EXPECT_EQ(together[i].live, alone[i].live) << policy;
     // Same operations on the same inputs: the same bits.
-    ASSERT_EQ(together[i].logits.size(), alone[i].logits.size()) << policy;
-    EXPECT_EQ(std::memcmp(together[i].logits.data(), alone[i].logits.data(),
-                          alone[i].logits.size() * sizeof(float)),
-              0)
-        << policy;
+    EXPECT_TRUE(same_bits(together[i].logits, alone[i].logits)) << policy;
   }
 }
 
@@ -149,26 +159,15 @@ TEST(Threads, Q4_0DecodersWith8BitActivationsComputeWhatTheyComputeAlone) {
   }
   const DecoderRun f32_activations = run_decoder(model, "h2o", 17u, 1, DecodeActivations::f32);
   ASSERT_EQ(f32_activations.logits.size(), alone[0].logits.size());
-  EXPECT_NE(std::memcmp(f32_activations.logits.data(), alone[0].logits.data(),
-                        alone[0].logits.size() * sizeof(float)),
-            0)
+  EXPECT_FALSE(same_bits(f32_activations.logits, alone[0].logits))
       << "the 8-bit activations should have been used";
-  std::vector<DecoderRun> together(kDecoders);
-  std::vector<std::thread> threads;
-  for (int i = 0; i < kDecoders; ++i) {
-    threads.emplace_back([&, i] {
-      together[static_cast<std::size_t>(i)] = run_decoder(
-          model, "h2o", 17u + static_cast<std::uint32_t>(i), 2, DecodeActivations::q8_0);
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
+  const std::vector<DecoderRun> together = on_threads<DecoderRun>(kDecoders, [&](int i) {
+    return run_decoder(model, "h2o", 17u + static_cast<std::uint32_t>(i), 2,
+                       DecodeActivations::q8_0);
+  });
   for (std::size_t i = 0; i < alone.size(); ++i) {
     EXPECT_EQ(together[i].error, "");
-    ASSERT_EQ(together[i].logits.size(), alone[i].logits.size());
-    EXPECT_EQ(std::memcmp(together[i].logits.data(), alone[i].logits.data(),
-                          alone[i].logits.size() * sizeof(float)),
-              0)
-        << "decoder " << i;
+    EXPECT_TRUE(same_bits(together[i].logits, alone[i].logits)) << "decoder " << i;
   }
 }
 
@@ -251,12 +250,7 @@ TEST(Threads, CApiSequencesDecideAsAloneAndKeepTheirOwnLastError) {
   ASSERT_FALSE(alone.evicted_positions.empty());
   EXPECT_EQ(alone.live, 8 + 8);  // heavy + recent once the stream passed them
   constexpr int kThreads = 6;
-  std::vector<SequenceRun> together(kThreads);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] { together[static_cast<std::size_t>(t)] = run_sequence(t); });
-  }
-  for (std::thread& thread : threads) thread.join();
+  const std::vector<SequenceRun> together = on_threads<SequenceRun>(kThreads, run_sequence);
   for (int t = 0; t < kThreads; ++t) {
     const SequenceRun& run = together[static_cast<std::size_t>(t)];
     EXPECT_EQ(run.error, "") << "thread " << t;
