@@ -160,7 +160,8 @@ void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std
   Running& running = running_for(policy, budget, kv_type);
   Decoder& decoder = *running.decoder;
   // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
-  const bool turns = decoder.cache().policy().triggers().contains(kvevict::Trigger::before_turn);
+  const bool turns =
+      decoder.cache().sequence().policy().triggers().contains(kvevict::Trigger::before_turn);
   const kvevict::model::ForwardRequest request{turns, false};
   kvevict::Sequence& sequence = decoder.cache().sequence();
 
@@ -204,7 +205,7 @@ void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std
                             decoder.cache().store().bytes_copied() - moved_before;
   state.counters["moved_bytes_per_evicted"] =
       evicted > 0 ? static_cast<double>(moved) / static_cast<double>(evicted) : 0.0;
-  state.counters["live"] = decoder.cache().live(0, 0);
+  state.counters["live"] = decoder.cache().sequence().live(0, 0);
   state.counters["evictions"] =
       static_cast<double>(sequence.stats().decisions - stats_before.decisions) / steps;
 }

@@ -298,7 +298,7 @@ const Model& small_model() {
 
 // Streams `tokens` tokens of random keys / values through the decoder's cache and policy.
 void stream_context(Decoder& decoder, int tokens) {
-  kvevict::EvictingCache<float>& cache = decoder.cache();
+  kvevict::EvictingCache& cache = decoder.cache();
   const ModelConfig& c = decoder.model().config;
   const int chunk = decoder.options().max_chunk;
   kvevict::model::RowMatrix keys = kvevict::model::RowMatrix::Random(chunk, c.head_dim());
@@ -307,13 +307,14 @@ void stream_context(Decoder& decoder, int tokens) {
   for (int done = 0; done < tokens; done += chunk) {
     const int n = std::min(chunk, tokens - done);
     for (int i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = (done + i) % 256;
-    cache.begin_chunk(std::span<const std::int32_t>(ids).first(static_cast<std::size_t>(n)));
+    cache.sequence().begin_chunk(
+        std::span<const std::int32_t>(ids).first(static_cast<std::size_t>(n)));
     for (int l = 0; l < c.layers; ++l) {
       for (int g = 0; g < c.kv_heads; ++g) {
         cache.write_chunk(l, g, keys.topRows(n), values.topRows(n));
       }
     }
-    cache.end_forward();
+    cache.sequence().end_forward();
   }
 }
 
@@ -343,7 +344,7 @@ void BM_DecodeAtContext(benchmark::State& state) {
   const double compute = clock.seconds() - eviction;
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations()));
   state.counters["eviction_share"] = eviction / (eviction + compute);
-  state.counters["slots_per_head"] = decoder.cache().live(0, 0);
+  state.counters["slots_per_head"] = decoder.cache().sequence().live(0, 0);
   state.counters["kv_MB"] = static_cast<double>(decoder.cache().memory().live_kv_bytes) / 1e6;
 }
 // The bounded runs first: after the 64K full cache was freed, later runs in the process measured

@@ -21,7 +21,7 @@
 
 namespace {
 
-using Cache = kvevict::EvictingCache<float>;
+using Cache = kvevict::EvictingCache;
 using Matrix = Cache::Matrix;
 
 constexpr int kKvHeads = 8;
@@ -46,7 +46,6 @@ const std::vector<std::string>& policies() {
 struct StepInputs {
   Matrix key, value;        // [1, head_dim]
   std::vector<float> rows;  // [q_heads][1][stride], a valid softmax row per head
-  std::vector<int> keys;    // per KV head
   int stride = 0;
 };
 
@@ -61,46 +60,37 @@ StepInputs make_inputs(int budget, int head_dim) {
     in.value(0, c) = normal(rng);
   }
   in.stride = budget + kMaxChunk;  // at least every head's slot limit
-  in.rows.assign(static_cast<std::size_t>(kQueryHeads) * in.stride, 0.0f);
+  in.rows.assign(static_cast<std::size_t>(kQueryHeads) * kMaxChunk * in.stride, 0.0f);
   std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
   for (float& x : in.rows) x = uniform(rng) / static_cast<float>(budget);
-  in.keys.assign(kKvHeads, 0);
   return in;
 }
 
-// One forward of `n` tokens (n <= kMaxChunk). Attention rows are handed over for the chunk's last
-// query only: enough signal for every policy, and the timed steps are single tokens anyway.
+// One forward of `n` tokens (n <= kMaxChunk), with the attention rows the policy reads (the same
+// random probabilities for every query: the timed steps are single tokens anyway).
 // `turn_start` is always set, so SirLLM and its baselines evict at every step (their worst case).
 void step(Cache& cache, StepInputs& in, int n, std::int32_t token, std::mt19937& rng) {
   const std::vector<std::int32_t> ids(static_cast<std::size_t>(n), token);
-  cache.begin_chunk(ids, /*turn_start=*/true);
+  cache.sequence().begin_chunk(ids, /*turn_start=*/true);
   const Matrix keys = in.key.replicate(n, 1);
   const Matrix values = in.value.replicate(n, 1);
   for (int g = 0; g < kKvHeads; ++g) cache.write_chunk(0, g, keys, values);
-  const bool wants_rows = cache.wants(kvevict::Signal::attention_rows) ||
-                          cache.wants(kvevict::Signal::last_attention_row);
-  if (wants_rows) {
-    for (int g = 0; g < kKvHeads; ++g)
-      in.keys[static_cast<std::size_t>(g)] = cache.slot_limit(0, g);
-    cache.observe_attention(
-        0, kvevict::AttentionRows(in.rows.data(), kQueryHeads, 1, 1, in.stride, in.keys, 0));
+  if (cache.sequence().wants_attention()) {
+    cache.sequence().observe_attention(0, in.rows.data(), cache.sequence().attention_queries(),
+                                       in.stride);
   }
-  if (cache.wants(kvevict::Signal::surprisal)) {
+  if (cache.sequence().wants(kvevict::Signal::surprisal)) {
     std::vector<float> surprisal(static_cast<std::size_t>(n));
     for (float& s : surprisal) s = static_cast<float>(rng() % 1000) / 100.0f;
-    cache.observe_surprisal(surprisal);
+    cache.sequence().observe_surprisal(surprisal);
   }
-  cache.end_forward();
-  if (cache.catalyst_pending()) {
+  cache.sequence().end_forward();
+  if (cache.sequence().catalyst_pending()) {
     const std::int32_t catalyst[1] = {0};
-    cache.begin_catalyst(catalyst);
-    for (int g = 0; g < kKvHeads; ++g) {
-      cache.write_chunk(0, g, in.key, in.value);
-      in.keys[static_cast<std::size_t>(g)] = cache.slot_limit(0, g);
-    }
-    cache.observe_catalyst(
-        0, kvevict::AttentionRows(in.rows.data(), kQueryHeads, 1, 1, in.stride, in.keys, 0));
-    cache.end_catalyst();
+    cache.sequence().begin_catalyst(catalyst);
+    for (int g = 0; g < kKvHeads; ++g) cache.write_chunk(0, g, in.key, in.value);
+    cache.sequence().observe_catalyst(0, in.rows.data(), 1, in.stride);
+    cache.sequence().end_catalyst();
   }
 }
 
@@ -111,8 +101,8 @@ void BM_PolicyStep(benchmark::State& state) {
   const int head_dim = static_cast<int>(state.range(2));
   kvevict::CacheConfig config;
   config.shape = kvevict::CacheShape{1, kQueryHeads, kKvHeads, head_dim};
-  config.key_storage = kvevict::KeyStorage::post_rope;
-  config.max_chunk = kMaxChunk;
+  config.sequence.key_storage = kvevict::KeyStorage::post_rope;
+  config.sequence.max_chunk = kMaxChunk;
   Cache cache(config, kvevict::make_policy(policy, params_for(policy, budget)));
   StepInputs in = make_inputs(budget, head_dim);
   std::mt19937 rng(3);
@@ -121,7 +111,7 @@ void BM_PolicyStep(benchmark::State& state) {
   // which fills AnLLM to its cap: the steady state of a capped endless stream.
   std::int64_t fed = 0;
   while (fed < budget + 2 * kMaxChunk) {
-    const std::optional<int> room = cache.pot_room();
+    const std::optional<int> room = cache.sequence().pot_room();
     const int n = std::min(kMaxChunk, room && *room > 0 ? *room : kMaxChunk);
     step(cache, in, n, 1, rng);
     fed += n;

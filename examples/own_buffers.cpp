@@ -1,13 +1,10 @@
 // own_buffers: an engine that keeps keys and values in its own buffer and lets kvevict decide which
-// tokens stay, through kvevict::Sequence and the two-method kvevict::KvBackend. Links kvevict::core
-// only (the standard library; no Eigen).
+// tokens stay, through the engine view (kvevict/engine.hpp; the protocol: docs/design.md). Links
+// kvevict::core only (the standard library; no Eigen).
 //
 // The engine's buffer is token-major, [slots][layers][kv_heads][head_dim]: row s holds slot s of
-// every head. kvevict gives each token of each head a slot (Sequence::chunk_slots); the engine
-// writes the token's K/V there. Evicting frees slots and later tokens take them, so the engine
-// never moves a row. Keys are stored after RoPE, rotated when written to the position kvevict names
-// (Sequence::key_position); attention rotates each query once per run of slots that share a
-// pending rotation (Sequence::for_each_key_run) and skips free slots.
+// every head. Keys are stored after RoPE, rotated when written to Sequence::key_position;
+// attention rotates each query once per key run (Sequence::key_runs) and skips free slots.
 //
 // It runs StreamingLLM and H2O over a random "model" (random K/V and queries), checks that the
 // engine's buffer holds exactly the tokens kvevict keeps, and prints what each policy kept.
@@ -18,7 +15,10 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
-#include <kvevict/core.hpp>
+#include <kvevict/engine.hpp>
+#include <kvevict/policies/h2o.hpp>
+#include <kvevict/policies/streaming_llm.hpp>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -88,16 +88,16 @@ void attend(const kvevict::Sequence& sequence, Engine& engine, const kvevict::Ro
   const int limit = sequence.slot_limit(l, g);
   p.assign(static_cast<std::size_t>(limit), -INFINITY);
   std::vector<float> rotated(query.size());
-  sequence.for_each_key_run(l, g, [&](int begin, int end, std::int64_t rotation) {
+  for (const kvevict::KeyRun& run : sequence.key_runs(l, g)) {
     rotated = query;
-    rope.rotate(rotated.data(), position - rotation);  // one rotation per run, not per key
-    for (int s = begin; s < end; ++s) {
+    rope.rotate(rotated.data(), position - run.rotation);  // one rotation per run, not per key
+    for (int s = run.begin; s < run.end; ++s) {
       const float* k = engine.key(s, l, g);
       float dot = 0;
       for (int c = 0; c < kHeadDim; ++c) dot += k[c] * rotated[static_cast<std::size_t>(c)];
       p[static_cast<std::size_t>(s)] = dot / std::sqrt(static_cast<float>(kHeadDim));
     }
-  });
+  }
   const float max = *std::max_element(p.begin(), p.end());
   float sum = 0;
   for (float& x : p) sum += x = std::isinf(x) ? 0.0f : std::exp(x - max);
@@ -110,8 +110,8 @@ void attend(const kvevict::Sequence& sequence, Engine& engine, const kvevict::Ro
   }
 }
 
-// Streams kTokens one at a time through policy `name` at a budget of kBudget tokens.
-int run(const std::string& name) {
+// Streams kTokens one at a time through `policy` (named `name`), which keeps kBudget tokens.
+int run(const std::string& name, std::unique_ptr<kvevict::Policy> policy) {
   const kvevict::Rope rope(
       kvevict::RopeConfig{kHeadDim, 0, 10000.0, kvevict::RopeLayout::half_split});
   Engine engine(rope);
@@ -120,13 +120,11 @@ int run(const std::string& name) {
   config.q_heads = kQueryHeads;
   config.kv_heads = kKvHeads;
   config.max_chunk = 1;
-  kvevict::Sequence sequence(
-      config, kvevict::make_policy(name, kvevict::budget_params(name, kBudget)), &engine);
+  kvevict::Sequence sequence(config, std::move(policy), &engine);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   std::vector<float> p, out, query(kHeadDim);
   std::vector<float> rows;  // [q_heads][1][stride] for a policy that reads attention
-  std::vector<int> keys_per_kv_head(kKvHeads);
   for (std::int64_t t = 0; t < kTokens; ++t) {
     const std::int32_t id = static_cast<std::int32_t>(rng() % 1000);
     sequence.begin_chunk(std::span<const std::int32_t>(&id, 1));
@@ -144,10 +142,7 @@ int run(const std::string& name) {
       }
       // Attention of every query head over its KV head's live slots; rows to the policy.
       int stride = 0;
-      for (int g = 0; g < kKvHeads; ++g) {
-        keys_per_kv_head[static_cast<std::size_t>(g)] = sequence.slot_limit(l, g);
-        stride = std::max(stride, sequence.slot_limit(l, g));
-      }
+      for (int g = 0; g < kKvHeads; ++g) stride = std::max(stride, sequence.slot_limit(l, g));
       rows.assign(static_cast<std::size_t>(kQueryHeads) * stride, 0.0f);
       for (int h = 0; h < kQueryHeads; ++h) {
         const int g = h / kGroup;
@@ -156,11 +151,8 @@ int run(const std::string& name) {
         attend(sequence, engine, rope, l, g, query, sequence.position(l, g, own), p, out);
         std::copy(p.begin(), p.end(), rows.begin() + static_cast<std::ptrdiff_t>(h) * stride);
       }
-      if (sequence.wants(kvevict::Signal::attention_rows) ||
-          sequence.wants(kvevict::Signal::last_attention_row)) {
-        sequence.observe_attention(l, kvevict::AttentionRows(rows.data(), kQueryHeads, kGroup, 1,
-                                                             stride, keys_per_kv_head, t));
-      }
+      // One token per forward: attention_queries() is 1 for H2O and TOVA alike.
+      if (sequence.wants_attention()) sequence.observe_attention(l, rows.data(), 1, stride);
     }
     sequence.end_forward();
   }
@@ -202,10 +194,13 @@ int run(const std::string& name) {
 
 int main() {
   try {
-    for (const std::string name : {"streaming_llm", "h2o"}) {
-      if (const int status = run(name); status != 0) return status;
+    // Each policy from its own header: 4 sinks + the newest; the newest half + the top half by
+    // accumulated attention.
+    if (const int status = run("streaming_llm", kvevict::make_streaming_llm({4, kBudget - 4}));
+        status != 0) {
+      return status;
     }
-    return 0;
+    return run("h2o", kvevict::make_h2o({kBudget / 2, kBudget - kBudget / 2}));
   } catch (const std::exception& error) {
     std::fprintf(stderr, "own_buffers: error: %s\n", error.what());
     return 2;

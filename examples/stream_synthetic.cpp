@@ -26,7 +26,7 @@
 
 namespace {
 
-using Cache = kvevict::EvictingCache<float>;
+using Cache = kvevict::EvictingCache;
 using Matrix = Cache::Matrix;
 
 constexpr kvevict::CacheShape kShape{2, 4, 2, 64};  // layers, query heads, KV heads, head_dim
@@ -41,10 +41,10 @@ Matrix random_rows(std::mt19937& rng, int rows) {
 // Writes the chunk's K/V, attends with random queries (causal within the chunk) and hands the rows
 // to the policy if it asked for them. `catalyst` selects the catalyst-prompt variant.
 void forward(Cache& cache, std::mt19937& rng, bool catalyst) {
-  const int n = cache.chunk_size();
-  const bool all_rows = cache.wants(kvevict::Signal::attention_rows) ||
-                        (catalyst && cache.wants(kvevict::Signal::catalyst_attention));
-  const bool wants_rows = all_rows || cache.wants(kvevict::Signal::last_attention_row);
+  const int n = cache.sequence().chunk_size();
+  const bool all_rows = cache.sequence().wants(kvevict::Signal::attention_rows) ||
+                        (catalyst && cache.sequence().wants(kvevict::Signal::catalyst_attention));
+  const bool wants_rows = all_rows || cache.sequence().wants(kvevict::Signal::last_attention_row);
   const int query_rows = all_rows ? n : 1;
   std::vector<float> rows;
   std::vector<int> keys_per_kv_head(static_cast<std::size_t>(kShape.kv_heads));
@@ -52,20 +52,20 @@ void forward(Cache& cache, std::mt19937& rng, bool catalyst) {
     int stride = 0;
     for (int g = 0; g < kShape.kv_heads; ++g) {
       cache.write_chunk(l, g, random_rows(rng, n), random_rows(rng, n));
-      keys_per_kv_head[static_cast<std::size_t>(g)] = cache.slot_limit(l, g);
-      stride = std::max(stride, cache.slot_limit(l, g));
+      keys_per_kv_head[static_cast<std::size_t>(g)] = cache.sequence().slot_limit(l, g);
+      stride = std::max(stride, cache.sequence().slot_limit(l, g));
     }
     if (!wants_rows) continue;
     rows.assign(static_cast<std::size_t>(kShape.q_heads) * query_rows * stride, 0.0f);
     for (int h = 0; h < kShape.q_heads; ++h) {
       const int g = kShape.kv_head_of(h);
-      const std::span<const std::int32_t> chunk = cache.chunk_slots(l, g);
+      const std::span<const std::int32_t> chunk = cache.sequence().chunk_slots(l, g);
       for (int q = 0; q < query_rows; ++q) {
         const int i = n - query_rows + q;  // the query's index in the chunk
         const Matrix query = random_rows(rng, 1);
         float* row = rows.data() + (static_cast<std::size_t>(h) * query_rows + q) * stride;
         cache.dot_products(l, g, std::span<const float>(query.data(), kShape.head_dim),
-                           cache.position(l, g, chunk[static_cast<std::size_t>(i)]),
+                           cache.sequence().position(l, g, chunk[static_cast<std::size_t>(i)]),
                            std::span<float>(row, static_cast<std::size_t>(stride)));
         // Causal: the chunk's later tokens are not visible to this query.
         for (int j = i + 1; j < n; ++j) {
@@ -82,12 +82,10 @@ void forward(Cache& cache, std::mt19937& rng, bool catalyst) {
         for (int s = 0; s < stride; ++s) row[s] /= sum;
       }
     }
-    const kvevict::AttentionRows view(rows.data(), kShape.q_heads, kShape.group_size(), query_rows,
-                                      stride, keys_per_kv_head, 0);
     if (catalyst) {
-      cache.observe_catalyst(l, view);
+      cache.sequence().observe_catalyst(l, rows.data(), query_rows, stride);
     } else {
-      cache.observe_attention(l, view);
+      cache.sequence().observe_attention(l, rows.data(), query_rows, stride);
     }
   }
 }
@@ -120,8 +118,8 @@ int run(int argc, char** argv) {
 
   kvevict::CacheConfig config;
   config.shape = kShape;
-  config.key_storage = storage;
-  config.max_chunk = 8;
+  config.sequence.key_storage = storage;
+  config.sequence.max_chunk = 8;
   Cache cache(config, kvevict::make_policy(policy_name, params));
   fmt::print("policy {} | {} layers, {} query / {} KV heads, head_dim {} | positions {}, keys {}\n",
              policy_name, kShape.layers, kShape.q_heads, kShape.kv_heads, kShape.head_dim,
@@ -134,22 +132,22 @@ int run(int argc, char** argv) {
   int fed = 0;
   while (fed < tokens) {
     const int n = fed == 0 ? 8 : 1;  // a short prefill, then one token per forward
-    cache.begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 0), true);
+    cache.sequence().begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 0), true);
     forward(cache, rng, false);
-    if (cache.wants(kvevict::Signal::surprisal)) {
+    if (cache.sequence().wants(kvevict::Signal::surprisal)) {
       std::vector<float> values(static_cast<std::size_t>(n));
       for (float& v : values) v = surprisal(rng);
-      cache.observe_surprisal(values);
+      cache.sequence().observe_surprisal(values);
     }
-    cache.end_forward();
-    if (cache.catalyst_pending()) {
-      cache.begin_catalyst(std::vector<std::int32_t>(4, 0));
+    cache.sequence().end_forward();
+    if (cache.sequence().catalyst_pending()) {
+      cache.sequence().begin_catalyst(std::vector<std::int32_t>(4, 0));
       forward(cache, rng, true);
-      cache.end_catalyst();
+      cache.sequence().end_catalyst();
     }
     fed += n;
     if (fed % 8 == 0 || fed == tokens) {
-      const kvevict::SlotTable& slots = cache.slots();
+      const kvevict::SlotTable& slots = cache.sequence().slots();
       const int unit = cache.sequence().unit_of(0, 0);
       std::vector<std::int64_t> kept;
       for (const std::int32_t slot : slots.stream_order(unit)) {

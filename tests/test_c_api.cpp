@@ -3,11 +3,12 @@
 #include <gtest/gtest.h>
 #include <kvevict/c_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <kvevict/engine.hpp>
 #include <kvevict/policy_registry.hpp>
-#include <kvevict/sequence.hpp>
 #include <kvevict/version.hpp>
 #include <limits>
 #include <memory>
@@ -17,6 +18,8 @@
 #include "support/policy_harness.hpp"
 
 namespace {
+
+using kvevict::test::observe_attention;
 
 struct SequenceDeleter {
   void operator()(kvevict_sequence* sequence) const { kvevict_sequence_destroy(sequence); }
@@ -139,12 +142,6 @@ TEST(CApi, StreamingLlmOverAnEnginesOwnBuffers) {
   EXPECT_EQ(engine.applies, 7);  // one call per decision, tokens 5..11
   EXPECT_EQ(engine.evicted, 7 * 4);
   // cache_index positions: the window sits at 2, 3, 4 whatever its slots.
-  int32_t begins[4], ends[4];
-  int64_t rotations[4];
-  int runs = 0;
-  ASSERT_EQ(kvevict_sequence_key_runs(s.get(), 1, 1, begins, ends, rotations, 4, &runs),
-            KVEVICT_OK);
-  EXPECT_LE(runs, 3);  // sinks and window (the window may wrap around the slots)
   for (int slot = 0; slot < kvevict_sequence_slot_limit(s.get(), 1, 1); ++slot) {
     std::int64_t position = -1, key_position = -1;
     if (kvevict_sequence_position(s.get(), 1, 1, slot, &position, &key_position) != KVEVICT_OK) {
@@ -154,6 +151,26 @@ TEST(CApi, StreamingLlmOverAnEnginesOwnBuffers) {
     EXPECT_EQ(position, token < 2 ? token : token - 9 + 2);
     EXPECT_EQ(key_position, token);  // rotated once, to its original position; never re-rotated
   }
+  // Key runs and the live mask exist during a forward only, and cover exactly the live slots:
+  // the 5 kept and the chunk's new token.
+  const kvevict_key_run* runs = nullptr;
+  int count = -1;
+  EXPECT_EQ(kvevict_sequence_key_runs(s.get(), 1, 1, &runs, &count), KVEVICT_INVALID_ARGUMENT);
+  const int32_t id = 12;
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), &id, 1, 0), KVEVICT_OK);
+  ASSERT_EQ(kvevict_sequence_key_runs(s.get(), 1, 1, &runs, &count), KVEVICT_OK);
+  EXPECT_LE(count, 3);  // sinks and window (the window may wrap around the slots)
+  const uint8_t* mask = nullptr;
+  int mask_size = -1;
+  ASSERT_EQ(kvevict_sequence_live_mask(s.get(), 1, 1, &mask, &mask_size), KVEVICT_OK);
+  ASSERT_EQ(mask_size, kvevict_sequence_slot_limit(s.get(), 1, 1));
+  int in_runs = 0;
+  for (int r = 0; r < count; ++r) {
+    in_runs += runs[r].end - runs[r].begin;
+    for (int slot = runs[r].begin; slot < runs[r].end; ++slot) EXPECT_EQ(mask[slot], 1);
+  }
+  EXPECT_EQ(in_runs, 6);
+  EXPECT_EQ(std::count(mask, mask + mask_size, 1), 6);
 }
 
 // The same decisions as the C++ Sequence, for a policy driven by attention rows.
@@ -190,7 +207,7 @@ TEST(CApi, H2oDecidesAsTheCppSequence) {
     ASSERT_EQ(kvevict_sequence_observe_attention(s.get(), 0, rows.data(), n, limit), KVEVICT_OK)
         << kvevict_last_error();
     const std::vector<int> keys{limit};
-    cpp.observe_attention(0, kvevict::AttentionRows(rows.data(), 2, 2, n, limit, keys, 0));
+    observe_attention(cpp, 0, kvevict::AttentionRows(rows.data(), 2, 2, n, limit, keys, 0));
     ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK);
     cpp.end_forward();
     for (int slot = 0; slot < limit; ++slot) {

@@ -860,7 +860,7 @@ TEST(DecoderCache, MemoryFollowsTheStreamNotTheBudget) {
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(i % 250);
   (void)decoder.feed(tokens);
   // 3,000 tokens: 1,040 doubled once to 2,080, then to 4,160.
-  EXPECT_EQ(decoder.cache().live(0, 0), 3000);
+  EXPECT_EQ(decoder.cache().sequence().live(0, 0), 3000);
   EXPECT_EQ(decoder.cache().sequence().capacity(), 4160);
   // A budget below the cap is reserved whole, as before: it never grows.
   kvevict::model::Decoder small(
@@ -1467,9 +1467,9 @@ TEST(DecoderSignals, CatalystRowsCoverPotAndCatalyst) {
   EXPECT_EQ(recording.catalyst_calls, 4 * 2);
   EXPECT_EQ(recording.attention_calls, 0);
   EXPECT_EQ(recording.failures, 0);
-  EXPECT_EQ(decoder.cache().live(0, 0), 10 + 10);
+  EXPECT_EQ(decoder.cache().sequence().live(0, 0), 10 + 10);
   // The catalyst is rolled back: no catalyst-flagged slot remains.
-  const kvevict::SlotTable& slots = decoder.cache().slots();
+  const kvevict::SlotTable& slots = decoder.cache().sequence().slots();
   const int unit = decoder.cache().sequence().unit_of(1, 1);
   for (const std::int32_t slot : slots.stream_order(unit)) {
     EXPECT_EQ(slots.flags(unit)[static_cast<std::size_t>(slot)] & kvevict::slot_flag::catalyst, 0);
@@ -1490,8 +1490,8 @@ TEST(DecoderSignals, AnchorsReachThePolicy) {
                   options);
   (void)decoder.feed(tokens, {}, 4);
   // After the forward holding the second anchor (tokens 12..15): both anchors remain; then 16..19.
-  EXPECT_EQ(decoder.cache().live(1, 0), 2 + 4);
-  EXPECT_EQ(kvevict::test::kept_positions(decoder.cache().slots(),
+  EXPECT_EQ(decoder.cache().sequence().live(1, 0), 2 + 4);
+  EXPECT_EQ(kvevict::test::kept_positions(decoder.cache().sequence().slots(),
                                           decoder.cache().sequence().unit_of(1, 0)),
             (std::vector<std::int64_t>{7, 15, 16, 17, 18, 19}));
 }

@@ -28,7 +28,7 @@
 
 namespace {
 
-using Matrix = kvevict::EvictingCache<float>::Matrix;
+using Matrix = kvevict::EvictingCache::Matrix;
 using kvevict::PositionMode;
 
 constexpr int kLayers = 2;
@@ -107,8 +107,8 @@ std::vector<std::int64_t> eager_kept(const kvevict::eager::EvictingCache<float>&
   const auto original = cache.store().slots().original_positions(l, g);
   return {original.begin(), original.end()};
 }
-std::vector<std::int64_t> new_kept(const kvevict::EvictingCache<float>& cache, int l, int g) {
-  return kvevict::test::kept_positions(cache.slots(), cache.sequence().unit_of(l, g));
+std::vector<std::int64_t> new_kept(const kvevict::EvictingCache& cache, int l, int g) {
+  return kvevict::test::kept_positions(cache.sequence().slots(), cache.sequence().unit_of(l, g));
 }
 
 // Attention rows of `queries` (original positions, the chunk's last ones) for layer l, laid out for
@@ -147,16 +147,16 @@ Rows eager_rows(const kvevict::eager::EvictingCache<float>& cache, int l,
   return rows;
 }
 
-Rows new_rows(const kvevict::EvictingCache<float>& cache, int l,
+Rows new_rows(const kvevict::EvictingCache& cache, int l,
               const std::vector<std::int64_t>& queries) {
   Rows rows;
   for (int g = 0; g < kKvHeads; ++g) {
-    rows.keys.push_back(cache.slot_limit(l, g));
-    rows.stride = std::max(rows.stride, cache.slot_limit(l, g));
+    rows.keys.push_back(cache.sequence().slot_limit(l, g));
+    rows.stride = std::max(rows.stride, cache.sequence().slot_limit(l, g));
   }
   const auto n = static_cast<int>(queries.size());
   rows.data.assign(static_cast<std::size_t>(kQueryHeads * n * std::max(rows.stride, 1)), 0.0f);
-  const kvevict::SlotTable& slots = cache.slots();
+  const kvevict::SlotTable& slots = cache.sequence().slots();
   for (int h = 0; h < kQueryHeads; ++h) {
     const int unit = cache.sequence().unit_of(l, h / kGroup);
     const auto order = slots.stream_order(unit);
@@ -206,13 +206,13 @@ std::vector<double> eager_attention(const kvevict::eager::EvictingCache<float>& 
   return out;
 }
 
-std::vector<double> new_attention(const kvevict::EvictingCache<float>& cache, int l, int g,
+std::vector<double> new_attention(const kvevict::EvictingCache& cache, int l, int g,
                                   const std::vector<float>& q, std::int64_t position) {
   Matrix scratch;
-  const bool post = cache.config().key_storage == kvevict::KeyStorage::post_rope;
+  const bool post = cache.config().sequence.key_storage == kvevict::KeyStorage::post_rope;
   const auto keys = post ? cache.keys(l, g) : cache.rotated_keys(l, g, scratch);
   const auto values = cache.values(l, g);
-  std::vector<double> scores(static_cast<std::size_t>(cache.slot_limit(l, g)), -1e300);
+  std::vector<double> scores(static_cast<std::size_t>(cache.sequence().slot_limit(l, g)), -1e300);
   const auto score_run = [&](int begin, int end, std::int64_t rotation) {
     std::vector<float> rotated = q;
     cache.rope().rotate(rotated.data(), position - (post ? rotation : 0));
@@ -223,10 +223,11 @@ std::vector<double> new_attention(const kvevict::EvictingCache<float>& cache, in
       scores[static_cast<std::size_t>(s)] = dot / std::sqrt(double(kHeadDim));
     }
   };
+  const int unit = cache.sequence().unit_of(l, g);
   if (post) {
-    cache.for_each_key_run(l, g, score_run);
+    cache.sequence().slots().for_each_key_run(unit, score_run);
   } else {
-    cache.sequence().for_each_position_run(l, g, score_run);
+    cache.sequence().slots().for_each_position_run(unit, score_run);
   }
   const double max = *std::max_element(scores.begin(), scores.end());
   double sum = 0;
@@ -262,12 +263,12 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
   kvevict::CacheConfig config;
   config.shape = {kLayers, kQueryHeads, kKvHeads, kHeadDim};
   config.rope = rope;
-  config.position_mode = mode;
-  config.key_storage = storage;
-  config.max_chunk = kMaxChunk;
-  config.max_pending_rotations = 4;  // small: folds happen often and are checked too
-  kvevict::EvictingCache<float> now(
-      config, kvevict::make_policy(c.name, params_of<kvevict::PolicyParams>(c)));
+  config.sequence.position_mode = mode;
+  config.sequence.key_storage = storage;
+  config.sequence.max_chunk = kMaxChunk;
+  config.sequence.max_pending_rotations = 4;  // small: folds happen often and are checked too
+  kvevict::EvictingCache now(config,
+                             kvevict::make_policy(c.name, params_of<kvevict::PolicyParams>(c)));
 
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -280,7 +281,7 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
   std::int64_t fed = 0;
   for (int step = 0; step < steps; ++step) {
     int n = 1 + static_cast<int>(rng() % kMaxChunk);
-    const std::optional<int> room = now.pot_room();
+    const std::optional<int> room = now.sequence().pot_room();
     EXPECT_EQ(room, eager.pipeline().pot_room()) << "step " << step;
     if (room && *room > 0) n = std::min(n, *room);
     const bool turn_start = rng() % 3 == 0;
@@ -288,7 +289,7 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
     for (int i = 0; i < n; ++i)
       ids.push_back(rng() % 7 == 0 ? kAnchor : 100 + static_cast<std::int32_t>(rng() % 50));
     eager.begin_chunk(ids, turn_start);
-    now.begin_chunk(ids, turn_start);
+    now.sequence().begin_chunk(ids, turn_start);
     for (int l = 0; l < kLayers; ++l) {
       for (int g = 0; g < kKvHeads; ++g) {
         const Matrix k = random_matrix(n);
@@ -297,8 +298,8 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
         now.write_chunk(l, g, k, v);
       }
     }
-    const bool all = now.wants(kvevict::Signal::attention_rows);
-    if (all || now.wants(kvevict::Signal::last_attention_row)) {
+    const bool all = now.sequence().wants(kvevict::Signal::attention_rows);
+    if (all || now.sequence().wants(kvevict::Signal::last_attention_row)) {
       std::vector<std::int64_t> queries;
       for (std::int64_t p = all ? fed : fed + n - 1; p < fed + n; ++p) queries.push_back(p);
       const auto q = static_cast<int>(queries.size());
@@ -307,25 +308,24 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
         eager.observe_attention(l, kvevict::eager::AttentionRows(a.data.data(), kQueryHeads, kGroup,
                                                                  q, a.stride, a.keys, queries[0]));
         const Rows b = new_rows(now, l, queries);
-        now.observe_attention(l, kvevict::AttentionRows(b.data.data(), kQueryHeads, kGroup, q,
-                                                        b.stride, b.keys, queries[0]));
+        now.sequence().observe_attention(l, b.data.data(), q, b.stride);
       }
     }
-    if (now.wants(kvevict::Signal::surprisal)) {
+    if (now.sequence().wants(kvevict::Signal::surprisal)) {
       std::vector<float> surprisal;
       for (int i = 0; i < n; ++i)
         surprisal.push_back(
             static_cast<float>(4.0 + 4.0 * noise(9, 9, static_cast<std::uint64_t>(fed + i), 1)));
       eager.observe_surprisal(surprisal);
-      now.observe_surprisal(surprisal);
+      now.sequence().observe_surprisal(surprisal);
     }
     eager.end_forward();
-    now.end_forward();
+    now.sequence().end_forward();
     fed += n;
-    EXPECT_EQ(now.catalyst_pending(), eager.catalyst_pending()) << "step " << step;
-    if (now.catalyst_pending()) {
+    EXPECT_EQ(now.sequence().catalyst_pending(), eager.catalyst_pending()) << "step " << step;
+    if (now.sequence().catalyst_pending()) {
       eager.begin_catalyst(catalyst_ids);
-      now.begin_catalyst(catalyst_ids);
+      now.sequence().begin_catalyst(catalyst_ids);
       for (int l = 0; l < kLayers; ++l) {
         for (int g = 0; g < kKvHeads; ++g) {
           const Matrix k = random_matrix(3);
@@ -340,11 +340,10 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
         eager.observe_catalyst(l, kvevict::eager::AttentionRows(a.data.data(), kQueryHeads, kGroup,
                                                                 3, a.stride, a.keys, fed));
         const Rows b = new_rows(now, l, queries);
-        now.observe_catalyst(l, kvevict::AttentionRows(b.data.data(), kQueryHeads, kGroup, 3,
-                                                       b.stride, b.keys, fed));
+        now.sequence().observe_catalyst(l, b.data.data(), 3, b.stride);
       }
       eager.end_catalyst();
-      now.end_catalyst();
+      now.sequence().end_catalyst();
     }
     for (int l = 0; l < kLayers; ++l) {
       for (int g = 0; g < kKvHeads; ++g) {
@@ -353,8 +352,9 @@ void run(const PolicyCase& c, PositionMode mode, kvevict::KeyStorage storage, st
             << c.name << " step " << step << " head (" << l << ", " << g << ")";
         // Positions agree too (they are part of what a decision means under each mode).
         const auto eager_positions = eager.store().slots().positions(l, g);
-        ASSERT_EQ(kvevict::test::rope_positions(now.slots(), now.sequence().unit_of(l, g)),
-                  std::vector<std::int64_t>(eager_positions.begin(), eager_positions.end()))
+        ASSERT_EQ(
+            kvevict::test::rope_positions(now.sequence().slots(), now.sequence().unit_of(l, g)),
+            std::vector<std::int64_t>(eager_positions.begin(), eager_positions.end()))
             << c.name << " step " << step;
       }
     }

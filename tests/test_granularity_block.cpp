@@ -9,6 +9,7 @@
 #include <kvevict/c_api.h>
 
 #include <cstdint>
+#include <kvevict/engine.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/granularity.hpp>
 #include <kvevict/policies/h2o.hpp>
@@ -17,7 +18,6 @@
 #include <kvevict/policies/tova.hpp>
 #include <kvevict/policies/window.hpp>
 #include <kvevict/policy_registry.hpp>
-#include <kvevict/sequence.hpp>
 #include <memory>
 #include <random>
 #include <string>
@@ -27,6 +27,8 @@
 #include "support/policy_harness.hpp"
 
 namespace {
+
+using kvevict::test::observe_attention;
 
 using kvevict::Granularity;
 using kvevict::PositionMode;
@@ -180,9 +182,9 @@ TEST(BlockGranularity, BlocksLeaveWholeAndTheBoundHolds) {
             for (float& p : row) p /= sum;
             rows.push_back(row);
           }
-          sequence.observe_attention(0,
-                                     rows_for.make(sequence, 0, kvevict::test::every_head(2, rows),
-                                                   sequence.stats().tokens_fed - n));
+          observe_attention(sequence, 0,
+                            rows_for.make(sequence, 0, kvevict::test::every_head(2, rows),
+                                          sequence.stats().tokens_fed - n));
         }
         sequence.end_forward();
 

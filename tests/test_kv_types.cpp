@@ -28,6 +28,8 @@
 
 namespace {
 
+using kvevict::test::observe_attention;
+
 using kvevict::KvType;
 using kvevict::PolicyParams;
 using kvevict::PositionMode;
@@ -167,10 +169,10 @@ TEST(KvTypes, CacheBytesFollowTheStorageType) {
     SCOPED_TRACE(name(type));
     kvevict::CacheConfig c;
     c.shape = kvevict::CacheShape{2, 4, 2, 64};
-    c.key_storage = kvevict::KeyStorage::post_rope;
+    c.sequence.key_storage = kvevict::KeyStorage::post_rope;
     c.kv_type = type;
-    c.max_chunk = 8;
-    kvevict::EvictingCache<float> cache(
+    c.sequence.max_chunk = 8;
+    kvevict::EvictingCache cache(
         c, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 2).set("recent", 6)));
     const std::size_t row = kvevict::kv_row_bytes(type, 64);
     EXPECT_EQ(cache.store().kv_bytes_per_slot(), 2 * row);
@@ -178,14 +180,13 @@ TEST(KvTypes, CacheBytesFollowTheStorageType) {
     // (original position 8, token id 4, group id 4, flags 1; no score column), once per unit
     // (token granularity: one unit).
     EXPECT_EQ(cache.memory().reserved_bytes, 16 * 4 * 2 * row + 16 * 17);
-    const kvevict::EvictingCache<float>::Matrix rows =
-        kvevict::EvictingCache<float>::Matrix::Random(3, 64);
+    const kvevict::EvictingCache::Matrix rows = kvevict::EvictingCache::Matrix::Random(3, 64);
     for (int step = 0; step < 20; ++step) {
-      cache.begin_chunk(std::vector<std::int32_t>(3, 0));
+      cache.sequence().begin_chunk(std::vector<std::int32_t>(3, 0));
       for (int l = 0; l < 2; ++l) {
         for (int g = 0; g < 2; ++g) cache.write_chunk(l, g, rows, rows);
       }
-      cache.end_forward();
+      cache.sequence().end_forward();
     }
     EXPECT_EQ(cache.memory().live_kv_bytes, 8u * 4 * 2 * row);
     EXPECT_EQ(cache.memory().peak_kv_bytes, 11u * 4 * 2 * row);  // 8 kept + a chunk of 3
@@ -497,7 +498,7 @@ TEST(KvDrift, KeysKeptThroughTenThousandEvictionsStayWithinABoundThatDoesNotGrow
           }
           rows[0].push_back(row);
           kvevict::test::SlotRows slot_rows;
-          s.observe_attention(0, slot_rows.make(s, 0, rows, step));
+          observe_attention(s, 0, slot_rows.make(s, 0, rows, step));
           s.end_forward();
           if (s.stats().evicted_slots < next_check) continue;
           next_check = 10000;

@@ -19,6 +19,8 @@
 
 namespace {
 
+using kvevict::test::observe_catalyst;
+
 using kvevict::InfiniPotConfig;
 using kvevict::InfiniPotPolicy;
 using kvevict::PolicyParams;
@@ -89,7 +91,7 @@ class Rig {
         rows[static_cast<std::size_t>(h)].push_back(std::move(row));
       }
     }
-    sequence_.observe_catalyst(layer, rows_.make(sequence_, layer, rows, stats().tokens_fed));
+    observe_catalyst(sequence_, layer, rows_.make(sequence_, layer, rows, stats().tokens_fed));
   }
 
   [[nodiscard]] Positions kept(int l = 0, int g = 0) const {

@@ -5,14 +5,19 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <kvevict/engine.hpp>
 #include <kvevict/policy_registry.hpp>
-#include <kvevict/sequence.hpp>
 #include <kvevict/slot_table.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "support/policy_harness.hpp"
+
 namespace {
+
+using kvevict::test::observe_attention;
+using kvevict::test::observe_catalyst;
 
 using kvevict::PolicyParams;
 using kvevict::Sequence;
@@ -114,9 +119,9 @@ History run(const Case& test_case, std::uint32_t seed, int steps) {
       const int queries = all ? n : 1;
       for (int l = 0; l < kLayers; ++l) {
         const std::vector<float> rows = random_rows(rng, sequence, l, queries, stride, keys);
-        sequence.observe_attention(
-            l, kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, queries,
-                                      stride, keys, 0));
+        observe_attention(sequence, l,
+                          kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads,
+                                                 queries, stride, keys, 0));
       }
     }
     if (sequence.wants(Signal::surprisal)) {
@@ -129,9 +134,9 @@ History run(const Case& test_case, std::uint32_t seed, int steps) {
       sequence.begin_catalyst(std::vector<std::int32_t>{1, 2, 3});
       for (int l = 0; l < kLayers; ++l) {
         const std::vector<float> rows = random_rows(rng, sequence, l, 3, stride, keys);
-        sequence.observe_catalyst(
-            l, kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, 3, stride,
-                                      keys, 0));
+        observe_catalyst(sequence, l,
+                         kvevict::AttentionRows(rows.data(), kQueryHeads, kQueryHeads / kKvHeads, 3,
+                                                stride, keys, 0));
       }
       sequence.end_catalyst();
     }

@@ -235,7 +235,7 @@ TEST(TovaPolicy, LayerWiseKvHeadsShareOneKeepSet) {
   // Per layer, the KV heads of a layer are one decision unit: the same slots by construction, so
   // a keep-list can never be applied to a head holding other tokens.
   Harness run(2, 2, 2, tova(/*budget=*/2));
-  EXPECT_EQ(run.sequence().layout().units(), 2);
+  EXPECT_EQ(run.sequence().slots().layout().units(), 2);
   EXPECT_EQ(run.sequence().unit_of(0, 0), run.sequence().unit_of(0, 1));
   EXPECT_NE(run.sequence().unit_of(0, 0), run.sequence().unit_of(1, 0));
 }

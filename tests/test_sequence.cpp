@@ -25,6 +25,9 @@
 
 namespace {
 
+using kvevict::test::observe_attention;
+using kvevict::test::observe_catalyst;
+
 using kvevict::CacheConfig;
 using kvevict::CacheShape;
 using kvevict::EvictingCache;
@@ -34,7 +37,7 @@ using kvevict::Sequence;
 using kvevict::SequenceConfig;
 using kvevict::SlotTable;
 using kvevict::test::expect_error;
-using Matrix = EvictingCache<float>::Matrix;
+using Matrix = EvictingCache::Matrix;
 using Positions = std::vector<std::int64_t>;
 
 SequenceConfig config(int layers, int q_heads, int kv_heads, int max_chunk = 8) {
@@ -85,25 +88,25 @@ class RecordingBackend final : public kvevict::KvBackend {
 TEST(EvictionByMetadata, SlidingWindowReusesTheSlotItFrees) {
   CacheConfig c;
   c.shape = CacheShape{2, 2, 2, 8};
-  c.key_storage = kvevict::KeyStorage::post_rope;
-  c.max_chunk = 1;
-  EvictingCache<float> cache(
+  c.sequence.key_storage = kvevict::KeyStorage::post_rope;
+  c.sequence.max_chunk = 1;
+  EvictingCache cache(
       c, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 4).set("recent", 12)));
   const Matrix rows = Matrix::Ones(1, 8);
   for (int t = 0; t < 500; ++t) {
-    cache.begin_chunk(ids(1));
+    cache.sequence().begin_chunk(ids(1));
     for (int g = 0; g < 2; ++g) {
       for (int l = 0; l < 2; ++l) cache.write_chunk(l, g, rows, rows);
     }
-    cache.end_forward();
-    ASSERT_LE(cache.slot_limit(0, 0), 4 + 12 + 1);
+    cache.sequence().end_forward();
+    ASSERT_LE(cache.sequence().slot_limit(0, 0), 4 + 12 + 1);
   }
   EXPECT_EQ(cache.store().bytes_rotated(), 0u);
   EXPECT_EQ(cache.store().bytes_copied(), 0u);  // reserved once, at construction
   EXPECT_EQ(cache.sequence().stats().rotated_keys, 0);
   EXPECT_EQ(cache.sequence().stats().folds, 0);
   // Sinks and window: two position groups, whatever the stream length.
-  EXPECT_EQ(cache.slots().group_count(0), 2);
+  EXPECT_EQ(cache.sequence().slots().group_count(0), 2);
 }
 
 // The evicted slot's token is gone from the metadata and the next token takes that very slot.
@@ -179,7 +182,7 @@ TEST(PositionGroups, FoldsRotateKeysBackwardsAndAtMostCapacityTimes) {
         head.push_back(row);
       }
       kvevict::test::SlotRows slot_rows;
-      s.observe_attention(0, slot_rows.make(s, 0, rows, step));
+      observe_attention(s, 0, slot_rows.make(s, 0, rows, step));
       const std::size_t rotations_before = backend.deltas.size();
       s.end_forward();
       for (std::size_t r = rotations_before; r < backend.deltas.size(); ++r) {
@@ -232,7 +235,7 @@ TEST(PositionGroups, NoKeyIsReRotatedMoreThanTheBound) {
     for (float& p : row) p = static_cast<float>(rng() % 1000) / 1000.0f;
     rows[0].push_back(row);
     kvevict::test::SlotRows slot_rows;
-    s.observe_attention(0, slot_rows.make(s, 0, rows, step));
+    observe_attention(s, 0, slot_rows.make(s, 0, rows, step));
     s.end_forward();
   }
   for (const auto& [slot, count] : backend.count) worst = std::max(worst, count);
@@ -341,8 +344,8 @@ TEST(Sequence, AMissingSignalIsAnErrorAtTheDecision) {
     Sequence s(config(2, 2, 1), kvevict::make_policy(name, kvevict::budget_params(name, 4)));
     s.begin_chunk(ids(2));
     kvevict::test::SlotRows rows;
-    s.observe_attention(
-        0, rows.make(s, 0, kvevict::test::every_head(2, {{1.0f, 0.0f}, {0.5f, 0.5f}}), 0));
+    observe_attention(
+        s, 0, rows.make(s, 0, kvevict::test::every_head(2, {{1.0f, 0.0f}, {0.5f, 0.5f}}), 0));
     expect_error([&] { s.end_forward(); },
                  "needs the attention rows of every layer: layer 1 was not observed");
   }
@@ -357,14 +360,91 @@ TEST(Sequence, ALayerObservedTwiceOrRowsOfTheWrongShapeAreErrors) {
   s.begin_chunk(ids(1));
   kvevict::test::SlotRows rows;
   const kvevict::test::LayerRows layer = kvevict::test::every_head(2, {{1.0f}});
-  s.observe_attention(0, rows.make(s, 0, layer, 0));
-  expect_error([&] { s.observe_attention(0, rows.make(s, 0, layer, 0)); }, "already observed");
-  expect_error([&] { s.observe_attention(3, rows.make(s, 0, layer, 0)); }, "layer 3 outside");
-  const std::vector<float> one{1.0f};
-  const std::vector<int> keys{1};
-  expect_error(
-      [&] { s.observe_attention(0, kvevict::AttentionRows(one.data(), 1, 1, 1, 1, keys, 0)); },
-      "attention rows have 1 query heads, the sequence has 2");
+  observe_attention(s, 0, rows.make(s, 0, layer, 0));
+  expect_error([&] { observe_attention(s, 0, rows.make(s, 0, layer, 0)); }, "already observed");
+  expect_error([&] { observe_attention(s, 3, rows.make(s, 0, layer, 0)); }, "layer 3 outside");
+}
+
+// key_runs and live_mask are the engine's view of the live slots during a forward: the runs are
+// disjoint, in slot order, cover exactly the live slots (the mask's ones), and a run's rotation
+// is the pending rotation of every slot in it (position - key_position). RandomLLM under
+// cache_index evicts anywhere, so the runs carry several rotations; pre-RoPE keys carry none.
+TEST(Sequence, KeyRunsAndLiveMaskCoverExactlyTheLiveSlots) {
+  for (const kvevict::KeyStorage storage :
+       {kvevict::KeyStorage::post_rope, kvevict::KeyStorage::pre_rope}) {
+    SequenceConfig c = config(1, 1, 1, 1);
+    c.position_mode = PositionMode::cache_index;
+    c.key_storage = storage;
+    Sequence s(c, kvevict::make_policy("random_llm", kvevict::budget_params("random_llm", 24)));
+    std::size_t most_runs = 0;
+    for (int step = 0; step < 200; ++step) {
+      s.begin_chunk(ids(1), /*turn_start=*/true);  // RandomLLM evicts before a turn
+      const std::span<const kvevict::KeyRun> runs = s.key_runs(0, 0);
+      const std::span<const std::uint8_t> mask = s.live_mask(0, 0);
+      ASSERT_EQ(static_cast<int>(mask.size()), s.slot_limit(0, 0));
+      std::vector<std::uint8_t> covered(mask.size(), 0);
+      std::int32_t previous_end = 0;
+      for (const kvevict::KeyRun& run : runs) {
+        ASSERT_LE(previous_end, run.begin);
+        ASSERT_LT(run.begin, run.end);
+        previous_end = run.end;
+        for (std::int32_t slot = run.begin; slot < run.end; ++slot) {
+          covered[static_cast<std::size_t>(slot)] = 1;
+          const std::int64_t pending = s.position(0, 0, slot) - s.key_position(0, 0, slot);
+          EXPECT_EQ(run.rotation, storage == kvevict::KeyStorage::post_rope ? pending : 0);
+        }
+      }
+      for (std::size_t slot = 0; slot < mask.size(); ++slot) {
+        EXPECT_EQ(covered[slot], s.slots().is_live(0, static_cast<std::int32_t>(slot)) ? 1 : 0);
+        EXPECT_EQ(mask[slot], covered[slot]);
+      }
+      most_runs = std::max(most_runs, runs.size());
+      s.end_forward();
+    }
+    expect_error([&] { (void)s.key_runs(0, 0); }, "valid during a forward");
+    // Several pending rotations (post-RoPE); pre-RoPE: maximal runs of live slots.
+    if (storage == kvevict::KeyStorage::post_rope) {
+      EXPECT_GT(most_runs, 2u);
+    }
+  }
+  SequenceConfig off = config(1, 1, 1);
+  off.attention_views = false;
+  Sequence s(off, kvevict::make_policy("window", kvevict::budget_params("window", 4)));
+  s.begin_chunk(ids(1));
+  expect_error([&] { (void)s.live_mask(0, 0); }, "attention_views is off");
+}
+
+// The rows' shape is the sequence's own (query heads, each KV head's slots); what the engine gives
+// (data, query count, stride) is checked against it, and a refused call records nothing.
+TEST(Sequence, AttentionRowsOfTheWrongCountOrStrideAreErrors) {
+  Sequence s(config(1, 2, 1), kvevict::make_policy("h2o", kvevict::budget_params("h2o", 4)));
+  s.begin_chunk(ids(3));
+  EXPECT_EQ(s.attention_queries(), 3);  // H2O reads every query of the chunk
+  std::vector<float> rows(2 * 3 * 3, 0.0f);
+  for (int h = 0; h < 2; ++h) {
+    for (int q = 0; q < 3; ++q) {
+      for (int k = 0; k <= q; ++k)
+        rows[static_cast<std::size_t>((h * 3 + q) * 3 + k)] = 1.0f / (q + 1);
+    }
+  }
+  expect_error([&] { s.observe_attention(0, rows.data(), 1, 3); },
+               "policy 'h2o' reads 3 query rows per query head, got 1");
+  expect_error([&] { s.observe_attention(0, rows.data(), 3, 2); },
+               "row_stride (2) is shorter than the 3 slots of KV head 0");
+  expect_error([&] { s.observe_attention(0, nullptr, 3, 3); }, "attention rows are null");
+  s.observe_attention(0, rows.data(), 3, 3);
+  s.end_forward();
+
+  Sequence tova(config(1, 2, 1), kvevict::make_policy("tova", kvevict::budget_params("tova", 4)));
+  tova.begin_chunk(ids(3));
+  EXPECT_EQ(tova.attention_queries(), 1);  // TOVA reads the last query; more rows are accepted
+  tova.observe_attention(0, rows.data(), 3, 3);
+  tova.end_forward();
+  Sequence window(config(1, 2, 1),
+                  kvevict::make_policy("window", kvevict::budget_params("window", 4)));
+  window.begin_chunk(ids(1));
+  EXPECT_FALSE(window.wants_attention());
+  EXPECT_EQ(window.attention_queries(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -374,7 +454,7 @@ TEST(Sequence, ALayerObservedTwiceOrRowsOfTheWrongShapeAreErrors) {
 // Every score of every unit, as bits (NaN marks "not observed" in some columns).
 std::vector<std::uint32_t> score_bits(const Sequence& s) {
   std::vector<std::uint32_t> out;
-  for (int unit = 0; unit < s.layout().units(); ++unit) {
+  for (int unit = 0; unit < s.slots().layout().units(); ++unit) {
     for (int column = 0; column < s.policy().score_columns(); ++column) {
       for (const float score : kvevict::test::score_column(s.slots(), unit, column)) {
         out.push_back(std::bit_cast<std::uint32_t>(score));
@@ -415,7 +495,7 @@ TEST(Sequence, AttentionOutsideZeroToOneIsRefusedBeforeThePolicyStoresIt) {
       poisoned[1][2][1] = bad;
       const std::vector<std::uint32_t> before = score_bits(s);
       const std::int32_t slot = s.chunk_slots(0, 0)[1];
-      expect_error([&] { s.observe_attention(0, rows.make(s, 0, poisoned, 0)); },
+      expect_error([&] { observe_attention(s, 0, rows.make(s, 0, poisoned, 0)); },
                    "observe_attention: layer 0, query head 1, query 2 (original position 2), "
                    "slot " +
                        std::to_string(slot) + ": " + text(bad) +
@@ -423,8 +503,8 @@ TEST(Sequence, AttentionOutsideZeroToOneIsRefusedBeforeThePolicyStoresIt) {
       EXPECT_EQ(score_bits(s), before);
       for (Sequence* sequence : {&s, &clean}) {
         for (int layer = 0; layer < 2; ++layer) {
-          sequence->observe_attention(
-              layer, rows.make(*sequence, layer, kvevict::test::every_head(2, good), 0));
+          observe_attention(*sequence, layer,
+                            rows.make(*sequence, layer, kvevict::test::every_head(2, good), 0));
         }
         sequence->end_forward();
       }
@@ -489,10 +569,10 @@ TEST(Sequence, CatalystAttentionOutsideZeroToOneIsRefusedWhenObserved) {
   kvevict::test::LayerRows poisoned = rows;
   poisoned[0][1][3] = std::numeric_limits<float>::quiet_NaN();
   kvevict::test::SlotRows slot_rows;
-  expect_error([&] { s.observe_catalyst(0, slot_rows.make(s, 0, poisoned, 4)); },
+  expect_error([&] { observe_catalyst(s, 0, slot_rows.make(s, 0, poisoned, 4)); },
                "observe_catalyst: layer 0, query head 0, query 1 (original position 5), slot " +
                    std::to_string(s.slots().stream_order(0)[3]) + ": NaN is not an attention");
-  s.observe_catalyst(0, slot_rows.make(s, 0, rows, 4));
+  observe_catalyst(s, 0, slot_rows.make(s, 0, rows, 4));
   s.end_catalyst();
   EXPECT_EQ(backend.applies, 1);
   EXPECT_EQ(backend.evicted, 2 + 2);  // the catalyst and the pot's two least attended
@@ -506,39 +586,39 @@ TEST(Sequence, CatalystAttentionOutsideZeroToOneIsRefusedWhenObserved) {
 TEST(EvictingCache, BoundedPolicyNeverReallocates) {
   CacheConfig c;
   c.shape = CacheShape{1, 2, 1, 8};
-  c.max_chunk = 4;
-  EvictingCache<float> cache(
+  c.sequence.max_chunk = 4;
+  EvictingCache cache(
       c, kvevict::make_policy("streaming_llm", PolicyParams().set("sinks", 4).set("recent", 12)));
   EXPECT_EQ(cache.store().capacity(), 4 + 12 + 4);
   const std::size_t reserved = cache.memory().reserved_bytes;
   std::mt19937 rng(1);
   for (int step = 0; step < 1000; ++step) {
     const int n = 1 + step % 4;
-    cache.begin_chunk(ids(n));
+    cache.sequence().begin_chunk(ids(n));
     cache.write_chunk(0, 0, Matrix::Random(n, 8), Matrix::Random(n, 8));
-    cache.end_forward();
+    cache.sequence().end_forward();
   }
   EXPECT_EQ(cache.memory().reserved_bytes, reserved);
-  EXPECT_EQ(cache.live(0, 0), 16);
+  EXPECT_EQ(cache.sequence().live(0, 0), 16);
   // Peak: 16 cached + a chunk of 4, with one metadata row (token granularity) per slot.
   EXPECT_EQ(cache.memory().peak_kv_bytes, 20 * cache.store().kv_bytes_per_slot());
   EXPECT_EQ(cache.memory().peak_live_bytes,
-            20 * (cache.store().kv_bytes_per_slot() + cache.slots().bytes_per_slot()));
+            20 * (cache.store().kv_bytes_per_slot() + cache.sequence().slots().bytes_per_slot()));
 }
 
 TEST(EvictingCache, UnboundedPolicyGrowsAndKeepsContents) {
   CacheConfig c;
   c.shape = CacheShape{1, 1, 1, 4};
-  EvictingCache<float> cache(c, kvevict::make_policy("full"));
+  EvictingCache cache(c, kvevict::make_policy("full"));
   std::vector<float> first_key;
   for (int step = 0; step < 700; ++step) {
-    cache.begin_chunk(ids(1));
+    cache.sequence().begin_chunk(ids(1));
     const Matrix k = Matrix::Random(1, 4);
     if (step == 0) first_key.assign(k.data(), k.data() + 4);
     cache.write_chunk(0, 0, k, k);
-    cache.end_forward();
+    cache.sequence().end_forward();
   }
-  EXPECT_EQ(cache.live(0, 0), 700);
+  EXPECT_EQ(cache.sequence().live(0, 0), 700);
   EXPECT_GE(cache.store().capacity(), 700);
   EXPECT_GT(cache.store().bytes_copied(), 0u);  // grown geometrically: 256, 512, 1024
   // Pre-RoPE storage: the first token's key is stored as written, in slot 0.
@@ -552,11 +632,11 @@ TEST(EvictingCache, UnboundedPolicyGrowsAndKeepsContents) {
 TEST(EvictingCache, MemoryAccountingIsExact) {
   CacheConfig c;
   c.shape = CacheShape{2, 4, 2, 16};
-  c.max_chunk = 8;
-  EvictingCache<float> cache(c, kvevict::make_policy("h2o", kvevict::budget_params("h2o", 8)));
+  c.sequence.max_chunk = 8;
+  EvictingCache cache(c, kvevict::make_policy("h2o", kvevict::budget_params("h2o", 8)));
   EXPECT_EQ(cache.store().kv_bytes_per_slot(), 2u * 16 * 4);
-  EXPECT_EQ(cache.slots().bytes_per_slot(), 8u + 4 + 4 + 1 + 4);
-  cache.begin_chunk(ids(5));
+  EXPECT_EQ(cache.sequence().slots().bytes_per_slot(), 8u + 4 + 4 + 1 + 4);
+  cache.sequence().begin_chunk(ids(5));
   // 5 tokens x 4 heads (per-head units: 4 metadata rows each).
   EXPECT_EQ(cache.memory().live_kv_bytes, 5u * 4 * 128);
   EXPECT_EQ(cache.memory().live_metadata_bytes, 5u * 4 * 21);
@@ -619,7 +699,7 @@ TEST(Sequence, CatalystIsAttendedRolledBackAndDistilled) {
   const kvevict::test::LayerRows rows{{{0.0f, 0.5f, 0.0f, 0.0f, 0.2f, 0.3f, 0.0f, 0.0f},
                                        {0.0f, 0.4f, 0.0f, 0.0f, 0.0f, 0.0f, 0.3f, 0.3f}}};
   kvevict::test::SlotRows slot_rows;
-  s.observe_catalyst(0, slot_rows.make(s, 0, rows, 6));
+  observe_catalyst(s, 0, slot_rows.make(s, 0, rows, 6));
   s.end_catalyst();
   EXPECT_EQ(policy->last_trigger, kvevict::Trigger::pot_full);
   EXPECT_EQ(backend.applies, 1);  // the roll back and the distillation in one call
@@ -735,7 +815,7 @@ TEST(Granularity, AnEngineMayAskForOneKeepSetPerSequence) {
   SequenceConfig c = config(2, 2, 2);
   c.granularity = kvevict::Granularity::token;
   Sequence s(c, kvevict::make_policy("h2o", PolicyParams().set("heavy", 1).set("recent", 1)));
-  EXPECT_EQ(s.layout().units(), 1);
+  EXPECT_EQ(s.slots().layout().units(), 1);
   s.begin_chunk(ids(3));
   // Token 0 gets .9 in layer 0, token 1 gets .9 in layer 1, from both KV heads: summed over the
   // model, 0 has 1.8 + .2 * 2, 1 has .1 * 2 + 1.8 -> equal; ties go to the lower position.
@@ -744,8 +824,8 @@ TEST(Granularity, AnEngineMayAskForOneKeepSetPerSequence) {
       kvevict::test::every_head(2, {{1.0f}, {0.5f, 0.5f}, {0.9f, 0.1f, 0.0f}});
   const kvevict::test::LayerRows second =
       kvevict::test::every_head(2, {{1.0f}, {0.5f, 0.5f}, {0.1f, 0.9f, 0.0f}});
-  s.observe_attention(0, rows.make(s, 0, first, 0));
-  s.observe_attention(1, rows.make(s, 1, second, 0));
+  observe_attention(s, 0, rows.make(s, 0, first, 0));
+  observe_attention(s, 1, rows.make(s, 1, second, 0));
   s.end_forward();
   for (int l = 0; l < 2; ++l) {
     for (int g = 0; g < 2; ++g)
@@ -797,7 +877,7 @@ TEST(Sequence, ClearErrorsForBadConfigurations) {
   CacheConfig cache;
   cache.shape = CacheShape{1, 4, 2, 8};
   cache.rope.head_dim = 16;
-  expect_error([&] { EvictingCache<float>(cache, kvevict::make_policy("full")); },
+  expect_error([&] { EvictingCache(cache, kvevict::make_policy("full")); },
                "rope.head_dim (16) differs");
 }
 

@@ -99,7 +99,7 @@ DecoderRun run_decoder(const Model& model, const std::string& policy, std::uint3
       run.logits.insert(run.logits.end(), result.logits.begin(), result.logits.end());
     }
     run.evicted_slots = decoder.cache().sequence().stats().evicted_slots;
-    run.live = decoder.cache().slots().total_live();
+    run.live = decoder.cache().sequence().slots().total_live();
   } catch (const std::exception& error) {
     run.error = error.what();
   }

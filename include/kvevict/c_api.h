@@ -7,7 +7,7 @@
  * implements a kvevict_backend (two callbacks) through which kvevict applies each decision in one
  * call: `reserve` when more slots are needed, `apply` with the evicted slots and, for keys stored
  * after RoPE, the stored keys to rotate. Same event order as the C++ Sequence
- * (include/kvevict/sequence.hpp).
+ * (include/kvevict/engine.hpp).
  *
  * Errors: every function returns a kvevict_status (or a documented sentinel); on failure
  * kvevict_last_error() describes it. No C++ exception ever crosses this API. Link kvevict::c
@@ -146,19 +146,28 @@ kvevict_status kvevict_sequence_chunk_slots(const kvevict_sequence* sequence, in
  * (either pointer may be NULL). */
 kvevict_status kvevict_sequence_position(const kvevict_sequence* sequence, int layer, int kv_head,
                                          int32_t slot, int64_t* position, int64_t* key_position);
-/* Runs of live slots of head (layer, kv_head) sharing one pending rotation: run i covers slots
- * [begins[i], ends[i]) and attention rotates the query to (its position - rotations[i]). Writes up
- * to `capacity` runs and sets `count` to how many there are (call again with more room if
- * count > capacity). */
+/* A run of live slots [begin, end) sharing one pending rotation: attention rotates the query to
+ * (its position - rotation) once for the run (keys stored before RoPE: rotation 0). */
+typedef struct kvevict_key_run {
+  int32_t begin;
+  int32_t end;
+  int64_t rotation;
+} kvevict_key_run;
+/* The live slots of head (layer, kv_head) as `count` runs in slot order, and as one byte per slot
+ * of [0, slot_limit) (1 live, 0 free). Valid from begin_chunk / begin_catalyst until end_forward
+ * / end_catalyst; outside a forward the call fails. */
 kvevict_status kvevict_sequence_key_runs(const kvevict_sequence* sequence, int layer, int kv_head,
-                                         int32_t* begins, int32_t* ends, int64_t* rotations,
-                                         int capacity, int* count);
+                                         const kvevict_key_run** runs, int* count);
+kvevict_status kvevict_sequence_live_mask(const kvevict_sequence* sequence, int layer, int kv_head,
+                                          const uint8_t** mask, int* count);
 /* Softmax rows of one layer, layout [q_heads][queries][row_stride], row of query head h over the
- * slots [0, slot_limit) of KV head h / (q_heads / kv_heads); free slots 0. Rows the policy reads
- * must hold probabilities in [0, 1]: NaN, infinities, negative values and values above 1 fail the
- * call with KVEVICT_INVALID_ARGUMENT, a message naming the layer, query head, query, slot and
- * value, and nothing recorded (the layer may be observed again). The same for observe_catalyst;
- * observe_surprisal refuses NaN alike (+inf, p = 0, is accepted). */
+ * slots [0, slot_limit) of KV head h / (q_heads / kv_heads); free slots 0. `queries`: the chunk's
+ * newest queries the policy reads: every one for KVEVICT_SIGNAL_ATTENTION_ROWS (and all the
+ * catalyst's for observe_catalyst), at least the last for KVEVICT_SIGNAL_LAST_ATTENTION_ROW. Rows
+ * the policy reads must hold probabilities in [0, 1]: NaN, infinities, negative values and values
+ * above 1 fail the call with KVEVICT_INVALID_ARGUMENT, a message naming the layer, query head,
+ * query, slot and value, and nothing recorded (the layer may be observed again). The same for
+ * observe_catalyst; observe_surprisal refuses NaN alike (+inf, p = 0, is accepted). */
 kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
                                                   const float* rows, int queries,
                                                   ptrdiff_t row_stride);

@@ -28,8 +28,8 @@
 
 #include "kvevict/checked.hpp"
 #include "kvevict/decision.hpp"
+#include "kvevict/engine.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/kv_backend.hpp"
 #include "kvevict/kv_type.hpp"
 #include "kvevict/positions.hpp"
 #include "kvevict/rope.hpp"

@@ -99,6 +99,8 @@ class AttentionRows {
   [[nodiscard]] int group_size() const { return group_size_; }
   /// Number of query rows per head (the forward's queries, or 1 for last_attention_row).
   [[nodiscard]] int queries() const { return queries_; }
+  [[nodiscard]] const float* data() const { return data_; }
+  [[nodiscard]] std::ptrdiff_t row_stride() const { return row_stride_; }
   /// Original position of query row 0.
   [[nodiscard]] std::int64_t first_query_position() const { return first_query_position_; }
   /// Slots covered by the rows of query head `q_head`.

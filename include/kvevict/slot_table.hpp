@@ -177,6 +177,12 @@ class SlotTable {
     for_each_run(
         unit, [](const PositionGroup& g) { return g.position_offset; }, std::forward<Fn>(fn));
   }
+  /// Calls fn(begin, end, 0) for every maximal range [begin, end) of live slots of `unit`.
+  template <class Fn>
+  void for_each_live_run(int unit, Fn&& fn) const {
+    for_each_run(
+        unit, [](const PositionGroup&) { return std::int64_t{0}; }, std::forward<Fn>(fn));
+  }
 
   /// Bytes of metadata per slot (all columns).
   [[nodiscard]] std::size_t bytes_per_slot() const {

@@ -6,9 +6,9 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <kvevict/engine.hpp>
 #include <kvevict/kv_type.hpp>
 #include <kvevict/policy_registry.hpp>
-#include <kvevict/sequence.hpp>
 #include <kvevict/version.hpp>
 #include <memory>
 #include <new>
@@ -116,12 +116,10 @@ struct kvevict_sequence {
   kvevict_sequence(const kvevict::SequenceConfig& config, std::unique_ptr<kvevict::Policy> policy,
                    const kvevict_backend* callbacks)
       : backend(callbacks != nullptr ? std::make_unique<CallbackBackend>(*callbacks) : nullptr),
-        sequence(config, std::move(policy), backend.get()),
-        keys_per_kv_head(static_cast<std::size_t>(config.kv_heads)) {}
+        sequence(config, std::move(policy), backend.get()) {}
 
   std::unique_ptr<CallbackBackend> backend;  // declared before `sequence`, which uses it
   kvevict::Sequence sequence;
-  std::vector<int> keys_per_kv_head;  // outlives each AttentionRows built over it
 };
 
 namespace {
@@ -147,30 +145,6 @@ std::span<const T> array_argument(const T* data, int count, const char* what) {
                   std::string(what) + ": count must be >= 0, got " + std::to_string(count));
   KVEVICT_REQUIRE(count == 0 || data != nullptr, std::string(what) + " is NULL");
   return {data, static_cast<std::size_t>(count)};
-}
-
-kvevict::AttentionRows attention_view(kvevict_sequence& handle, int layer, const float* rows,
-                                      int queries, std::ptrdiff_t row_stride) {
-  const kvevict::SequenceConfig& config = handle.sequence.config();
-  KVEVICT_REQUIRE(
-      layer >= 0 && layer < config.layers,
-      "layer " + std::to_string(layer) + " outside [0, " + std::to_string(config.layers) + ")");
-  KVEVICT_REQUIRE(rows != nullptr, "attention rows are NULL");
-  KVEVICT_REQUIRE(queries > 0, "attention rows need at least one query");
-  for (int g = 0; g < config.kv_heads; ++g) {
-    const int limit = handle.sequence.slot_limit(layer, g);
-    KVEVICT_REQUIRE(row_stride >= limit, "row_stride (" + std::to_string(row_stride) +
-                                             ") is shorter than the " + std::to_string(limit) +
-                                             " slots of KV head " + std::to_string(g));
-    handle.keys_per_kv_head[static_cast<std::size_t>(g)] = limit;
-  }
-  return {rows,
-          config.q_heads,
-          config.q_heads / config.kv_heads,
-          queries,
-          row_stride,
-          handle.keys_per_kv_head,
-          handle.sequence.stats().tokens_fed - queries};
 }
 
 }  // namespace
@@ -371,34 +345,35 @@ kvevict_status kvevict_sequence_position(const kvevict_sequence* sequence, int l
 }
 
 kvevict_status kvevict_sequence_key_runs(const kvevict_sequence* sequence, int layer, int kv_head,
-                                         int32_t* begins, int32_t* ends, int64_t* rotations,
-                                         int capacity, int* count) {
+                                         const kvevict_key_run** runs, int* count) {
+  static_assert(sizeof(kvevict_key_run) == sizeof(kvevict::KeyRun) &&
+                offsetof(kvevict_key_run, begin) == offsetof(kvevict::KeyRun, begin) &&
+                offsetof(kvevict_key_run, end) == offsetof(kvevict::KeyRun, end) &&
+                offsetof(kvevict_key_run, rotation) == offsetof(kvevict::KeyRun, rotation));
   return guarded([&] {
-    const kvevict::Sequence& s = checked(sequence).sequence;
-    KVEVICT_REQUIRE(capacity >= 0, "capacity must be >= 0");
-    KVEVICT_REQUIRE(capacity == 0 || (begins != nullptr && ends != nullptr && rotations != nullptr),
-                    "run arrays are NULL");
-    int runs = 0;
-    s.for_each_key_run(layer, kv_head, [&](int begin, int end, std::int64_t rotation) {
-      if (runs < capacity) {
-        begins[runs] = begin;
-        ends[runs] = end;
-        rotations[runs] = rotation;
-      }
-      ++runs;
-    });
-    if (count != nullptr) *count = runs;
+    KVEVICT_REQUIRE(runs != nullptr && count != nullptr, "runs or count is NULL");
+    const std::span<const kvevict::KeyRun> view =
+        checked(sequence).sequence.key_runs(layer, kv_head);
+    *runs = reinterpret_cast<const kvevict_key_run*>(view.data());
+    *count = static_cast<int>(view.size());
+  });
+}
+
+kvevict_status kvevict_sequence_live_mask(const kvevict_sequence* sequence, int layer, int kv_head,
+                                          const uint8_t** mask, int* count) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(mask != nullptr && count != nullptr, "mask or count is NULL");
+    const std::span<const std::uint8_t> view = checked(sequence).sequence.live_mask(layer, kv_head);
+    *mask = view.data();
+    *count = static_cast<int>(view.size());
   });
 }
 
 kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
                                                   const float* rows, int queries,
                                                   ptrdiff_t row_stride) {
-  return guarded([&] {
-    kvevict_sequence& handle = checked(sequence);
-    handle.sequence.observe_attention(layer,
-                                      attention_view(handle, layer, rows, queries, row_stride));
-  });
+  return guarded(
+      [&] { checked(sequence).sequence.observe_attention(layer, rows, queries, row_stride); });
 }
 
 kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
@@ -432,11 +407,8 @@ kvevict_status kvevict_sequence_begin_catalyst(kvevict_sequence* sequence, const
 kvevict_status kvevict_sequence_observe_catalyst(kvevict_sequence* sequence, int layer,
                                                  const float* rows, int queries,
                                                  ptrdiff_t row_stride) {
-  return guarded([&] {
-    kvevict_sequence& handle = checked(sequence);
-    handle.sequence.observe_catalyst(layer,
-                                     attention_view(handle, layer, rows, queries, row_stride));
-  });
+  return guarded(
+      [&] { checked(sequence).sequence.observe_catalyst(layer, rows, queries, row_stride); });
 }
 
 kvevict_status kvevict_sequence_end_catalyst(kvevict_sequence* sequence) {

@@ -85,7 +85,7 @@ int run_generate(const GenerateOptions& options) {
   if (prompt.empty()) {
     throw Error("the prompt is empty and the model has no BOS token: give a non-empty prompt");
   }
-  warn_if_single_turn(decoder->cache().policy(), /*input_has_turns=*/true);
+  warn_if_single_turn(decoder->cache().sequence().policy(), /*input_has_turns=*/true);
   warn_if_past_context(*decoder, model.config,
                        static_cast<std::int64_t>(prompt.size()) + options.max_tokens);
   Sampler sampler(options.sampling);

@@ -83,7 +83,8 @@ int run_stream(const StreamOptions& options) {
                                     .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
                                     .progress = true},
                   tokenizer, scorer, decoder->options().max_chunk);
-  if (!separator.empty()) warn_if_single_turn(decoder->cache().policy(), streamed.turns > 0);
+  if (!separator.empty())
+    warn_if_single_turn(decoder->cache().sequence().policy(), streamed.turns > 0);
   const CacheReport report = make_cache_report(*decoder, setup.name, streamed.seconds, &clock);
   print_stream_report(options.json,
                       StreamReportHeader{.model = options.model,

@@ -77,7 +77,6 @@ struct LlamaSequence::GraphTap {
   bool cells_are_slots = false;
   std::vector<std::int32_t> free_slots;  // free slots below the slot limit
   std::vector<float> rows;               // [q_heads][queries][slot limit]
-  std::vector<int> keys_per_kv_head;
   std::vector<std::byte> scratch;
 
   static bool callback(ggml_tensor* tensor, bool ask, void* user_data) {
@@ -138,7 +137,6 @@ struct LlamaSequence::GraphTap {
         free_slots.push_back(slot);
       }
     }
-    keys_per_kv_head.assign(static_cast<std::size_t>(kv_heads), limit);
     gather_ready = true;
   }
 
@@ -155,15 +153,12 @@ struct LlamaSequence::GraphTap {
     const int queries = tokens - first;
     const auto limit = static_cast<std::ptrdiff_t>(gather.size());
     const auto* data = host_data<char>(&softmax, scratch);
-    const std::int32_t first_slot = sequence->chunk_slots(0, 0)[static_cast<std::size_t>(first)];
-    const std::int64_t first_position =
-        sequence->slots().original_positions(0)[static_cast<std::size_t>(first_slot)];
     if (const float* direct = slot_indexed_rows(softmax, data, first, queries)) {
-      // Row i of head h starts at direct + (h * queries + i) * stride, as AttentionRows reads.
+      // Row i of head h starts at direct + (h * queries + i) * stride, as
+      // Sequence::observe_attention reads.
       const auto stride = static_cast<std::ptrdiff_t>(
           (queries == 1 ? softmax.nb[2] : softmax.nb[1]) / sizeof(float));
-      hand_over(layer, AttentionRows(direct, q_heads, q_heads / kv_heads, queries, stride,
-                                     keys_per_kv_head, first_position));
+      hand_over(layer, direct, queries, stride);
       return;
     }
     ++stats->reindexed_layers;
@@ -179,14 +174,13 @@ struct LlamaSequence::GraphTap {
         }
       }
     }
-    hand_over(layer, AttentionRows(rows.data(), q_heads, q_heads / kv_heads, queries, limit,
-                                   keys_per_kv_head, first_position));
+    hand_over(layer, rows.data(), queries, limit);
   }
 
   // The softmax tensor's own rows when they can be handed over as they are: every live slot in
-  // its own cell, rows [first, first + queries) laid out as AttentionRows reads them (head stride
-  // = queries x row stride), and every free slot below the limit reading exactly 0 (its cell is
-  // empty, masked to -inf before the softmax). Else null: the rows are gathered.
+  // its own cell, rows [first, first + queries) laid out as Sequence::observe_attention reads them
+  // (head stride = queries x row stride), and every free slot below the limit reading exactly 0
+  // (its cell is empty, masked to -inf before the softmax). Else null: the rows are gathered.
   const float* slot_indexed_rows(const ggml_tensor& softmax, const char* data, int first,
                                  int queries) const {
     const auto limit = static_cast<std::int64_t>(gather.size());
@@ -209,11 +203,11 @@ struct LlamaSequence::GraphTap {
     return reinterpret_cast<const float*>(data + static_cast<std::size_t>(first) * softmax.nb[1]);
   }
 
-  void hand_over(int layer, const AttentionRows& view) {
+  void hand_over(int layer, const float* data, int queries, std::ptrdiff_t stride) {
     if (catalyst) {
-      sequence->observe_catalyst(layer, view);
+      sequence->observe_catalyst(layer, data, queries, stride);
     } else {
-      sequence->observe_attention(layer, view);
+      sequence->observe_attention(layer, data, queries, stride);
     }
   }
 };
@@ -295,6 +289,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
   config.key_storage = KeyStorage::pre_rope;  // llama.cpp re-rotates keys itself (K-shift)
   config.max_chunk = widest;
   config.slot_reuse = options_.slot_reuse;
+  config.attention_views = false;  // llama.cpp attends over its own cells
 
   context_ = llama_init_from_model(model_, params);
   KVEVICT_REQUIRE(context_ != nullptr, "llama_init_from_model failed (see llama.cpp's log)");

@@ -92,17 +92,19 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   config.rope.table_positions = options.rope_table_positions > 0
                                     ? options.rope_table_positions
                                     : std::clamp(c.context_length, 4096, 16384);
-  config.position_mode = options.position_mode;
-  config.granularity = options.granularity;
-  config.key_storage = options.key_storage;
+  config.sequence.position_mode = options.position_mode;
+  config.sequence.granularity = options.granularity;
+  config.sequence.key_storage = options.key_storage;
   config.kv_type = options.kv_type;
-  config.max_chunk = options.max_chunk;
+  config.sequence.max_chunk = options.max_chunk;
   // Memory follows the stream, not the budget nor max_chunk: the store starts at kInitialSlots
   // plus one chunk of at most kInitialSlots and doubles as tokens arrive, up to what the policy
   // may hold (a budget of 16M tokens or a max_chunk of 65,536 over a 300-byte input allocates for
   // the input).
-  config.max_initial_capacity = kInitialSlots + std::min(options.max_chunk, kInitialSlots);
-  config.max_pending_rotations = options.max_pending_rotations;
+  config.sequence.max_initial_capacity = kInitialSlots + std::min(options.max_chunk, kInitialSlots);
+  config.sequence.max_pending_rotations = options.max_pending_rotations;
+  // Attention reads the slot table's runs per KV head on the pool's threads (attend_kv_head).
+  config.sequence.attention_views = false;
   return config;
 }
 
@@ -129,12 +131,12 @@ namespace {
 // What one thread needs for the attention of one KV head at a time.
 struct HeadScratch {
   explicit HeadScratch(const Rope& rope) : angles(rope) {}
-  QueryAngles angles;                        // query rotations of this forward
-  std::vector<KeyRun> runs;                  // one KV head's live slots
-  std::vector<float> probabilities;          // [group * n, slot_limit] one KV head's softmax rows
-  AttentionBuffers buffers;                  // attend()'s scratch
-  EvictingCache<float>::Matrix key_scratch;  // rotated keys of one KV head (pre-RoPE storage)
-  std::vector<std::int64_t> positions;       // [n] query positions in one KV head
+  QueryAngles angles;                   // query rotations of this forward
+  std::vector<KeyRun> runs;             // one KV head's live slots
+  std::vector<float> probabilities;     // [group * n, slot_limit] one KV head's softmax rows
+  AttentionBuffers buffers;             // attend()'s scratch
+  EvictingCache::Matrix key_scratch;    // rotated keys of one KV head (pre-RoPE storage)
+  std::vector<std::int64_t> positions;  // [n] query positions in one KV head
 };
 
 }  // namespace
@@ -145,7 +147,6 @@ struct Decoder::AttentionScratch {
   }
   std::vector<HeadScratch> per_thread;  // [threads]
   std::vector<float> rows;              // [heads][queries][stride] probabilities for the policy
-  std::vector<int> keys_per_kv_head;    // [kv_heads]
 };
 
 Decoder::Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOptions options)
@@ -157,7 +158,6 @@ Decoder::Decoder(const Model& model, std::unique_ptr<Policy> policy, DecoderOpti
   const std::int64_t reserved_rows =
       kReservedActivationBytes / (activation_floats(model_.config) * std::int64_t{sizeof(float)});
   reserve_rows(static_cast<int>(std::clamp<std::int64_t>(reserved_rows, 1, options_.max_chunk)));
-  attention_->keys_per_kv_head.assign(static_cast<std::size_t>(model_.config.kv_heads), 0);
 }
 
 Decoder::~Decoder() = default;
@@ -215,13 +215,13 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
                       " (use feed() to split it)");
   check_tokens(tokens, "forward:");
   reserve_rows(n);
-  const bool wants_surprisal = cache_.wants(Signal::surprisal);
+  const bool wants_surprisal = cache_.sequence().wants(Signal::surprisal);
   const bool all_rows = request.all_logits || wants_surprisal;
   StageObserver* observer = options_.observer;
   for (HeadScratch& thread : attention_->per_thread) thread.angles.clear();
 
   // 1. Slots for the chunk (the policy may evict first, before a turn).
-  cache_.begin_chunk(tokens, request.turn_start);
+  cache_.sequence().begin_chunk(tokens, request.turn_start);
   note_kv_bytes();
   // The first token's surprisal comes from the previous forward's last logits, read before the
   // head overwrites them; the stream's very first token gets 0.
@@ -246,11 +246,11 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
     }
   }
   if (wants_surprisal)
-    cache_.observe_surprisal(std::span<const float>(surprisal_.data(), tokens.size()));
+    cache_.sequence().observe_surprisal(std::span<const float>(surprisal_.data(), tokens.size()));
   // 4. Evict, if the policy does so after a forward (or after an anchor).
-  cache_.end_forward();
+  cache_.sequence().end_forward();
   // 5. A full pot: run the catalyst prompt, let the policy read its attention, distill.
-  if (cache_.catalyst_pending()) run_catalyst();
+  if (cache_.sequence().catalyst_pending()) run_catalyst();
   stats_.tokens_fed += n;
   ++stats_.forwards;
 
@@ -267,15 +267,15 @@ ForwardResult Decoder::forward(std::span<const std::int32_t> tokens, ForwardRequ
 
 void Decoder::run_catalyst() {
   KVEVICT_REQUIRE(catalyst_.has_value(),
-                  "Decoder: policy '" + std::string(cache_.policy().name()) +
+                  "Decoder: policy '" + std::string(cache_.sequence().policy().name()) +
                       "' filled its pot and needs a catalyst prompt: call set_catalyst() first");
   {
     const StageScope stage(options_.observer, Stage::catalyst);
-    cache_.begin_catalyst(*catalyst_);
+    cache_.sequence().begin_catalyst(*catalyst_);
     note_kv_bytes();
     if (!catalyst_->empty()) transformer(*catalyst_, Pass::catalyst);
   }
-  cache_.end_catalyst();  // rolled back and distilled: the policy's stages
+  cache_.sequence().end_catalyst();  // rolled back and distilled: the policy's stages
   ++stats_.catalyst_runs;
 }
 
@@ -289,7 +289,7 @@ ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest
   check_tokens(tokens, "feed:");
   const std::size_t total = tokens.size();
   const auto vocab = static_cast<std::size_t>(model_.config.vocab_size);
-  const bool wants_surprisal = cache_.wants(Signal::surprisal);
+  const bool wants_surprisal = cache_.sequence().wants(Signal::surprisal);
   if (request.all_logits) {
     feed_logits_.resize(
         checked_allocation({static_cast<std::int64_t>(total), static_cast<std::int64_t>(vocab)},
@@ -302,7 +302,7 @@ ForwardResult Decoder::feed(std::span<const std::int32_t> tokens, ForwardRequest
   while (offset < total) {
     std::size_t n = std::min(static_cast<std::size_t>(chunk_size), total - offset);
     // Never cross a pot boundary: the pot is distilled exactly when it is full.
-    const std::optional<int> room = cache_.pot_room();
+    const std::optional<int> room = cache_.sequence().pot_room();
     if (room && *room > 0) n = std::min(n, static_cast<std::size_t>(*room));
     last = forward(tokens.subspan(offset, n),
                    ForwardRequest{request.turn_start && offset == 0, request.all_logits});
@@ -392,17 +392,19 @@ void Decoder::attention(int layer, int n, Pass pass) {
   const int group = c.heads / c.kv_heads;
   const std::ptrdiff_t q_dim = static_cast<std::ptrdiff_t>(c.heads) * hd;
   AttentionScratch& shared = *attention_;
-  const bool all_queries = pass == Pass::stream ? cache_.wants(Signal::attention_rows)
-                                                : cache_.wants(Signal::catalyst_attention);
+  const bool all_queries = pass == Pass::stream
+                               ? cache_.sequence().wants(Signal::attention_rows)
+                               : cache_.sequence().wants(Signal::catalyst_attention);
   const bool last_query =
-      pass == Pass::stream && !all_queries && cache_.wants(Signal::last_attention_row);
+      pass == Pass::stream && !all_queries && cache_.sequence().wants(Signal::last_attention_row);
   const bool give_rows = all_queries || last_query;
   const int first_row = last_query ? n - 1 : 0;  // first query row handed over
   const int queries = n - first_row;
 
   // Rows handed to the policy: [heads][queries][stride], stride = the layer's widest slot limit.
   int stride = 0;
-  for (int g = 0; g < c.kv_heads; ++g) stride = std::max(stride, cache_.slot_limit(layer, g));
+  for (int g = 0; g < c.kv_heads; ++g)
+    stride = std::max(stride, cache_.sequence().slot_limit(layer, g));
   if (give_rows) {
     shared.rows.resize(checked_allocation({c.heads, queries, stride},
                                           "Decoder: attention rows for the policy",
@@ -412,8 +414,7 @@ void Decoder::attention(int layer, int n, Pass pass) {
   // One task per KV head, on the scratch of the thread that runs it.
   const auto attend_kv_head = [&](int g, int thread) {
     HeadScratch& scratch = attention_->per_thread[static_cast<std::size_t>(thread)];
-    const int limit = cache_.slot_limit(layer, g);
-    shared.keys_per_kv_head[static_cast<std::size_t>(g)] = limit;
+    const int limit = cache_.sequence().slot_limit(layer, g);
     // The live slots, by run of equal pending rotation (pre-RoPE keys: rotated to their positions).
     scratch.runs.clear();
     const bool post_rope = options_.key_storage == KeyStorage::post_rope;
@@ -421,15 +422,15 @@ void Decoder::attention(int layer, int n, Pass pass) {
       scratch.runs.push_back(KeyRun{begin, end, post_rope ? rotation : 0});
     };
     if (post_rope) {
-      cache_.for_each_key_run(layer, g, add_run);
+      cache_.sequence().slots().for_each_key_run(cache_.sequence().unit_of(layer, g), add_run);
     } else {
-      cache_.sequence().for_each_position_run(layer, g, add_run);
+      cache_.sequence().slots().for_each_position_run(cache_.sequence().unit_of(layer, g), add_run);
     }
-    const std::span<const std::int32_t> chunk_slots = cache_.chunk_slots(layer, g);
+    const std::span<const std::int32_t> chunk_slots = cache_.sequence().chunk_slots(layer, g);
     scratch.positions.resize(static_cast<std::size_t>(n));
     for (int i = 0; i < n; ++i) {
       scratch.positions[static_cast<std::size_t>(i)] =
-          cache_.position(layer, g, chunk_slots[static_cast<std::size_t>(i)]);
+          cache_.sequence().position(layer, g, chunk_slots[static_cast<std::size_t>(i)]);
     }
     // The group's query heads h = g * group + [0, group), stacked: K and V are read once.
     GroupAttention heads;
@@ -473,15 +474,10 @@ void Decoder::attention(int layer, int n, Pass pass) {
     for (int g = 0; g < c.kv_heads; ++g) attend_kv_head(g, 0);
   }
   if (!give_rows) return;
-  const std::int32_t first_slot = cache_.chunk_slots(layer, 0)[static_cast<std::size_t>(first_row)];
-  const std::int64_t first_position = cache_.slots().original_positions(
-      cache_.sequence().unit_of(layer, 0))[static_cast<std::size_t>(first_slot)];
-  const AttentionRows rows(shared.rows.data(), c.heads, group, queries, stride,
-                           shared.keys_per_kv_head, first_position);
   if (pass == Pass::stream) {
-    cache_.observe_attention(layer, rows);
+    cache_.sequence().observe_attention(layer, shared.rows.data(), queries, stride);
   } else {
-    cache_.observe_catalyst(layer, rows);
+    cache_.sequence().observe_catalyst(layer, shared.rows.data(), queries, stride);
   }
 }
 

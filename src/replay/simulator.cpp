@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "kvevict/engine.hpp"
 #include "kvevict/policy_registry.hpp"
-#include "kvevict/sequence.hpp"
 #include "kvevict/signals.hpp"
 #include "kvevict/slot_table.hpp"
 #include "replay/replay.hpp"
@@ -96,7 +96,6 @@ class Simulator {
     }
     if (!replay.token_ids) zero_ids_.assign(static_cast<std::size_t>(replay.tokens), 0);
     if (replay.catalyst) catalyst_ids_.assign(static_cast<std::size_t>(replay.catalyst->length), 0);
-    keys_per_kv_head_.resize(static_cast<std::size_t>(replay.shape.kv_heads));
   }
 
   ReplayResult run() {
@@ -173,13 +172,11 @@ class Simulator {
     }
   }
 
-  // Slot limit per KV head of `layer` (into keys_per_kv_head_); returns the largest.
-  int count_keys(int layer) {
+  // The largest slot limit of `layer`'s KV heads: the rows' stride.
+  int count_keys(int layer) const {
     int widest = 0;
     for (int g = 0; g < replay_.shape.kv_heads; ++g) {
-      const int limit = sequence_.slot_limit(layer, g);
-      keys_per_kv_head_[static_cast<std::size_t>(g)] = limit;
-      widest = std::max(widest, limit);
+      widest = std::max(widest, sequence_.slot_limit(layer, g));
     }
     return widest;
   }
@@ -207,9 +204,7 @@ class Simulator {
             row_span(h, q, queries, stride), scratch_);
       }
     }
-    const AttentionRows rows(rows_.data(), shape.q_heads, shape.group_size(), queries, stride,
-                             keys_per_kv_head_, first_query);
-    sequence_.observe_attention(layer, rows);
+    sequence_.observe_attention(layer, rows_.data(), queries, stride);
   }
 
   // The catalyst prompt attends to the pot and to itself, then is rolled back; the policy
@@ -253,9 +248,7 @@ class Simulator {
               row_span(h, p, length, stride), scratch_);
         }
       }
-      const AttentionRows rows(rows_.data(), shape.q_heads, shape.group_size(), length, stride,
-                               keys_per_kv_head_, first_query);
-      sequence_.observe_catalyst(l, rows);
+      sequence_.observe_catalyst(l, rows_.data(), length, stride);
     }
     sequence_.end_catalyst();
   }
@@ -287,7 +280,6 @@ class Simulator {
 
   const Replay& replay_;
   Sequence sequence_;
-  std::vector<int> keys_per_kv_head_;
   std::vector<std::int32_t> zero_ids_;      // token ids when the replay has none
   std::vector<std::int32_t> catalyst_ids_;  // dummy ids of the catalyst prompt
   std::vector<float> rows_;                 // [q_heads][queries][stride] of one layer

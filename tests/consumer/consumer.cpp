@@ -8,18 +8,18 @@
 int main() {
   kvevict::CacheConfig config;
   config.shape = kvevict::CacheShape{1, 2, 1, 8};
-  kvevict::EvictingCache<float> cache(
+  kvevict::EvictingCache cache(
       config, kvevict::make_policy("streaming_llm",
                                    kvevict::PolicyParams().set("sinks", 2).set("recent", 3)));
-  const kvevict::EvictingCache<float>::Matrix rows =
-      kvevict::EvictingCache<float>::Matrix::Ones(1, 8);
+  const kvevict::EvictingCache::Matrix rows = kvevict::EvictingCache::Matrix::Ones(1, 8);
   for (int t = 0; t < 10; ++t) {
-    cache.begin_chunk(std::vector<std::int32_t>{t});
+    cache.sequence().begin_chunk(std::vector<std::int32_t>{t});
     cache.write_chunk(0, 0, rows, rows);
-    cache.end_forward();
+    cache.sequence().end_forward();
   }
-  if (cache.live(0, 0) != 5) {
-    std::printf("kvevict consumer FAILED: %d live slots, expected 5\n", cache.live(0, 0));
+  if (cache.sequence().live(0, 0) != 5) {
+    std::printf("kvevict consumer FAILED: %d live slots, expected 5\n",
+                cache.sequence().live(0, 0));
     return 1;
   }
   std::puts("kvevict consumer OK");

@@ -31,9 +31,9 @@ int main() {
   }
   for (int layer = 0; layer < config.layers; ++layer) {
     for (int kv_head = 0; kv_head < config.kv_heads; ++kv_head) {
-      if (decoder.cache().live(layer, kv_head) != 16) {
+      if (decoder.cache().sequence().live(layer, kv_head) != 16) {
         std::printf("kvevict consumer_model FAILED: %d live slots, expected 16\n",
-                    decoder.cache().live(layer, kv_head));
+                    decoder.cache().sequence().live(layer, kv_head));
         return 1;
       }
     }

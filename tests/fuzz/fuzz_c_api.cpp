@@ -475,14 +475,11 @@ class Session {
                         std::to_string(fed) + ")");
       }
     }
-    std::array<std::int32_t, 4> begins{};
-    std::array<std::int32_t, 4> ends{};
-    std::array<std::int64_t, 4> rotations{};
-    const int room = in_.size(0, 4);
-    int runs = -1;
+    const kvevict_key_run* runs = nullptr;
+    int runs_count = -1;
     const kvevict_status runs_status =
-        checked(kvevict_sequence_key_runs(s_, layer, kv_head, begins.data(), ends.data(),
-                                          rotations.data(), std::min(room, 4), &runs),
+        checked(kvevict_sequence_key_runs(s_, layer, kv_head, in_.below(8) == 0 ? nullptr : &runs,
+                                          &runs_count),
                 "key_runs");
     if (runs_status == KVEVICT_OK && !valid) property_failed("key_runs of an invalid head");
   }
@@ -623,34 +620,46 @@ class Session {
     }
   }
 
+  // During a forward the runs and the mask cover exactly the live slots below the limit, runs
+  // sorted and disjoint; between forwards both are refused.
   void check_key_runs(int layer, int kv_head, int limit) const {
-    int count = 0;
-    checked_status(
-        kvevict_sequence_key_runs(s_, layer, kv_head, nullptr, nullptr, nullptr, 0, &count),
-        "key_runs");
-    std::vector<std::int32_t> begins(static_cast<std::size_t>(count));
-    std::vector<std::int32_t> ends(begins.size());
-    std::vector<std::int64_t> rotations(begins.size());
-    int again = -1;
-    checked_status(kvevict_sequence_key_runs(s_, layer, kv_head, begins.data(), ends.data(),
-                                             rotations.data(), count, &again),
-                   "key_runs");
-    if (again != count) property_failed("key_runs counts differ between two calls");
+    const kvevict_key_run* runs = nullptr;
+    int count = -1;
+    const kvevict_status runs_status = kvevict_sequence_key_runs(s_, layer, kv_head, &runs, &count);
+    const std::uint8_t* mask = nullptr;
+    int mask_size = -1;
+    const kvevict_status mask_status =
+        kvevict_sequence_live_mask(s_, layer, kv_head, &mask, &mask_size);
+    if (state_ == State::idle) {
+      if (runs_status == KVEVICT_OK || mask_status == KVEVICT_OK) {
+        property_failed("key_runs / live_mask succeeded between forwards");
+      }
+      return;
+    }
+    checked_status(runs_status, "key_runs");
+    checked_status(mask_status, "live_mask");
+    if (mask_size != limit) {
+      property_failed("live_mask has " + std::to_string(mask_size) + " bytes, slot limit " +
+                      std::to_string(limit));
+    }
     const std::vector<std::uint8_t>& held = engine_.head(layer, kv_head);
     std::vector<std::uint8_t> covered(static_cast<std::size_t>(limit), 0);
     std::int32_t previous_end = 0;
     for (int r = 0; r < count; ++r) {
-      if (begins[r] < previous_end || begins[r] >= ends[r] || ends[r] > limit) {
-        property_failed("key run [" + std::to_string(begins[r]) + ", " + std::to_string(ends[r]) +
+      const kvevict_key_run& run = runs[r];
+      if (run.begin < previous_end || run.begin >= run.end || run.end > limit) {
+        property_failed("key run [" + std::to_string(run.begin) + ", " + std::to_string(run.end) +
                         ") is unsorted, empty or past the slot limit " + std::to_string(limit));
       }
-      std::fill(covered.begin() + begins[r], covered.begin() + ends[r], std::uint8_t{1});
-      previous_end = ends[r];
+      std::fill(covered.begin() + run.begin, covered.begin() + run.end, std::uint8_t{1});
+      previous_end = run.end;
     }
     for (int slot = 0; slot < limit; ++slot) {
-      if (held[static_cast<std::size_t>(slot)] != 0 &&
-          covered[static_cast<std::size_t>(slot)] == 0) {
-        property_failed("live slot " + std::to_string(slot) + " is in no key run");
+      const auto s = static_cast<std::size_t>(slot);
+      if ((held[s] != 0) != (covered[s] != 0) || covered[s] != mask[s]) {
+        property_failed("slot " + std::to_string(slot) + ": held " + std::to_string(held[s]) +
+                        ", in a key run " + std::to_string(covered[s]) + ", live_mask " +
+                        std::to_string(mask[s]));
       }
     }
   }

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <kvevict/engine.hpp>
 #include <kvevict/policy.hpp>
-#include <kvevict/sequence.hpp>
 #include <kvevict/signals.hpp>
 #include <kvevict/slot_table.hpp>
 #include <memory>
@@ -91,6 +91,15 @@ class SlotRows {
   std::vector<int> keys_;
 };
 
+// Hands `rows` to the sequence, which takes their data, query count and stride (the rest of their
+// shape is its own).
+inline void observe_attention(Sequence& sequence, int layer, const AttentionRows& rows) {
+  sequence.observe_attention(layer, rows.data(), rows.queries(), rows.row_stride());
+}
+inline void observe_catalyst(Sequence& sequence, int layer, const AttentionRows& rows) {
+  sequence.observe_catalyst(layer, rows.data(), rows.queries(), rows.row_stride());
+}
+
 // A policy driven through a Sequence with hand-written attention rows.
 class Harness {
  public:
@@ -109,8 +118,8 @@ class Harness {
       const LayerRows& rows =
           per_layer.size() == 1 ? per_layer[0] : per_layer.at(static_cast<std::size_t>(l));
       const auto queries = static_cast<std::int64_t>(rows.at(0).size());
-      sequence_.observe_attention(
-          l, rows_.make(sequence_, l, rows, sequence_.stats().tokens_fed - queries));
+      observe_attention(sequence_, l,
+                        rows_.make(sequence_, l, rows, sequence_.stats().tokens_fed - queries));
     }
     sequence_.end_forward();
   }

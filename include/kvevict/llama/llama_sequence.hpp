@@ -39,11 +39,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <kvevict/engine.hpp>
 #include <kvevict/granularity.hpp>
-#include <kvevict/kv_backend.hpp>
 #include <kvevict/policy.hpp>
 #include <kvevict/positions.hpp>
-#include <kvevict/sequence.hpp>
 #include <kvevict/timing.hpp>
 #include <memory>
 #include <optional>

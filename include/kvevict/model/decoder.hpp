@@ -145,8 +145,8 @@ class Decoder {
   /// attention: the "w/o CaP" ablation). Required before the pot first fills.
   void set_catalyst(std::vector<std::int32_t> tokens);
 
-  [[nodiscard]] EvictingCache<float>& cache() { return cache_; }
-  [[nodiscard]] const EvictingCache<float>& cache() const { return cache_; }
+  [[nodiscard]] EvictingCache& cache() { return cache_; }
+  [[nodiscard]] const EvictingCache& cache() const { return cache_; }
   [[nodiscard]] const Model& model() const { return model_; }
   [[nodiscard]] const DecoderOptions& options() const { return options_; }
   [[nodiscard]] const DecoderStats& stats() const { return stats_; }
@@ -165,7 +165,7 @@ class Decoder {
 
   const Model& model_;
   DecoderOptions options_;
-  EvictingCache<float> cache_;
+  EvictingCache cache_;
   std::optional<std::vector<std::int32_t>> catalyst_;
   DecoderStats stats_;
   int scratch_rows_ = 0;

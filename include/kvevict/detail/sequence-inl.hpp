@@ -1,22 +1,5 @@
-// Sequence: the one object an engine talks to, per sequence. It owns the slot metadata and the
-// policy, checks the order of events and the signals the policy needs, and applies every decision
-// to the engine's memory in one call (KvBackend::apply).
-//
-// Per forward (Signal: what the policy asked for, Sequence::wants):
-//   begin_chunk(ids, turn_start)     before_turn eviction (SirLLM), then a slot for every token of
-//                                    the chunk in every head: chunk_slots(layer, kv_head)
-//   ...the engine writes the chunk's K/V at those slots (post-RoPE keys rotated to key_position),
-//      attends over the live slots (for_each_key_run) and hands over the signals:
-//   observe_attention(layer, rows)   every layer, if wants(attention_rows / last_attention_row)
-//   observe_surprisal(values)        if wants(surprisal)
-//   end_forward()                    anchor / after_forward eviction
-//   catalyst_pending()?              pot_full (InfiniPot): begin_catalyst(ids), observe_catalyst(
-//                                    layer, rows) per layer, end_catalyst(): rolled back, distilled
-// Misuse (a call out of order, a wanted signal missing when the policy decides, a layer observed
-// twice, rows of the wrong shape) is a kvevict::Error with a message, never a silent default.
-// Signal values are checked here, before the policy stores any (attention probabilities in [0, 1],
-// surprisal not NaN): a refused observation changes nothing and may be given again. A KvBackend
-// that fails (reserve or apply) leaves the sequence unusable: every later call is refused.
+// The implementation behind kvevict/engine.hpp: Sequence's state and logic (detail::SequenceCore)
+// and the definitions of the engine view's functions. Included by engine.hpp only.
 #pragma once
 
 #include <algorithm>
@@ -29,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -37,7 +21,6 @@
 #include "kvevict/decision.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/granularity.hpp"
-#include "kvevict/kv_backend.hpp"
 #include "kvevict/policy.hpp"
 #include "kvevict/positions.hpp"
 #include "kvevict/signals.hpp"
@@ -45,57 +28,14 @@
 #include "kvevict/timing.hpp"
 
 namespace kvevict {
+namespace detail {
 
-struct SequenceConfig {
-  int layers = 0;
-  int q_heads = 0;   ///< query heads (attention rows are checked against it)
-  int kv_heads = 0;  ///< key/value heads; q_heads % kv_heads == 0
-  /// Defaults to the policy's own.
-  std::optional<PositionMode> position_mode;
-  /// Defaults to the policy's own. Coarser than the policy's default changes how its score is
-  /// aggregated (see each policy header); finer gives each head the same decision rule alone.
-  /// Block (paged engines) needs a policy whose keep rule has a block form (supports_blocks()).
-  std::optional<Granularity> granularity;
-  /// How the engine stores keys. post_rope: rotated when written (to key_position), so kvevict may
-  /// fold pending rotations into them (KvBackend::apply). pre_rope: rotated at every attention to
-  /// position(); kvevict never asks for a rotation.
-  KeyStorage key_storage = KeyStorage::post_rope;
-  /// Largest chunk (and catalyst prompt) the engine will feed: with the policy's retained_limit()
-  /// it sizes the slots, so that a bounded policy never grows them.
-  int max_chunk = 1;
-  /// Slots reserved up front; 0 = retained_limit() + max_chunk, or 256 for unbounded policies.
-  int initial_capacity = 0;
-  /// At most this many slots reserved up front (0 = no cap): the slots then grow by doubling as
-  /// tokens arrive, so that memory follows the stream rather than a large budget. Engines that must
-  /// not reallocate while running leave it at 0.
-  int max_initial_capacity = 0;
-  /// post_rope keys under cache_index / reset_on_compact: the most different pending rotations a
-  /// unit may carry (each costs the attention one query rotation per run) before kvevict folds them
-  /// into the stored keys. 0: fold at every decision (engines whose attention cannot rotate the
-  /// query per run). A sliding window with sinks carries two and never folds.
-  int max_pending_rotations = 32;
-  /// Which free slot a new token takes: lowest_first when the engine allocates its cells that way
-  /// (llama.cpp), so that slot i stays the engine's cell i.
-  SlotReuse slot_reuse = SlotReuse::newest_freed_first;
-};
-
-/// Counters over the life of a sequence. Slot counts are summed over all (layer, KV head) heads.
-struct SequenceStats {
-  std::int64_t tokens_fed = 0;     ///< stream tokens appended (catalyst tokens excluded)
-  std::int64_t decisions = 0;      ///< decisions that evicted something
-  std::int64_t evicted_slots = 0;  ///< slots evicted (rolled-back catalyst slots excluded)
-  std::int64_t rotated_keys = 0;   ///< stored keys re-rotated by folds
-  std::int64_t folds = 0;          ///< unit folds
-  std::int64_t catalyst_runs = 0;  ///< catalyst prompts run
-  std::int64_t turns = 0;          ///< chunks that started a turn
-};
-
-class Sequence {
+// Checks the order of events and the signals the policy needs, keeps the slot metadata, and applies
+// every decision to the engine's memory in one KvBackend::apply call.
+class SequenceCore {
  public:
-  /// `backend` (may be null: metadata only) and `observer` (may be null) must outlive the
-  /// sequence. The backend is reserve()d to the initial capacity here.
-  Sequence(const SequenceConfig& config, std::unique_ptr<Policy> policy,
-           KvBackend* backend = nullptr, StageObserver* observer = nullptr)
+  SequenceCore(const SequenceConfig& config, std::unique_ptr<Policy> policy, KvBackend* backend,
+               StageObserver* observer)
       : config_(validated(config)),
         policy_(std::move(policy)),
         backend_(backend),
@@ -118,13 +58,14 @@ class Sequence {
     chunk_slots_.resize(static_cast<std::size_t>(layout_.units()));
     catalyst_base_.assign(static_cast<std::size_t>(layout_.units()), 0);
     observed_layers_.assign(static_cast<std::size_t>(config_.layers), 0);
+    key_runs_.resize(static_cast<std::size_t>(layout_.units()));
+    live_masks_.resize(static_cast<std::size_t>(layout_.units()));
+    layer_keys_.resize(static_cast<std::size_t>(config_.kv_heads));
   }
 
   [[nodiscard]] const SequenceConfig& config() const { return config_; }
-  [[nodiscard]] Policy& policy() { return *policy_; }
   [[nodiscard]] const Policy& policy() const { return *policy_; }
   [[nodiscard]] const SlotTable& slots() const { return slots_; }
-  [[nodiscard]] const UnitLayout& layout() const { return layout_; }
   [[nodiscard]] PositionMode position_mode() const { return position_mode_; }
   [[nodiscard]] Granularity granularity() const { return layout_.granularity(); }
   [[nodiscard]] int capacity() const { return slots_.capacity(); }
@@ -132,6 +73,13 @@ class Sequence {
   [[nodiscard]] bool wants(Signal signal) const { return policy_->signals().contains(signal); }
   void set_observer(StageObserver* observer) { observer_ = observer; }
   [[nodiscard]] StageObserver* observer() const { return observer_; }
+  [[nodiscard]] bool wants_attention() const {
+    return wants(Signal::attention_rows) || wants(Signal::last_attention_row);
+  }
+  [[nodiscard]] int attention_queries() const {
+    if (wants(Signal::attention_rows)) return chunk_size();
+    return wants(Signal::last_attention_row) && chunk_size() > 0 ? 1 : 0;
+  }
 
   // --- what attention needs, per head ----------------------------------------------------------
   [[nodiscard]] int unit_of(int layer, int kv_head) const {
@@ -157,16 +105,13 @@ class Sequence {
   [[nodiscard]] std::int64_t key_position(int layer, int kv_head, std::int32_t slot) const {
     return slots_.key_position(unit_of(layer, kv_head), slot);
   }
-  /// fn(begin, end, rotation) per run of live slots sharing one pending rotation (post-RoPE
-  /// attention rotates each query to its position - rotation once per run).
-  template <class Fn>
-  void for_each_key_run(int layer, int kv_head, Fn&& fn) const {
-    slots_.for_each_key_run(unit_of(layer, kv_head), std::forward<Fn>(fn));
+  [[nodiscard]] std::span<const KeyRun> key_runs(int layer, int kv_head) const {
+    require_attention_views("key_runs");
+    return key_runs_[static_cast<std::size_t>(unit_of(layer, kv_head))];
   }
-  /// fn(begin, end, offset) per run of live slots at position original + offset (pre-RoPE).
-  template <class Fn>
-  void for_each_position_run(int layer, int kv_head, Fn&& fn) const {
-    slots_.for_each_position_run(unit_of(layer, kv_head), std::forward<Fn>(fn));
+  [[nodiscard]] std::span<const std::uint8_t> live_mask(int layer, int kv_head) const {
+    require_attention_views("live_mask");
+    return live_masks_[static_cast<std::size_t>(unit_of(layer, kv_head))];
   }
 
   // --- per forward -----------------------------------------------------------------------------
@@ -193,6 +138,7 @@ class Sequence {
     surprisal_observed_ = false;
     state_ = State::forward;
     policy_->on_append(slots_, chunk_);
+    build_attention_views();
   }
 
   /// Tokens of the current chunk (or catalyst prompt); 0 between forwards.
@@ -200,12 +146,14 @@ class Sequence {
   /// The current chunk (valid between begin_chunk and end_forward).
   [[nodiscard]] const ChunkInfo& chunk() const { return chunk_; }
 
-  void observe_attention(int layer, const AttentionRows& rows) {
+  void observe_attention(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_attention: no forward is open (call begin_chunk first)");
-    check_rows(rows);
     check_layer_unobserved(layer, "observe_attention");
+    const int wanted = wants(Signal::attention_rows) ? chunk_size_ : 1;
+    const AttentionRows rows =
+        attention_rows(layer, data, queries, row_stride, wanted, "observe_attention");
     {
       const StageScope scope(observer_, Stage::policy);
       if (wants(Signal::attention_rows)) {
@@ -305,12 +253,14 @@ class Sequence {
     catalyst_size_ = chunk_size_ = static_cast<int>(token_ids.size());
     std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
     state_ = State::catalyst;
+    build_attention_views();
   }
-  void observe_catalyst(int layer, const AttentionRows& rows) {
+  void observe_catalyst(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
-    check_rows(rows);
     check_layer_unobserved(layer, "observe_catalyst");
+    const AttentionRows rows =
+        attention_rows(layer, data, queries, row_stride, catalyst_size_, "observe_catalyst");
     {
       const StageScope scope(observer_, Stage::policy);
       if (wants(Signal::catalyst_attention)) {
@@ -390,11 +340,63 @@ class Sequence {
             ") is outside the sequence's " + std::to_string(config_.layers) + " layers x " +
             std::to_string(config_.kv_heads) + " KV heads");
   }
-  void check_rows(const AttentionRows& rows) const {
-    KVEVICT_REQUIRE(rows.q_heads() == config_.q_heads,
-                    "attention rows have " + std::to_string(rows.q_heads()) +
-                        " query heads, the sequence has " + std::to_string(config_.q_heads));
+  // The rows of one layer as the policy reads them: the shape is the sequence's own (query heads,
+  // each KV head's slot limit); only the data, the query count and the stride are the engine's.
+  AttentionRows attention_rows(int layer, const float* data, int queries, std::ptrdiff_t row_stride,
+                               int wanted, const char* call) {
+    KVEVICT_REQUIRE(data != nullptr, std::string(call) + ": attention rows are null");
+    KVEVICT_REQUIRE(
+        queries == wanted ||
+            (!wants_rows_of_every_query(call) && queries >= 1 && queries <= chunk_size_),
+        std::string(call) + ": policy '" + std::string(policy_->name()) + "' reads " +
+            std::to_string(wanted) + " query rows per query head, got " + std::to_string(queries));
+    for (int g = 0; g < config_.kv_heads; ++g) {
+      const int limit = slots_.slot_limit(layout_.unit_of(layer, g));
+      KVEVICT_REQUIRE(row_stride >= limit, std::string(call) + ": row_stride (" +
+                                               std::to_string(row_stride) +
+                                               ") is shorter than the " + std::to_string(limit) +
+                                               " slots of KV head " + std::to_string(g));
+      layer_keys_[static_cast<std::size_t>(g)] = limit;
+    }
+    const std::int64_t next =
+        state_ == State::catalyst ? stats_.tokens_fed + catalyst_size_ : stats_.tokens_fed;
+    return {data,        config_.q_heads, config_.q_heads / config_.kv_heads, queries, row_stride,
+            layer_keys_, next - queries};
   }
+  // Whether `call`'s policy reads a row per query (H2O, a catalyst) rather than the last only.
+  bool wants_rows_of_every_query(const char* call) const {
+    return std::string_view(call) == "observe_catalyst" ? wants(Signal::catalyst_attention)
+                                                        : wants(Signal::attention_rows);
+  }
+
+  void require_attention_views(const char* call) const {
+    KVEVICT_REQUIRE(config_.attention_views,
+                    std::string(call) + ": SequenceConfig::attention_views is off");
+    KVEVICT_REQUIRE(state_ != State::idle, std::string(call) +
+                                               ": valid during a forward or catalyst only (after "
+                                               "begin_chunk / begin_catalyst)");
+  }
+  // Key runs and live masks of every unit, once per forward, for the engine's attention.
+  void build_attention_views() {
+    if (!config_.attention_views) return;
+    const bool post_rope = config_.key_storage == KeyStorage::post_rope;
+    for (int unit = 0; unit < layout_.units(); ++unit) {
+      std::vector<KeyRun>& runs = key_runs_[static_cast<std::size_t>(unit)];
+      std::vector<std::uint8_t>& mask = live_masks_[static_cast<std::size_t>(unit)];
+      runs.clear();
+      mask.assign(static_cast<std::size_t>(slots_.slot_limit(unit)), 0);
+      const auto add_run = [&](int begin, int end, std::int64_t rotation) {
+        runs.push_back(KeyRun{begin, end, post_rope ? rotation : 0});
+        std::fill(mask.begin() + begin, mask.begin() + end, std::uint8_t{1});
+      };
+      if (post_rope) {
+        slots_.for_each_key_run(unit, add_run);
+      } else {
+        slots_.for_each_live_run(unit, add_run);
+      }
+    }
+  }
+
   void check_layer_unobserved(int layer, const char* call) const {
     KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
                     std::string(call) + ": layer " + std::to_string(layer) + " outside [0, " +
@@ -508,7 +510,7 @@ class Sequence {
   // Runs the policy for `trigger` and applies its decision (with the catalyst rolled back first
   // when asked), reporting everything that left the cache to the backend in one call.
   void decide(Trigger trigger, int incoming, bool roll_back_catalyst = false) {
-    applied_.begin(trigger, position_mode_, layout_);
+    applied_begin(trigger);
     if (roll_back_catalyst) roll_back();
     {
       const StageScope scope(observer_, Stage::policy);
@@ -522,33 +524,61 @@ class Sequence {
     for (int unit = 0; unit < layout_.units(); ++unit) {
       const std::span<const std::int32_t> slots = decision_.evicted(unit);
       record_evicted(unit, slots);
-      applied_.end_unit_evictions(unit);
+      applied_.evicted_begin_[static_cast<std::size_t>(unit) + 1] = applied_.evicted_.size();
       if (!slots.empty()) {
         slots_.evict(unit, slots);
         evicted += static_cast<std::int64_t>(slots.size());
         if (fold_keys && slots_.pending_rotation_bound(unit) > config_.max_pending_rotations) {
           slots_.fold(unit, [&](std::int64_t delta, std::span<const std::int32_t> rotated) {
-            applied_.add_rotation(unit, delta, rotated);
+            add_rotation(unit, delta, rotated);
             stats_.rotated_keys +=
                 static_cast<std::int64_t>(rotated.size()) * layout_.heads_per_unit();
           });
           ++stats_.folds;
         }
       }
-      applied_.end_unit_rotations(unit);
+      applied_.rotation_begin_[static_cast<std::size_t>(unit) + 1] = applied_.rotations_.size();
     }
-    applied_.finish();
+    point_rotations_at_slots();
     if (evicted > 0) {
       ++stats_.decisions;
       stats_.evicted_slots += evicted * layout_.heads_per_unit();
     }
-    if (backend_ != nullptr && applied_.evicted_count() > 0) {
+    if (backend_ != nullptr && !applied_.evicted_.empty()) {
       try {
         backend_->apply(applied_);
       } catch (...) {
         become_unusable("the KvBackend failed to apply a decision");
         throw;
       }
+    }
+  }
+
+  // AppliedDecision's builder: units are filled in ascending order.
+  void applied_begin(Trigger trigger) {
+    applied_.trigger = trigger;
+    applied_.position_mode = position_mode_;
+    applied_.layout = layout_;
+    applied_.evicted_.clear();
+    applied_.rotations_.clear();
+    applied_.rotated_slots_.clear();
+    applied_.rotation_slot_begin_.clear();
+    applied_.evicted_begin_.assign(static_cast<std::size_t>(layout_.units()) + 1, 0);
+    applied_.rotation_begin_.assign(static_cast<std::size_t>(layout_.units()) + 1, 0);
+  }
+  void add_rotation(int unit, std::int64_t delta, std::span<const std::int32_t> slots) {
+    applied_.rotation_slot_begin_.push_back(applied_.rotated_slots_.size());
+    applied_.rotated_slots_.insert(applied_.rotated_slots_.end(), slots.begin(), slots.end());
+    applied_.rotations_.push_back(KeyRotation{unit, delta, {}});
+  }
+  // After the last add_rotation, when the slot buffer no longer moves.
+  void point_rotations_at_slots() {
+    const std::span<const std::int32_t> all = applied_.rotated_slots_;
+    for (std::size_t r = 0; r < applied_.rotations_.size(); ++r) {
+      const std::size_t begin = applied_.rotation_slot_begin_[r];
+      const std::size_t end =
+          r + 1 < applied_.rotations_.size() ? applied_.rotation_slot_begin_[r + 1] : all.size();
+      applied_.rotations_[r].slots = all.subspan(begin, end - begin);
     }
   }
 
@@ -572,7 +602,7 @@ class Sequence {
   // positions they have before the eviction.
   void record_evicted(int unit, std::span<const std::int32_t> slots) {
     const auto u = static_cast<std::size_t>(unit);
-    const std::size_t first = applied_.evicted_count();
+    const std::size_t first = applied_.evicted_.size();
     if (!slots.empty()) seen_.assign(static_cast<std::size_t>(slots_.slot_limit(unit)), 0);
     for (const std::int32_t slot : slots) {
       KVEVICT_REQUIRE(slots_.is_live(unit, slot) && seen_[static_cast<std::size_t>(slot)] == 0,
@@ -580,15 +610,18 @@ class Sequence {
                           std::to_string(slot) + " of unit " + std::to_string(unit) +
                           ", which is not live or was listed twice");
       seen_[static_cast<std::size_t>(slot)] = 1;
-      applied_.add_evicted(
+      applied_.evicted_.push_back(
           EvictedSlot{slot, slots_.original_positions(unit)[static_cast<std::size_t>(slot)],
                       slots_.position(unit, slot)});
     }
     if (u < rolled_back_.size()) {
-      for (const EvictedSlot& slot : rolled_back_[u]) applied_.add_evicted(slot);
+      for (const EvictedSlot& slot : rolled_back_[u]) applied_.evicted_.push_back(slot);
       rolled_back_[u].clear();
     }
-    applied_.sort_evicted_from(first);
+    std::sort(applied_.evicted_.begin() + static_cast<std::ptrdiff_t>(first),
+              applied_.evicted_.end(), [](const EvictedSlot& a, const EvictedSlot& b) {
+                return a.original_position < b.original_position;
+              });
   }
 
   SequenceConfig config_;
@@ -614,9 +647,94 @@ class Sequence {
   std::vector<std::vector<EvictedSlot>> rolled_back_;   // [units] catalyst slots removed
   std::vector<std::uint8_t> seen_;                      // [slot limit] duplicate check
   // Per-chunk scratch, reused.
+  std::vector<std::vector<KeyRun>> key_runs_;          // [units] this forward's runs
+  std::vector<std::vector<std::uint8_t>> live_masks_;  // [units][slot limit] this forward
+  std::vector<int> layer_keys_;                        // [kv_heads] slot limits of rows observed
   std::vector<std::int32_t> chunk_ids_;
   std::vector<std::int64_t> originals_;
   std::vector<std::uint8_t> flags_;
 };
+
+}  // namespace detail
+
+inline std::span<const EvictedSlot> AppliedDecision::evicted(int unit) const {
+  const auto u = static_cast<std::size_t>(unit);
+  return std::span<const EvictedSlot>(evicted_).subspan(evicted_begin_[u],
+                                                        evicted_begin_[u + 1] - evicted_begin_[u]);
+}
+inline std::span<const EvictedSlot> AppliedDecision::evicted(int layer, int kv_head) const {
+  return evicted(layout.unit_of(layer, kv_head));
+}
+inline std::span<const KeyRotation> AppliedDecision::rotations(int layer, int kv_head) const {
+  const auto u = static_cast<std::size_t>(layout.unit_of(layer, kv_head));
+  return std::span<const KeyRotation>(rotations_)
+      .subspan(rotation_begin_[u], rotation_begin_[u + 1] - rotation_begin_[u]);
+}
+
+inline Sequence::Sequence(const SequenceConfig& config, std::unique_ptr<Policy> policy,
+                          KvBackend* backend, StageObserver* observer)
+    : core_(std::make_unique<detail::SequenceCore>(config, std::move(policy), backend, observer)) {}
+inline Sequence::Sequence(Sequence&&) noexcept = default;
+inline Sequence& Sequence::operator=(Sequence&&) noexcept = default;
+inline Sequence::~Sequence() = default;
+
+inline void Sequence::begin_chunk(std::span<const std::int32_t> token_ids, bool turn_start) {
+  core_->begin_chunk(token_ids, turn_start);
+}
+inline std::span<const std::int32_t> Sequence::chunk_slots(int layer, int kv_head) const {
+  return core_->chunk_slots(layer, kv_head);
+}
+inline std::int64_t Sequence::position(int layer, int kv_head, std::int32_t slot) const {
+  return core_->position(layer, kv_head, slot);
+}
+inline std::int64_t Sequence::key_position(int layer, int kv_head, std::int32_t slot) const {
+  return core_->key_position(layer, kv_head, slot);
+}
+inline int Sequence::slot_limit(int layer, int kv_head) const {
+  return core_->slot_limit(layer, kv_head);
+}
+inline std::span<const KeyRun> Sequence::key_runs(int layer, int kv_head) const {
+  return core_->key_runs(layer, kv_head);
+}
+inline std::span<const std::uint8_t> Sequence::live_mask(int layer, int kv_head) const {
+  return core_->live_mask(layer, kv_head);
+}
+inline bool Sequence::wants_attention() const { return core_->wants_attention(); }
+inline int Sequence::attention_queries() const { return core_->attention_queries(); }
+inline void Sequence::observe_attention(int layer, const float* rows, int queries,
+                                        std::ptrdiff_t row_stride) {
+  core_->observe_attention(layer, rows, queries, row_stride);
+}
+inline bool Sequence::wants_surprisal() const { return core_->wants(Signal::surprisal); }
+inline void Sequence::observe_surprisal(std::span<const float> surprisal) {
+  core_->observe_surprisal(surprisal);
+}
+inline void Sequence::end_forward() { core_->end_forward(); }
+inline void Sequence::roll_back(int count) { core_->roll_back(count); }
+inline std::optional<int> Sequence::pot_room() const { return core_->pot_room(); }
+inline bool Sequence::catalyst_pending() const { return core_->catalyst_pending(); }
+inline void Sequence::begin_catalyst(std::span<const std::int32_t> token_ids) {
+  core_->begin_catalyst(token_ids);
+}
+inline void Sequence::observe_catalyst(int layer, const float* rows, int queries,
+                                       std::ptrdiff_t row_stride) {
+  core_->observe_catalyst(layer, rows, queries, row_stride);
+}
+inline void Sequence::end_catalyst() { core_->end_catalyst(); }
+inline const SequenceConfig& Sequence::config() const { return core_->config(); }
+inline const Policy& Sequence::policy() const { return core_->policy(); }
+inline PositionMode Sequence::position_mode() const { return core_->position_mode(); }
+inline Granularity Sequence::granularity() const { return core_->granularity(); }
+inline int Sequence::capacity() const { return core_->capacity(); }
+inline int Sequence::chunk_size() const { return core_->chunk_size(); }
+inline int Sequence::live(int layer, int kv_head) const { return core_->live(layer, kv_head); }
+inline int Sequence::unit_of(int layer, int kv_head) const {
+  return core_->unit_of(layer, kv_head);
+}
+inline const SequenceStats& Sequence::stats() const { return core_->stats(); }
+inline const SlotTable& Sequence::slots() const { return core_->slots(); }
+inline bool Sequence::wants(Signal signal) const { return core_->wants(signal); }
+inline void Sequence::set_observer(StageObserver* observer) { core_->set_observer(observer); }
+inline StageObserver* Sequence::observer() const { return core_->observer(); }
 
 }  // namespace kvevict
