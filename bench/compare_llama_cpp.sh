@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # kvevict's reference decoder against llama.cpp on the same GGUF files, one thread (THREADS: more).
 #
-#   bench/compare_llama_cpp.sh [kvevict build dir, default build/release] [rounds, default 3]
+#   bench/compare_llama_cpp.sh [--llama-cpp DIR] [BUILD_DIR] [ROUNDS]
+#
+#   BUILD_DIR       kvevict's build directory, holding bin/pp_tg (default build/release)
+#   ROUNDS          interleaved rounds per type (default 3)
+#   --llama-cpp DIR your llama.cpp source tree, to build llama-bench from; default: the
+#                   KVEVICT_LLAMA_CPP entry of BUILD_DIR/CMakeCache.txt, when it names a source tree
 #
 # Writes a stories15M-shaped Llama with random weights (bench/pp_tg.cpp --write-stories15m) in
 # F32, F16, Q8_0 and Q4_0 with kvevict's own GGUF writer, then for each round and type runs
@@ -17,38 +22,76 @@
 #
 #   ratio <type> tg128 decode-activations=q8_0 <median>
 #
-# llama-bench: $LLAMA_BENCH if set; else /var/tmp/llama-bench-avx512/build/bin/llama-bench if it
-# exists; else it is built there (once) from /work/shared/third_party/llama.cpp (or $LLAMA_CPP_DIR)
-# with the instruction sets of kvevict's own llama.cpp build, so that both programs use what this
-# CPU has (AVX-512 included) and the comparison is at equal width:
+# llama-bench: $LLAMA_BENCH if set; else BUILD_DIR/llama-bench/bin/llama-bench if it exists; else
+# it is built there (once) from the llama.cpp source tree (--llama-cpp, or the build's
+# KVEVICT_LLAMA_CPP) with the instruction sets of kvevict's own llama.cpp build, so that both
+# programs use what this CPU has (AVX-512 included) and the comparison is at equal width:
 #
-#   cmake -S /work/shared/third_party/llama.cpp -B /var/tmp/llama-bench-avx512/build \
+#   cmake -S <your llama.cpp source tree> -B BUILD_DIR/llama-bench \
 #     -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON \
 #     -C cmake/llama_cpp_options.cmake   # GGML_NATIVE=OFF, AVX..AVX-512 from /proc/cpuinfo, AMX off
-#   cmake --build /var/tmp/llama-bench-avx512/build --target llama-bench -j2
+#   cmake --build BUILD_DIR/llama-bench --target llama-bench -j2
 #
-# (the directory keeps its name on a CPU without AVX-512: the options file then turns it off).
 # THREADS (default 1) runs both programs at that many threads (-t), for the thread speed-up.
 # kvevict's binary picks its best SIMD target at run time; KVEVICT_TARGET (e.g. AVX2) forces one,
 # to be compared with a llama-bench of that width given as LLAMA_BENCH (a portable build with
 # GGML_NATIVE=OFF and only GGML_AVX, GGML_AVX2, GGML_FMA, GGML_F16C on).
 set -euo pipefail
+shopt -s inherit_errexit
+
+usage() { sed -n '4,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+fail() { echo "compare_llama_cpp: $*" >&2; exit 1; }
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build="${1:-${repo}/build/release}"
-rounds="${2:-3}"
+llama_cpp=""
+positional=()
+while (($# > 0)); do
+  case "$1" in
+    -h | --help) usage; exit 0 ;;
+    --llama-cpp) (($# >= 2)) || fail "--llama-cpp needs a directory"; llama_cpp="$2"; shift 2 ;;
+    --llama-cpp=*) llama_cpp="${1#--llama-cpp=}"; shift ;;
+    -*) usage >&2; fail "unknown option $1" ;;
+    *) positional+=("$1"); shift ;;
+  esac
+done
+((${#positional[@]} <= 2)) || { usage >&2; fail "too many arguments: ${positional[*]}"; }
+build="${positional[0]:-${repo}/build/release}"
+rounds="${positional[1]:-3}"
+[[ "${rounds}" =~ ^[1-9][0-9]*$ ]] || fail "ROUNDS must be a positive integer, got '${rounds}'"
 pp_tg="${build}/bin/pp_tg"
-[[ -x "${pp_tg}" ]] || { echo "compare_llama_cpp: ${pp_tg} not found (build kvevict first)" >&2; exit 1; }
+[[ -x "${pp_tg}" ]] || fail "${pp_tg} not found (build kvevict first: cmake --build ${build} --target pp_tg)"
+
+# The llama.cpp source tree llama-bench is built from: --llama-cpp, else the build's
+# KVEVICT_LLAMA_CPP (CMakeCache.txt), which must then be a source tree, not an install prefix.
+llama_cpp_source() {
+  local source="${llama_cpp}" from="--llama-cpp"
+  if [[ -z "${source}" ]]; then
+    from="KVEVICT_LLAMA_CPP in ${build}/CMakeCache.txt"
+    if [[ -f "${build}/CMakeCache.txt" ]]; then
+      source="$(sed -n 's/^KVEVICT_LLAMA_CPP:[A-Z]*=//p' "${build}/CMakeCache.txt")"
+    fi
+    [[ -n "${source}" ]] || fail "no llama.cpp source tree to build llama-bench from:" \
+      "pass --llama-cpp <your llama.cpp source tree>, configure ${build} with" \
+      "-DKVEVICT_LLAMA_CPP=<your llama.cpp source tree>, or set LLAMA_BENCH to a llama-bench binary"
+  fi
+  [[ -f "${source}/CMakeLists.txt" && -d "${source}/tools/llama-bench" ]] \
+    || fail "${from} is '${source}', which is not a llama.cpp source tree with tools/llama-bench" \
+      "(an install prefix cannot build llama-bench): pass --llama-cpp <your llama.cpp source tree>" \
+      "or set LLAMA_BENCH to a llama-bench binary"
+  echo "${source}"
+}
 
 find_llama_bench() {
   if [[ -n "${LLAMA_BENCH:-}" ]]; then
+    [[ -x "${LLAMA_BENCH}" ]] || fail "LLAMA_BENCH=${LLAMA_BENCH} is not an executable"
     echo "${LLAMA_BENCH}"
     return
   fi
-  local dir=/var/tmp/llama-bench-avx512/build
+  local dir="${build}/llama-bench"
   if [[ ! -x "${dir}/bin/llama-bench" ]]; then
-    local source="${LLAMA_CPP_DIR:-/work/shared/third_party/llama.cpp}"
-    echo "compare_llama_cpp: building llama-bench into ${dir} (once)" >&2
+    local source
+    source="$(llama_cpp_source)"
+    echo "compare_llama_cpp: building llama-bench from ${source} into ${dir} (once)" >&2
     cmake -S "${source}" -B "${dir}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_COMMON=ON \
       -DLLAMA_BUILD_TOOLS=ON -C "${repo}/cmake/llama_cpp_options.cmake" >&2
     nice -n 10 cmake --build "${dir}" -j2 --target llama-bench >&2

@@ -847,8 +847,8 @@ TEST(DecoderCache, CachedDecodingEqualsRecomputation) {
 }
 
 // A budget far larger than the stream reserves for the stream, not for the budget: the cache starts
-// at 1,024 slots + one chunk and doubles as tokens arrive (issue 14: --budget 16777216 over a
-// 300-byte input reached 5.9 GB).
+// at 1,024 slots + one chunk and doubles as tokens arrive (sized for the budget, --budget 16777216
+// over a 300-byte input reached 5.9 GB).
 TEST(DecoderCache, MemoryFollowsTheStreamNotTheBudget) {
   const Model model = kvevict::model::make_random_model(small_config(RopeLayout::half_split), 5);
   kvevict::model::DecoderOptions options;
@@ -1183,7 +1183,7 @@ long long resident_bytes() {
   return resident < 0 ? -1 : resident * sysconf(_SC_PAGESIZE);
 }
 
-// Issue 14: the buffers follow the chunks fed, not max_chunk. With toy-base's shape (dim 128,
+// The buffers follow the chunks fed, not max_chunk. With toy-base's shape (dim 128,
 // hidden 384, 4 layers, 4 heads, 2 KV heads of 32) and max_chunk 65,536 (the CLI's largest
 // --chunk), the decoder reserved about 505 MB before its first token: activations of 65,536 rows
 // of 2 x (128 + 384 + 128 + 64) floats (369 MB) and slots for 1,024 + 65,536 tokens at 2 KiB each

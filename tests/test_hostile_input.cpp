@@ -1,7 +1,7 @@
-// Hostile input (issue 14, docs/reliability.md): every finding of the fuzzing campaign and of the
-// hand-made hostile files in the loaders, the replay reader and the eval configs is a clean
-// kvevict::Error naming the problem, never a crash, a hang or an allocation out of proportion to
-// the input; and the CLI turns each into exit status 2 with a message naming the file or option,
+// Hostile input (docs/reliability.md, "Regression cases"): every finding of the fuzzing campaign
+// and of the hand-made hostile files in the loaders, the replay reader and the eval configs is a
+// clean kvevict::Error naming the problem, never a crash, a hang or an allocation out of proportion
+// to the input; and the CLI turns each into exit status 2 with a message naming the file or option,
 // within a second and under 100 MB.
 //
 // Each finding's code runs in a fork()ed child (run_isolated) with a time limit, so that a crash,
@@ -230,7 +230,7 @@ class HostileFiles : public ::testing::Test {
 };
 fs::path* HostileFiles::dir_ = nullptr;
 
-// --- Finding 1: safetensors SIGFPE on a zero dimension -------------------------------------------
+// --- Zero dimension: safetensors divided by a zero element count (SIGFPE) ------------------------
 
 // The safetensors format allows empty tensors: [0, 5] holds 0 elements in 0 bytes.
 TEST(Safetensors, ZeroDimensionIsAnEmptyTensor) {
@@ -280,8 +280,7 @@ TEST(SharedTensorBytes, SafetensorsTensorsThatOverlapAreRefused) {
       "overlap in the data section");
 }
 
-// --- Finding 2: error messages of deeply nested JSON
-// -----------------------------------------------
+// --- Deeply nested JSON: error messages that recursed once per level -----------------------------
 
 TEST(NestedJson, ConfigJsonHiddenActNested100000DeepIsAnError) {
   expect_clean_error(
@@ -318,8 +317,7 @@ TEST(NestedJson, EvalConfigMessagePreviewsADeepValue) {
       << outcome.message;
 }
 
-// --- Finding 3: the replay reader's allocation before its logits were found
-// -----------------------
+// --- Replay reader: its allocation before its logits were found ----------------------------------
 
 TEST(Replay, LogitsOfTheWrongTypeAreFoundBeforeAnythingIsAllocated) {
   expect_clean_error(
@@ -341,8 +339,7 @@ TEST(Replay, ShortLogitsForALargeShapeCostNoMemory) {
                      "logits: required key is missing", /*max_growth_mb=*/16);
 }
 
-// --- Finding 4: eval configs asking for documents, turns, budgets or cells beyond reason
-// -----------
+// --- Eval configs asking for documents, turns, budgets or cells beyond reason --------------------
 
 TEST_F(HostileFiles, EvalConfigLimits) {
   const auto load = [&](const std::string& name, const std::string& text) {
@@ -384,8 +381,7 @@ TEST_F(HostileFiles, EvalConfigLimits) {
                      "length 32768 x budget 64 = 2097152 is longer than the document limit");
 }
 
-// --- Finding 5: FIFOs and directories where a file belongs
-// -------------------------------------------
+// --- FIFOs and directories where a file belongs --------------------------------------------------
 
 TEST_F(HostileFiles, FifoAsModelIsRefusedWithoutBlocking) {
   const fs::path model = fifo("model.gguf");
@@ -607,8 +603,8 @@ TEST_F(HostileCli, EvalFindings) {
   }
 }
 
-// Sizes from the command line: sums of policy parameters that would leave int range (issue 14,
-// item 3: `--budget 2147483647` wrapped in the decoder's capacity) and chunks beyond the limit are
+// Sizes from the command line: sums of policy parameters that would leave int range
+// (`--budget 2147483647` wrapped in the decoder's capacity) and chunks beyond the limit are
 // refused before any model is loaded.
 TEST_F(HostileCli, OptionFindings) {
   const fs::path text = path("text.txt");

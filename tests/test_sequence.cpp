@@ -448,7 +448,7 @@ TEST(Sequence, AttentionRowsOfTheWrongCountOrStrideAreErrors) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Signal values: checked before a policy stores any (issue 14, findings 9 and 10)
+// Signal values: checked before a policy stores any (NaN or infinite scores, NaN catalyst rows)
 // ---------------------------------------------------------------------------------------------
 
 // Every score of every unit, as bits (NaN marks "not observed" in some columns).
@@ -549,8 +549,8 @@ TEST(Sequence, NaNSurprisalIsRefusedBeforeThePolicyStoresIt) {
 }
 
 // InfiniPot's catalyst rows alike: refused when observed, so the distillation after them never
-// fails half-way (finding 10: the catalyst was rolled back, the pot not distilled, and the engine
-// never told).
+// fails half-way (as it did with NaN catalyst rows: the catalyst was rolled back, the pot not
+// distilled, and the engine never told).
 TEST(Sequence, CatalystAttentionOutsideZeroToOneIsRefusedWhenObserved) {
   RecordingBackend backend;
   Sequence s(config(1, 1, 1),

@@ -1,5 +1,5 @@
-// The trained toy models (issue 5): the C++ decoder reproduces the logits PyTorch computed at
-// export.
+// The trained toy models (tools/README.md): the C++ decoder reproduces the logits PyTorch computed
+// at export.
 //
 // tools/train_toy.py writes tests/data/models/<name>_expected_logits.json next to each model it
 // exports under models/<name>/: the model directory (relative to the repository root, or
