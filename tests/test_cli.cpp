@@ -24,11 +24,11 @@
 #include <utility>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/sampling.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/sampling.hpp"
+#include "harness/text_pieces.hpp"
 #include "support/expect_error.hpp"
 
 namespace {
@@ -36,7 +36,7 @@ namespace {
 namespace fs = std::filesystem;
 using kvevict::Error;
 using kvevict::PolicyParams;
-using kvevict::cli::PolicyOptions;
+using kvevict::harness::PolicyOptions;
 using nlohmann::json;
 
 std::string read_text(const fs::path& path) {
@@ -116,12 +116,12 @@ TEST(PolicyOptions, ParamsParseNumbersAndLists) {
   values.parse_pair("anchor_ids=258");
   values.parse_pair("ids=1, 2,3");
   EXPECT_EQ(values.to_string(), "anchor_ids=258 decay=0.5 ids=1,2,3 recent=28");
-  EXPECT_EQ(kvevict::cli::params_json(values).dump(),
+  EXPECT_EQ(kvevict::harness::params_json(values).dump(),
             R"({"anchor_ids":258,"decay":0.5,"ids":[1,2,3],"recent":28})");
   // The policy's spec types them: one anchor id is a list of one (the C API could not say so).
   const PolicyParams typed =
       kvevict::policy_spec("anllm").resolve(PolicyParams::parse("anchor_ids=258"));
-  EXPECT_EQ(kvevict::cli::params_json(typed).dump(), R"({"anchor_ids":[258],"max_slots":0})");
+  EXPECT_EQ(kvevict::harness::params_json(typed).dump(), R"({"anchor_ids":[258],"max_slots":0})");
   for (const char* bad : {"recent", "=3", "recent=", "recent=abc", "recent=1e999", "ids=1,x"}) {
     EXPECT_THROW(values.parse_pair(bad), Error) << bad;
   }
@@ -132,16 +132,16 @@ TEST(PolicyOptions, ParamsOverrideTheBudgetAndSinksApply) {
   options.policy = "streaming_llm";
   options.budget = 64;
   options.params = {"recent=10"};
-  EXPECT_EQ(kvevict::cli::resolve_params(options, nullptr).to_string(), "recent=10 sinks=4");
+  EXPECT_EQ(kvevict::harness::resolve_params(options, nullptr).to_string(), "recent=10 sinks=4");
   options.sinks = 2;
   options.sinks_given = true;
-  EXPECT_EQ(kvevict::cli::resolve_params(options, nullptr).to_string(), "recent=10 sinks=2");
+  EXPECT_EQ(kvevict::harness::resolve_params(options, nullptr).to_string(), "recent=10 sinks=2");
 }
 
 TEST(PolicyOptions, ValidationNamesTheProblem) {
   const auto message = [](const PolicyOptions& options) -> std::string {
     try {
-      kvevict::cli::validate_policy_options(options);
+      kvevict::harness::validate_policy_options(options);
     } catch (const Error& error) {
       return error.what();
     }
@@ -178,7 +178,7 @@ TEST(Sampling, UniformUnitUsesTheTop53Bits) {
   std::mt19937_64 engine(1);
   std::mt19937_64 copy(1);
   for (int i = 0; i < 1000; ++i) {
-    const double u = kvevict::cli::uniform_unit(engine);
+    const double u = kvevict::harness::uniform_unit(engine);
     EXPECT_GE(u, 0.0);
     EXPECT_LT(u, 1.0);
     EXPECT_EQ(u, static_cast<double>(copy() >> 11) / 9007199254740992.0);
@@ -187,14 +187,14 @@ TEST(Sampling, UniformUnitUsesTheTop53Bits) {
 
 TEST(Sampling, GreedyTopPAndSeeds) {
   const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f};
-  kvevict::cli::Sampler greedy({0.0, 1.0, 1});
+  kvevict::harness::Sampler greedy({0.0, 1.0, 1});
   EXPECT_EQ(greedy.sample(logits), 1);  // ties go to the lower id
   // A tiny nucleus holds only the most likely token.
-  kvevict::cli::Sampler narrow({1.0, 1e-6, 3});
+  kvevict::harness::Sampler narrow({1.0, 1e-6, 3});
   for (int i = 0; i < 20; ++i) EXPECT_EQ(narrow.sample(logits), 1);
   // The same seed gives the same draws; every token can come out at a high temperature.
-  kvevict::cli::Sampler a({2.0, 1.0, 7});
-  kvevict::cli::Sampler b({2.0, 1.0, 7});
+  kvevict::harness::Sampler a({2.0, 1.0, 7});
+  kvevict::harness::Sampler b({2.0, 1.0, 7});
   std::set<std::int32_t> seen;
   for (int i = 0; i < 400; ++i) {
     const std::int32_t token = a.sample(logits);
@@ -203,29 +203,29 @@ TEST(Sampling, GreedyTopPAndSeeds) {
   }
   EXPECT_EQ(seen.size(), logits.size());
   // top_p = 0.5 keeps ids 1 and 2 (each ~0.3 of the mass), never the others.
-  kvevict::cli::Sampler nucleus({1.0, 0.5, 11});
+  kvevict::harness::Sampler nucleus({1.0, 0.5, 11});
   for (int i = 0; i < 200; ++i) {
     const std::int32_t token = nucleus.sample(logits);
     EXPECT_TRUE(token == 1 || token == 2) << token;
   }
-  EXPECT_THROW(kvevict::cli::validate_sampling({-0.1, 1.0, 1}), Error);
-  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 0.0, 1}), Error);
-  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.01, 1}), Error);
-  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.0, 1, -1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({-0.1, 1.0, 1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({1.0, 0.0, 1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({1.0, 1.01, 1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({1.0, 1.0, 1, -1}), Error);
 }
 
 TEST(Sampling, TopKKeepsTheKMostLikelyBeforeTopP) {
   const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f};
   // top_k = 1 is greedy, ties to the lower id.
-  kvevict::cli::Sampler one({1.0, 1.0, 5, 1});
+  kvevict::harness::Sampler one({1.0, 1.0, 5, 1});
   for (int i = 0; i < 20; ++i) EXPECT_EQ(one.sample(logits), 1);
   // top_k = 3 keeps ids 1, 2 and 4 (logits 2.0, 2.0, 1.5): each comes out, ids 0 and 3 never.
-  kvevict::cli::Sampler three({1.0, 1.0, 5, 3});
+  kvevict::harness::Sampler three({1.0, 1.0, 5, 3});
   std::set<std::int32_t> seen;
   for (int i = 0; i < 300; ++i) seen.insert(three.sample(logits));
   EXPECT_EQ(seen, (std::set<std::int32_t>{1, 2, 4}));
   // Then top_p = 0.5 of the kept mass (1 + 1 + e^-0.5 = 2.61, half is 1.30): ids 1 and 2 reach it.
-  kvevict::cli::Sampler both({1.0, 0.5, 5, 3});
+  kvevict::harness::Sampler both({1.0, 0.5, 5, 3});
   seen.clear();
   for (int i = 0; i < 300; ++i) seen.insert(both.sample(logits));
   EXPECT_EQ(seen, (std::set<std::int32_t>{1, 2}));
@@ -235,8 +235,8 @@ TEST(Sampling, TopKKeepsTheKMostLikelyBeforeTopP) {
 
 TEST(LogLoss, SurprisalAndWindows) {
   const std::vector<float> uniform(8, 0.25f);
-  EXPECT_NEAR(kvevict::cli::surprisal_bits(uniform, 3), 3.0, 1e-12);  // log2(8)
-  kvevict::cli::WindowedLoss loss(4);
+  EXPECT_NEAR(kvevict::harness::surprisal_bits(uniform, 3), 3.0, 1e-12);  // log2(8)
+  kvevict::harness::WindowedLoss loss(4);
   for (int position = 1; position < 10; ++position) loss.add(position, 2.0, 1);
   ASSERT_EQ(loss.windows().size(), 3u);
   EXPECT_EQ(loss.windows()[0].totals.tokens, 3);  // position 0 is never scored
@@ -249,10 +249,11 @@ TEST(LogLoss, SurprisalAndWindows) {
 
 // --- Reading text in pieces ---------------------------------------------------------------------
 
-kvevict::cli::TextPiecesOptions piece_options(std::size_t block_bytes, std::string separator = "",
-                                              bool cut_before_space = false,
-                                              std::uint64_t limit_bytes = 0) {
-  kvevict::cli::TextPiecesOptions options;
+kvevict::harness::TextPiecesOptions piece_options(std::size_t block_bytes,
+                                                  std::string separator = "",
+                                                  bool cut_before_space = false,
+                                                  std::uint64_t limit_bytes = 0) {
+  kvevict::harness::TextPiecesOptions options;
   options.block_bytes = block_bytes;
   options.turn_separator = std::move(separator);
   options.cut_before_space = cut_before_space;
@@ -268,20 +269,20 @@ class TextPiecesTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  std::vector<kvevict::cli::TextPiece> pieces(const std::string& text,
-                                              const kvevict::cli::TextPiecesOptions& options) {
+  std::vector<kvevict::harness::TextPiece> pieces(
+      const std::string& text, const kvevict::harness::TextPiecesOptions& options) {
     const fs::path path = dir_ / "text.txt";
     write_text(path, text);
-    kvevict::cli::TextPieces reader(path.string(), options);
-    std::vector<kvevict::cli::TextPiece> out;
-    kvevict::cli::TextPiece piece;
+    kvevict::harness::TextPieces reader(path.string(), options);
+    std::vector<kvevict::harness::TextPiece> out;
+    kvevict::harness::TextPiece piece;
     while (reader.next(piece)) {
       EXPECT_FALSE(piece.text.empty());
       out.push_back(piece);
     }
     return out;
   }
-  static std::string joined(const std::vector<kvevict::cli::TextPiece>& pieces) {
+  static std::string joined(const std::vector<kvevict::harness::TextPiece>& pieces) {
     std::string text;
     for (const auto& piece : pieces) text += piece.text;
     return text;
@@ -349,7 +350,7 @@ TEST_F(TextPiecesTest, SentencePieceCutsGiveTheTokensOfTheWholeText) {
 // A cut falls only before a space that follows a character other than whitespace: a run of
 // whitespace ("\n    " of indented text) is one pre-token for byte-level BPE and stays whole.
 TEST_F(TextPiecesTest, CutsOnlyBeforeASpaceAfterANonWhitespaceCharacter) {
-  using kvevict::cli::may_cut_before;
+  using kvevict::harness::may_cut_before;
   EXPECT_TRUE(may_cut_before("a b", 1));
   EXPECT_TRUE(may_cut_before(".  b", 1));
   EXPECT_FALSE(may_cut_before("a  b", 2));  // after a space
@@ -797,7 +798,7 @@ constexpr std::int32_t kAnchor = 258;
 // the output rendered with "<AC>" for each anchor. `finish`: the text is a whole document.
 std::string with_anchors(const std::string& text, const std::vector<std::size_t>& cuts = {},
                          bool finish = true) {
-  kvevict::cli::AnchorInserter inserter(kAnchor);
+  kvevict::harness::AnchorInserter inserter(kAnchor);
   std::vector<std::int32_t> out;
   std::size_t begin = 0;
   std::vector<std::size_t> ends = cuts;
@@ -848,7 +849,7 @@ TEST(AnchorInserter, AnchorsFollowSentenceEnds) {
 
 TEST(AnchorInserter, SentenceEndSplitAcrossBlocks) {
   // '.' ends block 1, ' ' starts block 2: after block 1 the end is pending (no anchor yet) ...
-  kvevict::cli::AnchorInserter inserter(kAnchor);
+  kvevict::harness::AnchorInserter inserter(kAnchor);
   std::vector<std::int32_t> out;
   inserter.push(std::vector<std::int32_t>{'O', 'n', 'e', '.'}, out);
   EXPECT_EQ(out, (std::vector<std::int32_t>{'O', 'n', 'e', '.'}));
@@ -880,7 +881,7 @@ TEST(AnchorInserter, DocumentEndIsASentenceEnd) {
   EXPECT_EQ(with_anchors("The end. "), "The end.<AC> <AC>");  // the trailing space is a unit
   EXPECT_EQ(with_anchors(""), "");                            // nothing, no anchor
   // An anchor already in the input closes the unit: none twice.
-  kvevict::cli::AnchorInserter inserter(kAnchor);
+  kvevict::harness::AnchorInserter inserter(kAnchor);
   std::vector<std::int32_t> out;
   inserter.push(std::vector<std::int32_t>{256, 'A', '.', kAnchor, ' ', 'B', '.', kAnchor}, out);
   inserter.finish(out);
@@ -898,14 +899,15 @@ TEST(AnchorInserter, ByteLevelTokenizersWithAnAnchorOnly) {
   kvevict::model::Tokenizer tokenizer;
   tokenizer.kind = kvevict::model::Tokenizer::Kind::byte_level;
   tokenizer.anchor_id = 258;
-  EXPECT_EQ(kvevict::cli::AnchorInserter::for_tokenizer(tokenizer).anchor_id(), 258);
+  EXPECT_EQ(kvevict::harness::AnchorInserter::for_tokenizer(tokenizer).anchor_id(), 258);
   tokenizer.anchor_id = -1;
-  kvevict::test::expect_error([&] { (void)kvevict::cli::AnchorInserter::for_tokenizer(tokenizer); },
-                              "--insert-anchors");
+  kvevict::test::expect_error(
+      [&] { (void)kvevict::harness::AnchorInserter::for_tokenizer(tokenizer); },
+      "--insert-anchors");
   tokenizer.kind = kvevict::model::Tokenizer::Kind::sentencepiece;
   tokenizer.anchor_id = 258;
-  kvevict::test::expect_error([&] { (void)kvevict::cli::AnchorInserter::for_tokenizer(tokenizer); },
-                              "SentencePiece");
+  kvevict::test::expect_error(
+      [&] { (void)kvevict::harness::AnchorInserter::for_tokenizer(tokenizer); }, "SentencePiece");
 }
 
 #ifdef KVEVICT_CLI_PATH

@@ -13,11 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/cli_options.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
 #include "eval/config.hpp"
 #include "eval/grid.hpp"
-#include "eval/grid_options.hpp"
 
 namespace kvevict::cli {
 namespace {
@@ -127,7 +126,7 @@ Command add_eval_command(CLI::App& parent) {
   eval::EvalCommand& grid_command = options->command;
   CLI::App* app = parent.add_subcommand(
       "eval", "Run a benchmark grid (policies x budgets x tasks) from a JSON config, resumable");
-  (void)eval::add_grid_options(*app, grid_command);
+  (void)add_grid_options(*app, grid_command);
   add_threads_option(*app, grid_command.threads);
   app->add_option("--model", grid_command.model,
                   "use this model instead of the config's \"model\"");

@@ -20,13 +20,13 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/cli_options.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/sampling.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
 #include "common/input_files.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/sampling.hpp"
 
 namespace kvevict::cli {
 namespace {

@@ -16,10 +16,10 @@
 #include <system_error>
 #include <vector>
 
-#include "cli_common/cli_options.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::cli {
 namespace {

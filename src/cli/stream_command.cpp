@@ -30,13 +30,13 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/cli_options.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_stream.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/text_stream.hpp"
 
 namespace kvevict::cli {
 namespace {

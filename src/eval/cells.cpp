@@ -14,14 +14,14 @@
 #include <set>
 #include <span>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
 #include "eval/engine.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::eval {
 namespace {
@@ -145,7 +145,7 @@ class CellSequence {
   CellSequence(const GridContext& grid, const CellSpec& cell) {
     const EvalConfig& config = grid.config;
     const PolicyEntry& entry = config.policies[cell.policy_index];
-    cli::PolicySetup setup = grid.engine->make_setup(entry.options(cell.budget, config.chunk));
+    harness::PolicySetup setup = grid.engine->make_setup(entry.options(cell.budget, config.chunk));
     const TaskKind kind = config.tasks[cell.task_index].kind;
     if (setup.catalyst && !entry.catalyst) {
       if (const std::optional<std::string> question = task_question(kind)) {
@@ -187,7 +187,7 @@ class Feeder {
   Feeder(const GridContext& grid) {
     // prepare_grid checked that anchors come with kvevict's tokenizer.
     if (grid.config.anchors) {
-      anchors_ = cli::AnchorInserter::for_tokenizer(*grid.engine->kvevict_tokenizer());
+      anchors_ = harness::AnchorInserter::for_tokenizer(*grid.engine->kvevict_tokenizer());
     }
   }
   std::vector<std::int32_t> operator()(std::span<const std::int32_t> tokens) {
@@ -202,7 +202,7 @@ class Feeder {
   }
 
  private:
-  std::optional<cli::AnchorInserter> anchors_;
+  std::optional<harness::AnchorInserter> anchors_;
 };
 
 std::vector<std::int32_t> bytes_to_tokens(std::string_view text) {
@@ -293,7 +293,7 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
   CycledText source(grid, task.turn_separator);
   std::vector<std::uint32_t> token_bytes = grid.engine->token_bytes();
   const int vocab = static_cast<int>(token_bytes.size());
-  cli::StreamScorer scorer(
+  harness::StreamScorer scorer(
       [&sequence](std::span<const std::int32_t> tokens, bool turn_start) {
         return sequence->feed(tokens, turn_start, /*all_logits=*/true).values;
       },
@@ -304,20 +304,20 @@ void run_stream_bpb(const GridContext& grid, const CellSpec& cell, OrderedJson& 
     const bool turn_start = source.fill(chunk, grid.config.chunk, handed_out, task.tokens);
     scorer.feed(chunk, turn_start);
   }
-  const cli::WindowedLoss& loss = scorer.loss();
+  const harness::WindowedLoss& loss = scorer.loss();
   CacheTotals totals;
   const SequenceCounters counters = sequence->counters();
   totals.add(counters, counters.live_kv_bytes);
   OrderedJson& metrics = result["metrics"];
   totals.write(metrics, seconds_since(start));
-  const cli::LossTotals& overall = loss.overall();
+  const harness::LossTotals& overall = loss.overall();
   metrics["bits_per_byte"] = overall.bits_per_byte();
   metrics["perplexity"] = overall.perplexity();
   metrics["tokens_scored"] = overall.tokens;
   metrics["bytes_scored"] = overall.bytes;
   if (!task.turn_separator.empty()) metrics["turns"] = source.turns();
   OrderedJson windows = OrderedJson::array();
-  for (const cli::LossWindow& window : loss.windows()) {
+  for (const harness::LossWindow& window : loss.windows()) {
     windows.push_back({{"first_position", window.first_position},
                        {"tokens", window.totals.tokens},
                        {"bytes", window.totals.bytes},
@@ -686,7 +686,7 @@ GridContext prepare_grid(EvalConfig config, const EngineLoader& load) {
                         "kvevict's <AC> anchor",
                         config.model));
       }
-      (void)cli::AnchorInserter::for_tokenizer(*tokenizer);
+      (void)harness::AnchorInserter::for_tokenizer(*tokenizer);
     } catch (const Error& error) {
       throw Error(fmt::format("{}: anchors: {}", config.source, error.what()));
     }
@@ -697,7 +697,7 @@ GridContext prepare_grid(EvalConfig config, const EngineLoader& load) {
     if (budgets.empty()) budgets.emplace_back(std::nullopt);
     for (const std::optional<int> budget : budgets) {
       try {
-        cli::PolicySetup setup = engine->make_setup(entry.options(budget, config.chunk));
+        harness::PolicySetup setup = engine->make_setup(entry.options(budget, config.chunk));
         const bool keeps_every_token = !setup.policy->retained_limit();
         const std::optional<std::int64_t> capacity = engine->check(setup);
         if (keeps_every_token && capacity) check_capacity(config, budget, *capacity);
@@ -804,7 +804,7 @@ Headline headline(const OrderedJson& cell_result) {
     line = {"tokens/s", number("tokens_per_second"), ""};
     line.text =
         fmt::format("{:.0f} tokens/s, peak RSS {}", line.value,
-                    cli::format_bytes(static_cast<std::uint64_t>(number("peak_rss_bytes"))));
+                    harness::format_bytes(static_cast<std::uint64_t>(number("peak_rss_bytes"))));
   }
   return line;
 }

@@ -15,13 +15,13 @@
 #include <map>
 #include <set>
 
-#include "cli_common/report.hpp"
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
 #include "eval/engine.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::eval {
 namespace {
@@ -81,7 +81,7 @@ std::string describe_status(int status, const fs::path& failed_file) {
     (void)reset_peak_rss();
     if (options.before_cell) options.before_cell(cell);
     const OrderedJson result = run_cell(grid, cell);
-    write_file_atomically(cells_dir / (cell.id + ".json"), cli::dump_json(result) + "\n");
+    write_file_atomically(cells_dir / (cell.id + ".json"), harness::dump_json(result) + "\n");
   } catch (const std::exception& error) {
     try {
       write_file_atomically(cells_dir / (cell.id + ".failed"), std::string(error.what()) + "\n");
@@ -604,7 +604,7 @@ void write_results(const GridRecord& record, const fs::path& out, const OrderedJ
     }
     aggregate = std::move(ordered);
   }
-  write_file_atomically(out / "results.json", cli::dump_json(aggregate) + "\n");
+  write_file_atomically(out / "results.json", harness::dump_json(aggregate) + "\n");
   write_file_atomically(out / "results.csv", results_csv(aggregate));
   write_file_atomically(out / "results.md", results_markdown(record, aggregate));
 }

@@ -11,12 +11,12 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/cli_options.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_stream.hpp"
+#include "cli/options.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/text_stream.hpp"
 #include "llama/cli/commands.hpp"
 #include "llama/cli/llama_options.hpp"
 
@@ -28,7 +28,7 @@ struct StreamOptions {
   std::string input;
   int window = 1024;
   std::string turn_separator;
-  cli::PolicyOptions policy;
+  harness::PolicyOptions policy;
   LlamaOptions llama;
   bool json = false;
   bool insert_anchors = false;
@@ -38,23 +38,24 @@ struct StreamOptions {
 // kvevict's tokenizer where it holds the vocabulary (the text cut and encoded exactly as `kvevict
 // stream` does); else llama.cpp's, the text cut only before a space and each piece encoded with
 // its leading space (byte-level BPE: Llama 3, Qwen, SmolLM2).
-cli::TextStreamResult stream_text(const StreamOptions& options, const std::string& separator,
-                                  const LlamaModel& model, cli::StreamScorer& scorer, int chunk) {
-  const cli::TextStreamOptions stream{
+harness::TextStreamResult stream_text(const StreamOptions& options, const std::string& separator,
+                                      const LlamaModel& model, harness::StreamScorer& scorer,
+                                      int chunk) {
+  const harness::TextStreamOptions stream{
       .input = options.input,
       .turn_separator = separator,
       .insert_anchors = options.insert_anchors,
       .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
       .progress = true};
   if (const model::Tokenizer* tokenizer = model.kvevict_tokenizer()) {
-    return cli::stream_text(stream, *tokenizer, scorer, chunk);
+    return harness::stream_text(stream, *tokenizer, scorer, chunk);
   }
-  const cli::PieceEncoder encoder{
+  const harness::PieceEncoder encoder{
       .encode = [&model](std::string_view text,
                          bool add_bos) { return model.encode(text, add_bos); },
       .cut_before_space = true,
       .drop_cut_space = false};
-  return cli::stream_text(stream, encoder, std::nullopt, scorer, chunk);
+  return harness::stream_text(stream, encoder, std::nullopt, scorer, chunk);
 }
 
 int run_stream(const StreamOptions& options) {
@@ -65,12 +66,12 @@ int run_stream(const StreamOptions& options) {
     throw Error(
         fmt::format("--limit-bytes must be >= 0 (0 = no limit), got {}", options.limit_bytes));
   }
-  const std::string separator = cli::unescape(options.turn_separator);
-  cli::validate_policy_options(options.policy);
+  const std::string separator = harness::unescape(options.turn_separator);
+  harness::validate_policy_options(options.policy);
 
   const LlamaModel model(options.model, options.llama.gpu_layers);
-  cli::PolicySetup setup = make_setup(options.policy, model);
-  cli::warn_if_single_turn(*setup.policy, !separator.empty());
+  harness::PolicySetup setup = make_setup(options.policy, model);
+  harness::warn_if_single_turn(*setup.policy, !separator.empty());
   StageClock clock;
   const std::unique_ptr<llama::LlamaSequence> sequence =
       make_llama_sequence(model, options.llama, setup, &clock);
@@ -82,27 +83,27 @@ int run_stream(const StreamOptions& options) {
       throw Error("--insert-anchors needs a vocabulary with kvevict's <AC> anchor; '" +
                   options.model + "' has none");
     }
-    anchor_id = cli::AnchorInserter::for_tokenizer(*tokenizer).anchor_id();
+    anchor_id = harness::AnchorInserter::for_tokenizer(*tokenizer).anchor_id();
   }
-  cli::StreamScorer scorer(
+  harness::StreamScorer scorer(
       [&sequence](std::span<const std::int32_t> tokens, bool turn_start) {
         return sequence->feed(tokens, turn_start, /*all_logits=*/true).values;
       },
       sequence->vocab(), options.window, model.token_bytes(), anchor_id.value_or(-1));
-  const cli::TextStreamResult streamed =
+  const harness::TextStreamResult streamed =
       stream_text(options, separator, model, scorer, sequence->max_chunk());
   if (!separator.empty()) {
-    cli::warn_if_single_turn(sequence->sequence().policy(), streamed.turns > 0);
+    harness::warn_if_single_turn(sequence->sequence().policy(), streamed.turns > 0);
   }
-  const cli::CacheReport report = cache_report(*sequence, setup.name, streamed.seconds, clock);
-  cli::print_stream_report(
+  const harness::CacheReport report = cache_report(*sequence, setup.name, streamed.seconds, clock);
+  harness::print_stream_report(
       options.json,
-      cli::StreamReportHeader{.model = options.model,
-                              .input = options.input,
-                              .turns = !separator.empty(),
-                              .insert_anchors = options.insert_anchors,
-                              .policy_description = describe_policy(setup, *sequence),
-                              .policy = policy_json(setup, *sequence)},
+      harness::StreamReportHeader{.model = options.model,
+                                  .input = options.input,
+                                  .turns = !separator.empty(),
+                                  .insert_anchors = options.insert_anchors,
+                                  .policy_description = describe_policy(setup, *sequence),
+                                  .policy = policy_json(setup, *sequence)},
       scorer.loss(), streamed, report);
   return 0;
 }

@@ -14,11 +14,11 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/report.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/report.hpp"
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 struct TextStreamOptions {
   std::string input;              ///< a file, or "-" for stdin
@@ -74,4 +74,4 @@ struct StreamReportHeader {
 void print_stream_report(bool json, const StreamReportHeader& header, const WindowedLoss& loss,
                          const TextStreamResult& streamed, const CacheReport& report);
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -1,4 +1,4 @@
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 
 #include <fmt/format.h>
 
@@ -15,9 +15,9 @@
 #include <utility>
 #include <variant>
 
-#include "cli_common/report.hpp"
+#include "harness/report.hpp"
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 namespace {
 
 // The spec's parameters, resolved, with the policy named in messages and a hint for a missing
@@ -36,8 +36,6 @@ PolicyParams resolved(const PolicySpec& spec, const PolicyParams& given) {
 bool has_sinks(const PolicySpec& spec) { return spec.find("sinks") != nullptr; }
 
 }  // namespace
-
-std::string policy_list() { return kvevict::policy_list(); }
 
 PolicyParams resolve_params(const PolicyOptions& options, const model::Tokenizer* tokenizer) {
   PolicyParams params;
@@ -243,4 +241,4 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
           : ""));
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -3,7 +3,8 @@
 // --chunk / --catalyst become a kvevict::Policy plus the decoder's options. Parameters are typed
 // and checked by the policy's spec (kvevict/policy_registry.hpp); this file only maps options.
 //
-// Nothing here depends on CLI11 (cli_options.hpp registers the flags), so tests call it directly.
+// Nothing here depends on CLI11 (the programs register the flags: src/cli/options.hpp), so tests
+// call it directly.
 // Every problem is a kvevict::Error whose message names the option at fault.
 #pragma once
 
@@ -19,7 +20,7 @@
 #include <string>
 #include <vector>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 inline constexpr int kDefaultSinks = 4;
 inline constexpr int kDefaultChunk = 64;
@@ -44,9 +45,6 @@ struct PolicyOptions {
   /// --decode-activations: model::DecoderOptions::decode_activations (kvevict's decoder only)
   std::string decode_activations = "f32";
 };
-
-/// Names of the policies, comma-separated, for messages and --help.
-[[nodiscard]] std::string policy_list();
 
 /// The parameters as given: the --budget mapping, then --sinks, then every --param (untyped:
 /// PolicySpec::resolve types them). With a tokenizer, AnLLM's anchor_ids default to the
@@ -104,4 +102,4 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
 [[nodiscard]] nlohmann::ordered_json policy_json(const PolicySetup& setup,
                                                  const model::Decoder& decoder);
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

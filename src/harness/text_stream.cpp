@@ -1,4 +1,4 @@
-#include "cli_common/text_stream.hpp"
+#include "harness/text_stream.hpp"
 
 #include <fmt/format.h>
 
@@ -13,11 +13,11 @@
 #include <utility>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/report.hpp"
+#include "harness/text_pieces.hpp"
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -271,4 +271,4 @@ void print_stream_report(bool json_output, const StreamReportHeader& header,
   if (!std::cout) throw Error("error while writing to stdout");
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -1,13 +1,15 @@
-// CLI11 registration of the options shared by the decoder subcommands (generate, stream, eval).
-// Header-only on purpose: only the `kvevict` executable links CLI11, the tools library does not.
+// CLI11 registration of the options the front ends share (`kvevict` and `kvevict-llama`: generate,
+// stream, compare, eval). The programs' own glue: the harness (src/harness) does not link CLI11.
+// Header-only, included by both executables.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <string>
 
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/sampling.hpp"
+#include "eval/grid.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/sampling.hpp"
 
 namespace kvevict::cli {
 
@@ -24,7 +26,8 @@ inline std::string budget_mapping_help() {
   std::string help = "at --budget 64:";
   for (const PolicySpec* spec : policy_specs()) {
     if (spec->budget == nullptr) continue;
-    help += " " + std::string(spec->name) + " " + spec->budget(64, kDefaultSinks).to_string() + ";";
+    help += " " + std::string(spec->name) + " " +
+            spec->budget(64, harness::kDefaultSinks).to_string() + ";";
   }
   help.pop_back();
   return help;
@@ -53,7 +56,7 @@ inline void add_decode_activations_option(CLI::App& app, std::string& activation
 /// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --kv-type, --chunk,
 /// --catalyst
 /// (group "Policy" in --help).
-inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
+inline void add_policy_options(CLI::App& app, harness::PolicyOptions& options) {
   const std::string group = "Policy";
   app.add_option("--policy", options.policy, "eviction policy: " + policy_list())
       ->group(group)
@@ -122,7 +125,7 @@ inline void add_insert_anchors_option(CLI::App& app, bool& insert, const std::st
 
 /// --temp (alias --temperature), --top-k, --top-p, --seed (group "Sampling"), spelt as llama.cpp
 /// spells them.
-inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
+inline void add_sampling_options(CLI::App& app, harness::SamplingOptions& options) {
   const std::string group = "Sampling";
   app.add_option("--temp,--temperature", options.temperature,
                  "softmax temperature; 0 = greedy (always the most likely token)")
@@ -141,6 +144,29 @@ inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
                  "random seed (std::mt19937_64): same seed, same output on every platform")
       ->group(group)
       ->capture_default_str();
+}
+
+/// The command-line options of a grid run that `kvevict eval` and `kvevict-llama eval` share.
+/// Each executable adds its own: the model (optional for kvevict, a GGUF for kvevict-llama),
+/// threads, the K/V type, llama.cpp's options.
+/// config (positional), -o/--out, -j/--jobs, --shard, --fresh, --list, --text. Returns the config
+/// option: `kvevict eval` leaves it optional (its `merge` subcommand takes none).
+inline CLI::Option* add_grid_options(CLI::App& app, eval::EvalCommand& command) {
+  CLI::Option* config =
+      app.add_option("config", command.config, "grid config (JSON; see docs/eval.md)");
+  app.add_option("-o,--out", command.out,
+                 "output directory (default: eval/results/<config name>); cells/<id>.json holds "
+                 "each finished cell");
+  app.add_option("-j,--jobs", command.jobs, "cells run at once, each in its own process")
+      ->capture_default_str();
+  app.add_option("--shard", command.shard,
+                 "run only shard I of N (1 <= I <= N): the cells at positions I-1, I-1+N, ... of "
+                 "the grid; combine the shards' outputs with `kvevict eval merge`");
+  app.add_flag("--fresh", command.fresh,
+               "discard the output directory's cells and results and run every cell again");
+  app.add_flag("--list", command.list, "print the grid's cells and exit (nothing is loaded)");
+  app.add_option("--text", command.text, "use this text file instead of the config's \"text\"");
+  return config;
 }
 
 }  // namespace kvevict::cli
