@@ -1,11 +1,12 @@
 // The `kvevict` decoder subcommands (generate, stream, info, random-model) and their shared option
-// parsing (src/lib/cli_support). The support code is tested directly; the commands run as the
-// built binary against a random model the suite writes to a temporary directory.
+// parsing (src/harness, src/cli/options.hpp). The support code is tested directly; the commands run
+// as the built binary against a random model the suite writes to a temporary directory.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -591,9 +592,26 @@ TEST_F(Cli, BadOptionsExitWithCode2AndSayWhy) {
       {{"generate", "--model", *model_, "--prompt", "x", "--top-p", "0"}, "--top-p"},
       {{"generate", "--model", *model_, "--prompt", "x", "--top-p", "1.5"}, "--top-p"},
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "lru"}, "known: full"},
+      // The budget must be larger than the sinks it holds; the message says the smallest.
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "streaming_llm", "--budget",
         "4"},
-       "smaller than the protected set (sinks 4)"},
+       "keeps its 4 sinks (--sinks 4) inside the budget, and it needs at least one slot besides "
+       "them: --budget 5 at least"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "streaming_llm", "--budget",
+        "2", "--sinks", "2"},
+       "--budget 3 at least"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "tova", "--budget", "4",
+        "--sinks", "4"},
+       "tova keeps its 4 sinks (--sinks 4) inside the budget, and it needs at least one slot "
+       "besides them: --budget 5 at least"},
+      // A policy that evicts only before turns also holds a turn's first chunk.
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "sirllm", "--budget", "4",
+        "--chunk", "16"},
+       "sinks plus one chunk (--chunk 16): --budget 20 at least"},
+      {{"stream", "--model", *model_, "--input", text, "--threads", "0"}, "--threads"},
+      {{"stream", "--model", *model_, "--input", text, "--limit-bytes", "-1"}, "--limit-bytes"},
+      {{"compare", "--model", *model_, "--input", "-"}, "stdin can be read once"},
+      {{"policies", "lru"}, "unknown policy 'lru'"},
       {{"generate", "--model", *model_, "--prompt", "x", "--chunk", "0"}, "--chunk"},
       {{"generate", "--model", *model_, "--prompt", "x", "--budget", "8"}, "'full'"},
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "window", "--budget", "-2"},
@@ -781,11 +799,136 @@ TEST_F(Cli, PoliciesListsEverySpec) {
 }
 
 TEST_F(Cli, EverySubcommandHasHelpWithAnExample) {
-  for (const char* command : {"generate", "stream", "info", "random-model", "compare"}) {
+  for (const char* command :
+       {"generate", "stream", "info", "random-model", "compare", "policies"}) {
     const CommandResult help = run({command, "--help"});
     EXPECT_EQ(help.code, 0) << command;
     EXPECT_NE(help.out.find("Example"), std::string::npos) << command << help.out;
   }
+}
+
+// The examples run from a checkout as the README builds it (`--target kvevict_cli` writes no
+// model): every model and text they name is committed.
+TEST_F(Cli, HelpExamplesNameCommittedFiles) {
+  const fs::path root = fs::path(KVEVICT_TEST_DATA_DIR).parent_path().parent_path();
+  for (const char* command : {"generate", "stream", "info", "compare", "eval"}) {
+    const CommandResult help = run({command, "--help"});
+    ASSERT_EQ(help.code, 0) << command;
+    const std::string examples = help.out.substr(help.out.find("Example"));
+    EXPECT_EQ(examples.find("build/"), std::string::npos) << command << examples;
+    std::istringstream words(examples);
+    int committed = 0;
+    for (std::string word; words >> word;) {
+      if (word.starts_with("models/") || word.starts_with("data/") ||
+          word.starts_with("eval/configs/")) {
+        EXPECT_TRUE(fs::exists(root / word)) << command << ": " << word;
+        ++committed;
+      }
+    }
+    EXPECT_GT(committed, 0) << command << examples;
+  }
+}
+
+TEST_F(Cli, TheModelIsAPositionalPathOrMinusMinusModel) {
+  const json positional = run_json({"info", *model_});
+  const json named = run_json({"info", "--model", *model_});
+  EXPECT_EQ(positional, named);
+  EXPECT_EQ(positional["format"], "gguf");
+  const json streamed = run_json({"stream", *model_, "--input", file("text2k.txt")});
+  EXPECT_EQ(streamed["tokens"], 2048);
+  const CommandResult generated =
+      run({"generate", *model_, "--prompt", "ab", "--max-tokens", "2", "--json"});
+  EXPECT_EQ(generated.code, 0) << generated.err;
+  const CommandResult missing = run({"info"});
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("model"), std::string::npos) << missing.err;
+}
+
+TEST_F(Cli, PoliciesShowsTheOnesNamed) {
+  const CommandResult h2o = run({"policies", "h2o"});
+  EXPECT_EQ(h2o.code, 0) << h2o.err;
+  EXPECT_EQ(h2o.out.rfind("h2o\n", 0), 0u) << h2o.out;
+  EXPECT_NE(h2o.out.find("heavy"), std::string::npos) << h2o.out;
+  EXPECT_NE(h2o.out.find("granularity head"), std::string::npos) << h2o.out;
+  EXPECT_EQ(h2o.out.find("tova"), std::string::npos) << h2o.out;
+  const CommandResult two = run({"policies", "h2o", "tova", "--markdown"});
+  EXPECT_EQ(two.code, 0) << two.err;
+  EXPECT_NE(two.out.find("| `tova` | `budget`"), std::string::npos) << two.out;
+  EXPECT_EQ(two.out.find("`window`"), std::string::npos) << two.out;
+}
+
+// stream, compare (and kvevict-llama stream) register their input options once: same help.
+TEST_F(Cli, StreamAndCompareShareTheirInputOptions) {
+  const auto option_lines = [&](const char* command) {
+    const CommandResult help = run({command, "--help"});
+    std::string lines;
+    std::istringstream in(help.out);
+    for (std::string line; std::getline(in, line);) {
+      const bool input_option = line.starts_with("  -i,--input ") ||
+                                line.starts_with("  --turn-separator ") ||
+                                line.starts_with("  --limit-bytes ");
+      if (!input_option) continue;
+      // --limit-bytes' default is the command's own (compare: 8192): its description only.
+      const bool limit = line.starts_with("  --limit-bytes ");
+      lines += (limit ? line.substr(std::min(line.find("read only"), line.size())) : line) + "\n";
+    }
+    return lines;
+  };
+  const std::string stream = option_lines("stream");
+  EXPECT_NE(stream.find("--turn-separator"), std::string::npos) << stream;
+  EXPECT_EQ(option_lines("compare"), stream);
+}
+
+TEST_F(Cli, CompareFeedsTurnsToTurnEvictingPolicies) {
+  write_text(file("turns.txt"), [] {
+    std::string text;
+    for (int i = 0; i < 24; ++i) {
+      std::string turn = sample_text(60);  // one turn each: its own blank lines become spaces
+      std::replace(turn.begin(), turn.end(), '\n', ' ');
+      text += turn + "\n\n";
+    }
+    return text;
+  }());
+  const std::vector<std::string> arguments = {
+      "compare", *model_,   "--input", file("turns.txt"), "--budget",
+      "24",      "--chunk", "8",       "--policies",      "full,sirllm"};
+  std::vector<std::string> with_turns = arguments;
+  with_turns.insert(with_turns.end(), {"--turn-separator", "\\n\\n"});
+  const json turns = run_json(with_turns);
+  EXPECT_EQ(turns["turns"], 24);
+  const json& sirllm = turns["rows"][1];
+  EXPECT_GT(sirllm["cache"]["evicted_slots"].get<std::int64_t>(), 0) << sirllm;
+  EXPECT_LT(sirllm["cache"]["peak_kv_bytes"], turns["rows"][0]["cache"]["peak_kv_bytes"]);
+  // Without turns SirLLM never evicts, and says so.
+  const CommandResult one_turn = run(arguments);
+  EXPECT_EQ(one_turn.code, 0) << one_turn.err;
+  EXPECT_NE(one_turn.err.find("evicts only before a turn"), std::string::npos) << one_turn.err;
+}
+
+// The text report's granularity line: what a keep-set covers, and where it came from.
+TEST_F(Cli, StreamSaysItsGranularity) {
+  const auto granularity_line = [&](std::vector<std::string> extra) {
+    std::vector<std::string> arguments = {"stream",           *model_,         "--input",
+                                          file("text2k.txt"), "--limit-bytes", "256"};
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    const CommandResult result = run(arguments);
+    EXPECT_EQ(result.code, 0) << result.err;
+    const std::size_t at = result.out.find("granularity    ");
+    return at == std::string::npos ? std::string()
+                                   : result.out.substr(at, result.out.find('\n', at) - at);
+  };
+  const std::string h2o = granularity_line({"--policy", "h2o", "--budget", "32"});
+  EXPECT_NE(h2o.find("head: one keep-set per KV head (h2o's default; kvevict-llama decides per "
+                     "token"),
+            std::string::npos)
+      << h2o;
+  EXPECT_NE(h2o.find("--granularity token"), std::string::npos) << h2o;
+  EXPECT_NE(granularity_line({"--policy", "window", "--budget", "32"})
+                .find("token: one keep-set for the whole model, per token (window's default"),
+            std::string::npos);
+  EXPECT_NE(granularity_line({"--policy", "h2o", "--budget", "32", "--granularity", "token"})
+                .find("(--granularity)"),
+            std::string::npos);
 }
 
 #endif  // KVEVICT_CLI_PATH

@@ -224,7 +224,9 @@ PLOTTERS = {"stream_bpb": plot_stream_bpb, "passkey": plot_passkey, "grocery": p
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="results.json of kvevict eval")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("build/plots"),
+                        help="directory of the figures (default: build/plots, outside the "
+                        "committed folders; --out docs/results redraws the committed figures)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for path in args.results:

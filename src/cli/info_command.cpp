@@ -211,7 +211,9 @@ Command add_info_command(CLI::App& parent) {
       "embeddings, weight bytes by dtype, and KV-cache bytes per token (keys + values, plus\n"
       "kvevict's per-slot metadata, shown separately and per policy).\n"
       "\n"
-      "Example:\n  kvevict info --model build/release/models/random-tiny.gguf");
+      "Examples:\n"
+      "  kvevict info models/toy-base\n"
+      "  kvevict info --model models/toy-anchor --json");
   return Command{app, [options] { return run_info(*options); }};
 }
 

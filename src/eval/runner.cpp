@@ -21,6 +21,7 @@
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
+#include "harness/policy_setup.hpp"
 #include "harness/report.hpp"
 
 namespace kvevict::eval {
@@ -609,12 +610,28 @@ void write_results(const GridRecord& record, const fs::path& out, const OrderedJ
   write_file_atomically(out / "results.md", results_markdown(record, aggregate));
 }
 
+fs::path output_directory(const fs::path& out, bool committed, std::string_view grid_name) {
+  if (committed && !out.empty()) {
+    throw Error(fmt::format("--out {} and --committed ({}/{}): give one", out.string(),
+                            kCommittedResults, grid_name));
+  }
+  if (!out.empty()) return out;
+  if (committed) return fs::path(kCommittedResults) / grid_name;
+  const fs::path build = KVEVICT_BUILD_DIR;
+  std::error_code error;
+  if (!fs::is_directory(build, error)) {
+    throw Error(fmt::format(
+        "no --out given, and the build tree of the default output ({}/eval-results) is gone: "
+        "give --out DIR (or --committed for {}/{})",
+        build.string(), kCommittedResults, grid_name));
+  }
+  return build / "eval-results" / grid_name;
+}
+
 bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std::ostream& out,
                       std::ostream& progress) {
   if (command.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", command.jobs));
-  if (command.threads < 1 || command.threads > 1024) {
-    throw Error(fmt::format("--threads must be in [1, 1024], got {}", command.threads));
-  }
+  harness::check_threads(command.threads);
   std::optional<ShardSpec> shard;
   if (!command.shard.empty()) shard = parse_shard(command.shard);
   EvalConfig config = load_eval_config(command.config);
@@ -632,7 +649,7 @@ bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std:
   GridContext grid = prepare_grid(std::move(config), load);
   grid.threads = command.threads;
   GridOptions options;
-  options.out = command.out.empty() ? "eval/results/" + grid.config.name : command.out;
+  options.out = output_directory(command.out, command.committed, grid.config.name);
   options.jobs = command.jobs;
   options.fresh = command.fresh;
   options.shard = shard;

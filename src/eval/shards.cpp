@@ -338,7 +338,7 @@ MergeSummary merge_shards(const MergeOptions& options) {
   }
 
   MergeSummary summary;
-  summary.out = options.out.empty() ? fs::path("eval/results") / grid_name : options.out;
+  summary.out = output_directory(options.out, options.committed, grid_name);
   summary.cells = merged.cells.size();
   std::error_code error;
   for (const ShardOutput& shard : shards) {

@@ -56,6 +56,24 @@ std::string describe_policy(const harness::PolicySetup& setup,
                      harness::describe_kv_type(setup.decoder_options.kv_type));
 }
 
+std::string describe_granularity(const harness::PolicySetup& setup,
+                                 const llama::LlamaSequence& sequence) {
+  const Granularity used = sequence.sequence().granularity();
+  const std::string head = fmt::format("{}: {}", to_string(used), harness::keep_set_text(used));
+  if (setup.decoder_options.granularity) return head + " (--granularity)";
+  const Granularity kvevict_default = sequence.sequence().policy().default_granularity();
+  if (kvevict_default == used) {
+    return fmt::format(
+        "{}, as llama.cpp's cells are ({}'s default too: kvevict stream decides "
+        "the same)",
+        head, setup.name);
+  }
+  return fmt::format(
+      "{}, as llama.cpp's cells are; kvevict stream decides at {}'s default, {} ({}), so the "
+      "decisions differ: --granularity token on both makes them agree",
+      head, setup.name, to_string(kvevict_default), harness::keep_set_text(kvevict_default));
+}
+
 nlohmann::ordered_json policy_json(const harness::PolicySetup& setup,
                                    const llama::LlamaSequence& sequence) {
   nlohmann::ordered_json json;

@@ -53,6 +53,11 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
 /// kv_type: the type of llama.cpp's K and V cells).
 [[nodiscard]] std::string describe_policy(const harness::PolicySetup& setup,
                                           const llama::LlamaSequence& sequence);
+/// The stream report's granularity line over llama.cpp: llama.cpp's cells are per token, so the
+/// default is token where kvevict's decoder takes the policy's own (per KV head for h2o, tova,
+/// ...): the line says when `kvevict stream` decides differently by default.
+[[nodiscard]] std::string describe_granularity(const harness::PolicySetup& setup,
+                                               const llama::LlamaSequence& sequence);
 [[nodiscard]] nlohmann::ordered_json policy_json(const harness::PolicySetup& setup,
                                                  const llama::LlamaSequence& sequence);
 

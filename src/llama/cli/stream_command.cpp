@@ -25,28 +25,20 @@ namespace {
 
 struct StreamOptions {
   std::string model;
-  std::string input;
+  harness::StreamInputOptions input;
   int window = 1024;
-  std::string turn_separator;
   harness::PolicyOptions policy;
   LlamaOptions llama;
   bool json = false;
   bool insert_anchors = false;
-  std::int64_t limit_bytes = 0;
 };
 
 // kvevict's tokenizer where it holds the vocabulary (the text cut and encoded exactly as `kvevict
 // stream` does); else llama.cpp's, the text cut only before a space and each piece encoded with
 // its leading space (byte-level BPE: Llama 3, Qwen, SmolLM2).
-harness::TextStreamResult stream_text(const StreamOptions& options, const std::string& separator,
+harness::TextStreamResult stream_text(const harness::TextStreamOptions& stream,
                                       const LlamaModel& model, harness::StreamScorer& scorer,
                                       int chunk) {
-  const harness::TextStreamOptions stream{
-      .input = options.input,
-      .turn_separator = separator,
-      .insert_anchors = options.insert_anchors,
-      .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
-      .progress = true};
   if (const model::Tokenizer* tokenizer = model.kvevict_tokenizer()) {
     return harness::stream_text(stream, *tokenizer, scorer, chunk);
   }
@@ -62,16 +54,15 @@ int run_stream(const StreamOptions& options) {
   if (options.window < 1) {
     throw Error(fmt::format("--window must be at least 1, got {}", options.window));
   }
-  if (options.limit_bytes < 0) {
-    throw Error(
-        fmt::format("--limit-bytes must be >= 0 (0 = no limit), got {}", options.limit_bytes));
-  }
-  const std::string separator = harness::unescape(options.turn_separator);
+  harness::TextStreamOptions stream = harness::text_stream_options(options.input);
+  stream.insert_anchors = options.insert_anchors;
+  stream.progress = true;
+  const bool turns = !stream.turn_separator.empty();
   harness::validate_policy_options(options.policy);
 
   const LlamaModel model(options.model, options.llama.gpu_layers);
   harness::PolicySetup setup = make_setup(options.policy, model);
-  harness::warn_if_single_turn(*setup.policy, !separator.empty());
+  harness::warn_if_single_turn(*setup.policy, turns);
   StageClock clock;
   const std::unique_ptr<llama::LlamaSequence> sequence =
       make_llama_sequence(model, options.llama, setup, &clock);
@@ -91,18 +82,19 @@ int run_stream(const StreamOptions& options) {
       },
       sequence->vocab(), options.window, model.token_bytes(), anchor_id.value_or(-1));
   const harness::TextStreamResult streamed =
-      stream_text(options, separator, model, scorer, sequence->max_chunk());
-  if (!separator.empty()) {
+      stream_text(stream, model, scorer, sequence->max_chunk());
+  if (turns) {
     harness::warn_if_single_turn(sequence->sequence().policy(), streamed.turns > 0);
   }
   const harness::CacheReport report = cache_report(*sequence, setup.name, streamed.seconds, clock);
   harness::print_stream_report(
       options.json,
       harness::StreamReportHeader{.model = options.model,
-                                  .input = options.input,
-                                  .turns = !separator.empty(),
+                                  .input = options.input.input,
+                                  .turns = turns,
                                   .insert_anchors = options.insert_anchors,
                                   .policy_description = describe_policy(setup, *sequence),
+                                  .granularity = describe_granularity(setup, *sequence),
                                   .policy = policy_json(setup, *sequence)},
       scorer.loss(), streamed, report);
   return 0;
@@ -117,16 +109,8 @@ Command add_stream_command(CLI::App& parent) {
       "Stream a text file through llama.cpp under a kvevict policy: bits per byte, perplexity, "
       "memory (the report of `kvevict stream`)");
   cli::add_model_option(*app, options->model);
-  app->add_option("-i,--input", options->input, "text file to stream (\"-\" = stdin)")->required();
-  app->add_option("-w,--window", options->window,
-                  "report the loss per window of this many positions")
-      ->capture_default_str();
-  app->add_option("--turn-separator", options->turn_separator,
-                  "split the text after each occurrence of this string and feed each piece as a "
-                  "new turn; \\n, \\t, \\r and \\\\ are unescaped");
-  app->add_option("--limit-bytes", options->limit_bytes,
-                  "read only the first N bytes of the input (0 = all)")
-      ->capture_default_str();
+  cli::add_stream_input_options(*app, options->input);
+  cli::add_window_option(*app, options->window);
   cli::add_policy_options(*app, options->policy);
   cli::add_insert_anchors_option(*app, options->insert_anchors,
                                  "the anchors are fed and take positions but are not scored");
