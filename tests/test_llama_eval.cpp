@@ -210,7 +210,7 @@ TEST_F(LlamaEval, StreamsSayTheirGranularity) {
                             (fs::path(KVEVICT_SOURCE_DIR) / "data/kjv-heldout.txt").string() +
                             "' --limit-bytes 600 --policy h2o --budget 64";
   const Outcome llama =
-      run("(" + std::string(KVEVICT_LLAMA_CLI) + flags + " -c 512 2>/dev/null)", dir_);
+      run(std::string("(") + KVEVICT_LLAMA_CLI + flags + " -c 512 2>/dev/null)", dir_);
   EXPECT_EQ(llama.status, 0) << llama.output;
   EXPECT_NE(llama.output.find("granularity    token: one keep-set for the whole model, per token, "
                               "as llama.cpp's cells are; kvevict stream decides at h2o's default, "
@@ -218,7 +218,7 @@ TEST_F(LlamaEval, StreamsSayTheirGranularity) {
                               "--granularity token on both makes them agree"),
             std::string::npos)
       << llama.output;
-  const Outcome reference = run("(" + std::string(KVEVICT_CLI) + flags + " 2>/dev/null)", dir_);
+  const Outcome reference = run(std::string("(") + KVEVICT_CLI + flags + " 2>/dev/null)", dir_);
   EXPECT_EQ(reference.status, 0) << reference.output;
   EXPECT_NE(reference.output.find("granularity    head: one keep-set per KV head (h2o's default; "
                                   "kvevict-llama decides per token"),

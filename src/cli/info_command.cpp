@@ -1,5 +1,6 @@
-// `kvevict info --model PATH [--json]`: what a model file holds (format, architecture, tokenizer,
-// weight bytes by dtype) and what its KV cache costs per token, in kvevict's store.
+// `kvevict info MODEL [--json]` (or --model MODEL): what a model file holds (format,
+// architecture, tokenizer, weight bytes by dtype) and what its KV cache costs per token, in
+// kvevict's store.
 #include <fmt/format.h>
 
 #include <cstdint>

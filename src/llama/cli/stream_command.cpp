@@ -120,7 +120,11 @@ Command add_stream_command(CLI::App& parent) {
   app->footer(
       "The same stream, scoring and report as `kvevict stream`, computed by llama.cpp: token t\n"
       "is scored with the logits of position t - 1; the first token (BOS) is not scored. The\n"
-      "KV memory reported is llama.cpp's cells in use (K and V of every layer).\n"
+      "KV memory reported is llama.cpp's cells in use (K and V of every layer). llama.cpp's\n"
+      "cells are per token, so the policy decides once for the whole model (granularity token)\n"
+      "where `kvevict stream` takes the policy's own (per KV head for h2o): give\n"
+      "--granularity token to both for the same decisions; the report's granularity line says\n"
+      "which.\n"
       "\n"
       "Example:\n"
       "  kvevict-llama stream --model model.gguf --input book.txt --policy h2o --budget 1024 \\\n"
