@@ -1,7 +1,10 @@
 #!/usr/bin/python3
 """Plots of `kvevict eval` results (results.json) as PNG, with Debian's python3-matplotlib.
 
-    /usr/bin/python3 tools/plot_results.py eval/results/<name>/results.json [...] --out docs/results
+    /usr/bin/python3 tools/plot_results.py <eval output>/results.json [...] [--out DIR]
+
+The figures go to build/plots unless --out says where; `--out docs/results` over
+eval/results/*/results.json redraws the committed figures.
 
 One figure per task found in a results file, named <grid name>-<task>.png:
   stream_bpb  bits/byte per window of positions (a panel per budget) and overall bits/byte vs
