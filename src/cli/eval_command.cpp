@@ -150,7 +150,7 @@ Command add_eval_command(CLI::App& parent) {
       "in --list order) belongs to shard k mod N + 1. `kvevict eval merge DIR...` combines the\n"
       "shards' output directories into the results one run writes (docs/eval.md).\n"
       "\n"
-      "Outputs go to <build>/eval-results/<config name> unless --out DIR says where;\n"
+      "Outputs go to <build>/eval-results/<config name> (see --out) unless --out DIR says where;\n"
       "--committed writes the committed eval/results/<config name> instead (from the checkout's\n"
       "root: how the committed results are reproduced).\n"
       "\n"

@@ -173,8 +173,9 @@ inline void add_sampling_options(CLI::App& app, harness::SamplingOptions& option
 template <typename Path>
 void add_output_options(CLI::App& app, Path& out, bool& committed, const std::string& what) {
   app.add_option("-o,--out", out,
-                 "output directory (default: <build>/eval-results/<config name>, in the build "
-                 "tree, so the checkout's committed results stay as they are); " +
+                 "output directory (default: " + eval::default_output_root().string() +
+                     "/<config name>, in the build tree, so the checkout's committed results "
+                     "stay as they are); " +
                      what);
   app.add_flag("--committed", committed,
                "write to eval/results/<config name>, the committed results (run from the "

@@ -185,6 +185,10 @@ std::filesystem::path prepare_cells_directory(const std::filesystem::path& out, 
 /// Where the committed results of the grids live, relative to the checkout's root.
 inline constexpr std::string_view kCommittedResults = "eval/results";
 
+/// Where a grid's results go by default: <build>/eval-results, in the build tree kvevict was built
+/// in (<build>/eval-results/<grid name>).
+[[nodiscard]] std::filesystem::path default_output_root();
+
 /// The output directory of grid `grid_name`: `out` when given; with `committed` (--committed),
 /// eval/results/<grid name>, the committed results (run from the checkout's root to reproduce or
 /// update them); else <build>/eval-results/<grid name>, in the build tree kvevict was built in, so

@@ -610,6 +610,8 @@ void write_results(const GridRecord& record, const fs::path& out, const OrderedJ
   write_file_atomically(out / "results.md", results_markdown(record, aggregate));
 }
 
+fs::path default_output_root() { return fs::path(KVEVICT_BUILD_DIR) / "eval-results"; }
+
 fs::path output_directory(const fs::path& out, bool committed, std::string_view grid_name) {
   if (committed && !out.empty()) {
     throw Error(fmt::format("--out {} and --committed ({}/{}): give one", out.string(),
@@ -617,15 +619,15 @@ fs::path output_directory(const fs::path& out, bool committed, std::string_view 
   }
   if (!out.empty()) return out;
   if (committed) return fs::path(kCommittedResults) / grid_name;
-  const fs::path build = KVEVICT_BUILD_DIR;
+  const fs::path root = default_output_root();
   std::error_code error;
-  if (!fs::is_directory(build, error)) {
+  if (!fs::is_directory(root.parent_path(), error)) {
     throw Error(fmt::format(
-        "no --out given, and the build tree of the default output ({}/eval-results) is gone: "
-        "give --out DIR (or --committed for {}/{})",
-        build.string(), kCommittedResults, grid_name));
+        "no --out given, and the build tree of the default output ({}) is gone: give --out DIR "
+        "(or --committed for {}/{})",
+        root.string(), kCommittedResults, grid_name));
   }
-  return build / "eval-results" / grid_name;
+  return root / grid_name;
 }
 
 bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std::ostream& out,
