@@ -9,7 +9,7 @@
 //
 // BM_DecodeStep/<policy>/budget:<N>, for every policy of the registry: a single-token forward()
 // with the cache full at the budget, so every step of a bounded policy evicts. Policies are
-// configured exactly as `kvevict stream --policy P --budget N` does (cli_common/policy_setup.hpp:
+// configured exactly as `kvevict stream --policy P --budget N` does (harness/policy_setup.hpp:
 // the --budget mapping, 4 sinks, chunk 64, keys post_rope, each policy's own position mode and
 // granularity, InfiniPot's default catalyst prompt).
 //
@@ -82,7 +82,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 #include "model/kernels/kernels.hpp"
 
 namespace {
@@ -133,14 +133,14 @@ Running& running_for(const std::string& policy, int budget, const std::string& k
       running.kv_type == kv_type) {
     return running;
   }
-  running.decoder.reset();              // free the previous cache first
-  kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
+  running.decoder.reset();                  // free the previous cache first
+  kvevict::harness::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
   options.kv_type = kv_type;
   if (policy != "full") options.budget = budget;
-  kvevict::cli::PolicySetup setup = kvevict::cli::make_policy_setup(options, model());
+  kvevict::harness::PolicySetup setup = kvevict::harness::make_policy_setup(options, model());
   setup.decoder_options.observer = &running.clock;
-  running.decoder = kvevict::cli::make_decoder(model(), setup);
+  running.decoder = kvevict::harness::make_decoder(model(), setup);
   running.policy = policy;
   running.budget = budget;
   running.kv_type = kv_type;

@@ -10,7 +10,7 @@
 //      tokens, then `steps` timed llama_decode calls of one token: it attends over N cells on
 //      average. It runs first and again last for each budget, so that a drift of the machine's
 //      load between the two shows.
-//    - each policy, configured as `kvevict-llama stream --policy P --budget N` does (cli_common's
+//    - each policy, configured as `kvevict-llama stream --policy P --budget N` does (the harness's
 //      policy setup: the --budget mapping, 4 sinks, chunk 64, its position mode, token
 //      granularity, InfiniPot's general catalyst; TOVA under cache_index at token granularity),
 //      filled with N + 128 tokens (every bounded policy has evicted; InfiniPot: filled so that
@@ -67,7 +67,7 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 #include "llama/cli/llama_model.hpp"
 #include "llama/cli/llama_options.hpp"
 #include "model/model_io.hpp"
@@ -254,9 +254,9 @@ Row run_plain(llama_model* model, int budget, const Options& options) {
   return row;
 }
 
-kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget, const Options& bench,
-                                    const kvevict::llama_cli::LlamaModel& model) {
-  kvevict::cli::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
+kvevict::harness::PolicySetup setup_for(const std::string& policy, int budget, const Options& bench,
+                                        const kvevict::llama_cli::LlamaModel& model) {
+  kvevict::harness::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
   options.kv_type = "f16";  // llama.cpp's default cells, as plain's context
   if (policy != "full") options.budget = budget;
@@ -272,7 +272,7 @@ kvevict::cli::PolicySetup setup_for(const std::string& policy, int budget, const
 }
 
 std::unique_ptr<kvevict::llama::LlamaSequence> open_sequence(
-    const kvevict::llama_cli::LlamaModel& model, kvevict::cli::PolicySetup& setup, int n_ctx,
+    const kvevict::llama_cli::LlamaModel& model, kvevict::harness::PolicySetup& setup, int n_ctx,
     int threads, StageClock& clock) {
   kvevict::llama_cli::LlamaOptions llama;
   llama.threads = threads;
@@ -287,7 +287,7 @@ double eviction_seconds(const StageClock& clock) {
 
 Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& policy, int budget,
                const Options& options) {
-  kvevict::cli::PolicySetup setup = setup_for(policy, budget, options, model);
+  kvevict::harness::PolicySetup setup = setup_for(policy, budget, options, model);
   const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
   StageClock clock;
   const std::unique_ptr<kvevict::llama::LlamaSequence> sequence = open_sequence(
@@ -407,7 +407,7 @@ void run_steps(const kvevict::llama_cli::LlamaModel& model, const Options& optio
 }
 
 void run_memory(const kvevict::llama_cli::LlamaModel& model, const Options& options) {
-  kvevict::cli::PolicySetup setup =
+  kvevict::harness::PolicySetup setup =
       setup_for(options.memory_policy, options.memory_budget, options, model);
   const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
   const int n_ctx = options.memory_context > 0 ? options.memory_context

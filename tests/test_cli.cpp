@@ -1,11 +1,12 @@
 // The `kvevict` decoder subcommands (generate, stream, info, random-model) and their shared option
-// parsing (src/lib/cli_support). The support code is tested directly; the commands run as the
-// built binary against a random model the suite writes to a temporary directory.
+// parsing (src/harness, src/cli/options.hpp). The support code is tested directly; the commands run
+// as the built binary against a random model the suite writes to a temporary directory.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -24,11 +25,11 @@
 #include <utility>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/sampling.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/sampling.hpp"
+#include "harness/text_pieces.hpp"
 #include "support/expect_error.hpp"
 
 namespace {
@@ -36,7 +37,7 @@ namespace {
 namespace fs = std::filesystem;
 using kvevict::Error;
 using kvevict::PolicyParams;
-using kvevict::cli::PolicyOptions;
+using kvevict::harness::PolicyOptions;
 using nlohmann::json;
 
 std::string read_text(const fs::path& path) {
@@ -116,12 +117,12 @@ TEST(PolicyOptions, ParamsParseNumbersAndLists) {
   values.parse_pair("anchor_ids=258");
   values.parse_pair("ids=1, 2,3");
   EXPECT_EQ(values.to_string(), "anchor_ids=258 decay=0.5 ids=1,2,3 recent=28");
-  EXPECT_EQ(kvevict::cli::params_json(values).dump(),
+  EXPECT_EQ(kvevict::harness::params_json(values).dump(),
             R"({"anchor_ids":258,"decay":0.5,"ids":[1,2,3],"recent":28})");
   // The policy's spec types them: one anchor id is a list of one (the C API could not say so).
   const PolicyParams typed =
       kvevict::policy_spec("anllm").resolve(PolicyParams::parse("anchor_ids=258"));
-  EXPECT_EQ(kvevict::cli::params_json(typed).dump(), R"({"anchor_ids":[258],"max_slots":0})");
+  EXPECT_EQ(kvevict::harness::params_json(typed).dump(), R"({"anchor_ids":[258],"max_slots":0})");
   for (const char* bad : {"recent", "=3", "recent=", "recent=abc", "recent=1e999", "ids=1,x"}) {
     EXPECT_THROW(values.parse_pair(bad), Error) << bad;
   }
@@ -132,16 +133,16 @@ TEST(PolicyOptions, ParamsOverrideTheBudgetAndSinksApply) {
   options.policy = "streaming_llm";
   options.budget = 64;
   options.params = {"recent=10"};
-  EXPECT_EQ(kvevict::cli::resolve_params(options, nullptr).to_string(), "recent=10 sinks=4");
+  EXPECT_EQ(kvevict::harness::resolve_params(options, nullptr).to_string(), "recent=10 sinks=4");
   options.sinks = 2;
   options.sinks_given = true;
-  EXPECT_EQ(kvevict::cli::resolve_params(options, nullptr).to_string(), "recent=10 sinks=2");
+  EXPECT_EQ(kvevict::harness::resolve_params(options, nullptr).to_string(), "recent=10 sinks=2");
 }
 
 TEST(PolicyOptions, ValidationNamesTheProblem) {
   const auto message = [](const PolicyOptions& options) -> std::string {
     try {
-      kvevict::cli::validate_policy_options(options);
+      kvevict::harness::validate_policy_options(options);
     } catch (const Error& error) {
       return error.what();
     }
@@ -178,7 +179,7 @@ TEST(Sampling, UniformUnitUsesTheTop53Bits) {
   std::mt19937_64 engine(1);
   std::mt19937_64 copy(1);
   for (int i = 0; i < 1000; ++i) {
-    const double u = kvevict::cli::uniform_unit(engine);
+    const double u = kvevict::harness::uniform_unit(engine);
     EXPECT_GE(u, 0.0);
     EXPECT_LT(u, 1.0);
     EXPECT_EQ(u, static_cast<double>(copy() >> 11) / 9007199254740992.0);
@@ -187,14 +188,14 @@ TEST(Sampling, UniformUnitUsesTheTop53Bits) {
 
 TEST(Sampling, GreedyTopPAndSeeds) {
   const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f};
-  kvevict::cli::Sampler greedy({0.0, 1.0, 1});
+  kvevict::harness::Sampler greedy({0.0, 1.0, 1});
   EXPECT_EQ(greedy.sample(logits), 1);  // ties go to the lower id
   // A tiny nucleus holds only the most likely token.
-  kvevict::cli::Sampler narrow({1.0, 1e-6, 3});
+  kvevict::harness::Sampler narrow({1.0, 1e-6, 3});
   for (int i = 0; i < 20; ++i) EXPECT_EQ(narrow.sample(logits), 1);
   // The same seed gives the same draws; every token can come out at a high temperature.
-  kvevict::cli::Sampler a({2.0, 1.0, 7});
-  kvevict::cli::Sampler b({2.0, 1.0, 7});
+  kvevict::harness::Sampler a({2.0, 1.0, 7});
+  kvevict::harness::Sampler b({2.0, 1.0, 7});
   std::set<std::int32_t> seen;
   for (int i = 0; i < 400; ++i) {
     const std::int32_t token = a.sample(logits);
@@ -203,29 +204,29 @@ TEST(Sampling, GreedyTopPAndSeeds) {
   }
   EXPECT_EQ(seen.size(), logits.size());
   // top_p = 0.5 keeps ids 1 and 2 (each ~0.3 of the mass), never the others.
-  kvevict::cli::Sampler nucleus({1.0, 0.5, 11});
+  kvevict::harness::Sampler nucleus({1.0, 0.5, 11});
   for (int i = 0; i < 200; ++i) {
     const std::int32_t token = nucleus.sample(logits);
     EXPECT_TRUE(token == 1 || token == 2) << token;
   }
-  EXPECT_THROW(kvevict::cli::validate_sampling({-0.1, 1.0, 1}), Error);
-  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 0.0, 1}), Error);
-  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.01, 1}), Error);
-  EXPECT_THROW(kvevict::cli::validate_sampling({1.0, 1.0, 1, -1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({-0.1, 1.0, 1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({1.0, 0.0, 1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({1.0, 1.01, 1}), Error);
+  EXPECT_THROW(kvevict::harness::validate_sampling({1.0, 1.0, 1, -1}), Error);
 }
 
 TEST(Sampling, TopKKeepsTheKMostLikelyBeforeTopP) {
   const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f, 1.5f};
   // top_k = 1 is greedy, ties to the lower id.
-  kvevict::cli::Sampler one({1.0, 1.0, 5, 1});
+  kvevict::harness::Sampler one({1.0, 1.0, 5, 1});
   for (int i = 0; i < 20; ++i) EXPECT_EQ(one.sample(logits), 1);
   // top_k = 3 keeps ids 1, 2 and 4 (logits 2.0, 2.0, 1.5): each comes out, ids 0 and 3 never.
-  kvevict::cli::Sampler three({1.0, 1.0, 5, 3});
+  kvevict::harness::Sampler three({1.0, 1.0, 5, 3});
   std::set<std::int32_t> seen;
   for (int i = 0; i < 300; ++i) seen.insert(three.sample(logits));
   EXPECT_EQ(seen, (std::set<std::int32_t>{1, 2, 4}));
   // Then top_p = 0.5 of the kept mass (1 + 1 + e^-0.5 = 2.61, half is 1.30): ids 1 and 2 reach it.
-  kvevict::cli::Sampler both({1.0, 0.5, 5, 3});
+  kvevict::harness::Sampler both({1.0, 0.5, 5, 3});
   seen.clear();
   for (int i = 0; i < 300; ++i) seen.insert(both.sample(logits));
   EXPECT_EQ(seen, (std::set<std::int32_t>{1, 2}));
@@ -235,8 +236,8 @@ TEST(Sampling, TopKKeepsTheKMostLikelyBeforeTopP) {
 
 TEST(LogLoss, SurprisalAndWindows) {
   const std::vector<float> uniform(8, 0.25f);
-  EXPECT_NEAR(kvevict::cli::surprisal_bits(uniform, 3), 3.0, 1e-12);  // log2(8)
-  kvevict::cli::WindowedLoss loss(4);
+  EXPECT_NEAR(kvevict::harness::surprisal_bits(uniform, 3), 3.0, 1e-12);  // log2(8)
+  kvevict::harness::WindowedLoss loss(4);
   for (int position = 1; position < 10; ++position) loss.add(position, 2.0, 1);
   ASSERT_EQ(loss.windows().size(), 3u);
   EXPECT_EQ(loss.windows()[0].totals.tokens, 3);  // position 0 is never scored
@@ -249,10 +250,11 @@ TEST(LogLoss, SurprisalAndWindows) {
 
 // --- Reading text in pieces ---------------------------------------------------------------------
 
-kvevict::cli::TextPiecesOptions piece_options(std::size_t block_bytes, std::string separator = "",
-                                              bool cut_before_space = false,
-                                              std::uint64_t limit_bytes = 0) {
-  kvevict::cli::TextPiecesOptions options;
+kvevict::harness::TextPiecesOptions piece_options(std::size_t block_bytes,
+                                                  std::string separator = "",
+                                                  bool cut_before_space = false,
+                                                  std::uint64_t limit_bytes = 0) {
+  kvevict::harness::TextPiecesOptions options;
   options.block_bytes = block_bytes;
   options.turn_separator = std::move(separator);
   options.cut_before_space = cut_before_space;
@@ -268,20 +270,20 @@ class TextPiecesTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  std::vector<kvevict::cli::TextPiece> pieces(const std::string& text,
-                                              const kvevict::cli::TextPiecesOptions& options) {
+  std::vector<kvevict::harness::TextPiece> pieces(
+      const std::string& text, const kvevict::harness::TextPiecesOptions& options) {
     const fs::path path = dir_ / "text.txt";
     write_text(path, text);
-    kvevict::cli::TextPieces reader(path.string(), options);
-    std::vector<kvevict::cli::TextPiece> out;
-    kvevict::cli::TextPiece piece;
+    kvevict::harness::TextPieces reader(path.string(), options);
+    std::vector<kvevict::harness::TextPiece> out;
+    kvevict::harness::TextPiece piece;
     while (reader.next(piece)) {
       EXPECT_FALSE(piece.text.empty());
       out.push_back(piece);
     }
     return out;
   }
-  static std::string joined(const std::vector<kvevict::cli::TextPiece>& pieces) {
+  static std::string joined(const std::vector<kvevict::harness::TextPiece>& pieces) {
     std::string text;
     for (const auto& piece : pieces) text += piece.text;
     return text;
@@ -349,7 +351,7 @@ TEST_F(TextPiecesTest, SentencePieceCutsGiveTheTokensOfTheWholeText) {
 // A cut falls only before a space that follows a character other than whitespace: a run of
 // whitespace ("\n    " of indented text) is one pre-token for byte-level BPE and stays whole.
 TEST_F(TextPiecesTest, CutsOnlyBeforeASpaceAfterANonWhitespaceCharacter) {
-  using kvevict::cli::may_cut_before;
+  using kvevict::harness::may_cut_before;
   EXPECT_TRUE(may_cut_before("a b", 1));
   EXPECT_TRUE(may_cut_before(".  b", 1));
   EXPECT_FALSE(may_cut_before("a  b", 2));  // after a space
@@ -590,9 +592,26 @@ TEST_F(Cli, BadOptionsExitWithCode2AndSayWhy) {
       {{"generate", "--model", *model_, "--prompt", "x", "--top-p", "0"}, "--top-p"},
       {{"generate", "--model", *model_, "--prompt", "x", "--top-p", "1.5"}, "--top-p"},
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "lru"}, "known: full"},
+      // The budget must be larger than the sinks it holds; the message says the smallest.
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "streaming_llm", "--budget",
         "4"},
-       "smaller than the protected set (sinks 4)"},
+       "keeps its 4 sinks (--sinks 4) inside the budget, and it needs at least one slot besides "
+       "them: --budget 5 at least"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "streaming_llm", "--budget",
+        "2", "--sinks", "2"},
+       "--budget 3 at least"},
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "tova", "--budget", "4",
+        "--sinks", "4"},
+       "tova keeps its 4 sinks (--sinks 4) inside the budget, and it needs at least one slot "
+       "besides them: --budget 5 at least"},
+      // A policy that evicts only before turns also holds a turn's first chunk.
+      {{"generate", "--model", *model_, "--prompt", "x", "--policy", "sirllm", "--budget", "4",
+        "--chunk", "16"},
+       "sinks plus one chunk (--chunk 16): --budget 20 at least"},
+      {{"stream", "--model", *model_, "--input", text, "--threads", "0"}, "--threads"},
+      {{"stream", "--model", *model_, "--input", text, "--limit-bytes", "-1"}, "--limit-bytes"},
+      {{"compare", "--model", *model_, "--input", "-"}, "stdin can be read once"},
+      {{"policies", "lru"}, "unknown policy 'lru'"},
       {{"generate", "--model", *model_, "--prompt", "x", "--chunk", "0"}, "--chunk"},
       {{"generate", "--model", *model_, "--prompt", "x", "--budget", "8"}, "'full'"},
       {{"generate", "--model", *model_, "--prompt", "x", "--policy", "window", "--budget", "-2"},
@@ -780,11 +799,136 @@ TEST_F(Cli, PoliciesListsEverySpec) {
 }
 
 TEST_F(Cli, EverySubcommandHasHelpWithAnExample) {
-  for (const char* command : {"generate", "stream", "info", "random-model", "compare"}) {
+  for (const char* command :
+       {"generate", "stream", "info", "random-model", "compare", "policies"}) {
     const CommandResult help = run({command, "--help"});
     EXPECT_EQ(help.code, 0) << command;
     EXPECT_NE(help.out.find("Example"), std::string::npos) << command << help.out;
   }
+}
+
+// The examples run from a checkout as the README builds it (`--target kvevict_cli` writes no
+// model): every model and text they name is committed.
+TEST_F(Cli, HelpExamplesNameCommittedFiles) {
+  const fs::path root = fs::path(KVEVICT_TEST_DATA_DIR).parent_path().parent_path();
+  for (const char* command : {"generate", "stream", "info", "compare", "eval"}) {
+    const CommandResult help = run({command, "--help"});
+    ASSERT_EQ(help.code, 0) << command;
+    const std::string examples = help.out.substr(help.out.find("Example"));
+    EXPECT_EQ(examples.find("build/"), std::string::npos) << command << examples;
+    std::istringstream words(examples);
+    int committed = 0;
+    for (std::string word; words >> word;) {
+      if (word.starts_with("models/") || word.starts_with("data/") ||
+          word.starts_with("eval/configs/")) {
+        EXPECT_TRUE(fs::exists(root / word)) << command << ": " << word;
+        ++committed;
+      }
+    }
+    EXPECT_GT(committed, 0) << command << examples;
+  }
+}
+
+TEST_F(Cli, TheModelIsAPositionalPathOrMinusMinusModel) {
+  const json positional = run_json({"info", *model_});
+  const json named = run_json({"info", "--model", *model_});
+  EXPECT_EQ(positional, named);
+  EXPECT_EQ(positional["format"], "gguf");
+  const json streamed = run_json({"stream", *model_, "--input", file("text2k.txt")});
+  EXPECT_EQ(streamed["tokens"], 2048);
+  const CommandResult generated =
+      run({"generate", *model_, "--prompt", "ab", "--max-tokens", "2", "--json"});
+  EXPECT_EQ(generated.code, 0) << generated.err;
+  const CommandResult missing = run({"info"});
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_NE(missing.err.find("model"), std::string::npos) << missing.err;
+}
+
+TEST_F(Cli, PoliciesShowsTheOnesNamed) {
+  const CommandResult h2o = run({"policies", "h2o"});
+  EXPECT_EQ(h2o.code, 0) << h2o.err;
+  EXPECT_EQ(h2o.out.rfind("h2o\n", 0), 0u) << h2o.out;
+  EXPECT_NE(h2o.out.find("heavy"), std::string::npos) << h2o.out;
+  EXPECT_NE(h2o.out.find("granularity head"), std::string::npos) << h2o.out;
+  EXPECT_EQ(h2o.out.find("tova"), std::string::npos) << h2o.out;
+  const CommandResult two = run({"policies", "h2o", "tova", "--markdown"});
+  EXPECT_EQ(two.code, 0) << two.err;
+  EXPECT_NE(two.out.find("| `tova` | `budget`"), std::string::npos) << two.out;
+  EXPECT_EQ(two.out.find("`window`"), std::string::npos) << two.out;
+}
+
+// stream, compare (and kvevict-llama stream) register their input options once: same help.
+TEST_F(Cli, StreamAndCompareShareTheirInputOptions) {
+  const auto option_lines = [&](const char* command) {
+    const CommandResult help = run({command, "--help"});
+    std::string lines;
+    std::istringstream in(help.out);
+    for (std::string line; std::getline(in, line);) {
+      const bool input_option = line.starts_with("  -i,--input ") ||
+                                line.starts_with("  --turn-separator ") ||
+                                line.starts_with("  --limit-bytes ");
+      if (!input_option) continue;
+      // --limit-bytes' default is the command's own (compare: 8192): its description only.
+      const bool limit = line.starts_with("  --limit-bytes ");
+      lines += (limit ? line.substr(std::min(line.find("read only"), line.size())) : line) + "\n";
+    }
+    return lines;
+  };
+  const std::string stream = option_lines("stream");
+  EXPECT_NE(stream.find("--turn-separator"), std::string::npos) << stream;
+  EXPECT_EQ(option_lines("compare"), stream);
+}
+
+TEST_F(Cli, CompareFeedsTurnsToTurnEvictingPolicies) {
+  write_text(file("turns.txt"), [] {
+    std::string text;
+    for (int i = 0; i < 24; ++i) {
+      std::string turn = sample_text(60);  // one turn each: its own blank lines become spaces
+      std::replace(turn.begin(), turn.end(), '\n', ' ');
+      text += turn + "\n\n";
+    }
+    return text;
+  }());
+  const std::vector<std::string> arguments = {
+      "compare", *model_,   "--input", file("turns.txt"), "--budget",
+      "24",      "--chunk", "8",       "--policies",      "full,sirllm"};
+  std::vector<std::string> with_turns = arguments;
+  with_turns.insert(with_turns.end(), {"--turn-separator", "\\n\\n"});
+  const json turns = run_json(with_turns);
+  EXPECT_EQ(turns["turns"], 24);
+  const json& sirllm = turns["rows"][1];
+  EXPECT_GT(sirllm["cache"]["evicted_slots"].get<std::int64_t>(), 0) << sirllm;
+  EXPECT_LT(sirllm["cache"]["peak_kv_bytes"], turns["rows"][0]["cache"]["peak_kv_bytes"]);
+  // Without turns SirLLM never evicts, and says so.
+  const CommandResult one_turn = run(arguments);
+  EXPECT_EQ(one_turn.code, 0) << one_turn.err;
+  EXPECT_NE(one_turn.err.find("evicts only before a turn"), std::string::npos) << one_turn.err;
+}
+
+// The text report's granularity line: what a keep-set covers, and where it came from.
+TEST_F(Cli, StreamSaysItsGranularity) {
+  const auto granularity_line = [&](std::vector<std::string> extra) {
+    std::vector<std::string> arguments = {"stream",           *model_,         "--input",
+                                          file("text2k.txt"), "--limit-bytes", "256"};
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    const CommandResult result = run(arguments);
+    EXPECT_EQ(result.code, 0) << result.err;
+    const std::size_t at = result.out.find("granularity    ");
+    return at == std::string::npos ? std::string()
+                                   : result.out.substr(at, result.out.find('\n', at) - at);
+  };
+  const std::string h2o = granularity_line({"--policy", "h2o", "--budget", "32"});
+  EXPECT_NE(h2o.find("head: one keep-set per KV head (h2o's default; kvevict-llama decides per "
+                     "token"),
+            std::string::npos)
+      << h2o;
+  EXPECT_NE(h2o.find("--granularity token"), std::string::npos) << h2o;
+  EXPECT_NE(granularity_line({"--policy", "window", "--budget", "32"})
+                .find("token: one keep-set for the whole model, per token (window's default"),
+            std::string::npos);
+  EXPECT_NE(granularity_line({"--policy", "h2o", "--budget", "32", "--granularity", "token"})
+                .find("(--granularity)"),
+            std::string::npos);
 }
 
 #endif  // KVEVICT_CLI_PATH
@@ -797,7 +941,7 @@ constexpr std::int32_t kAnchor = 258;
 // the output rendered with "<AC>" for each anchor. `finish`: the text is a whole document.
 std::string with_anchors(const std::string& text, const std::vector<std::size_t>& cuts = {},
                          bool finish = true) {
-  kvevict::cli::AnchorInserter inserter(kAnchor);
+  kvevict::harness::AnchorInserter inserter(kAnchor);
   std::vector<std::int32_t> out;
   std::size_t begin = 0;
   std::vector<std::size_t> ends = cuts;
@@ -848,7 +992,7 @@ TEST(AnchorInserter, AnchorsFollowSentenceEnds) {
 
 TEST(AnchorInserter, SentenceEndSplitAcrossBlocks) {
   // '.' ends block 1, ' ' starts block 2: after block 1 the end is pending (no anchor yet) ...
-  kvevict::cli::AnchorInserter inserter(kAnchor);
+  kvevict::harness::AnchorInserter inserter(kAnchor);
   std::vector<std::int32_t> out;
   inserter.push(std::vector<std::int32_t>{'O', 'n', 'e', '.'}, out);
   EXPECT_EQ(out, (std::vector<std::int32_t>{'O', 'n', 'e', '.'}));
@@ -880,7 +1024,7 @@ TEST(AnchorInserter, DocumentEndIsASentenceEnd) {
   EXPECT_EQ(with_anchors("The end. "), "The end.<AC> <AC>");  // the trailing space is a unit
   EXPECT_EQ(with_anchors(""), "");                            // nothing, no anchor
   // An anchor already in the input closes the unit: none twice.
-  kvevict::cli::AnchorInserter inserter(kAnchor);
+  kvevict::harness::AnchorInserter inserter(kAnchor);
   std::vector<std::int32_t> out;
   inserter.push(std::vector<std::int32_t>{256, 'A', '.', kAnchor, ' ', 'B', '.', kAnchor}, out);
   inserter.finish(out);
@@ -898,14 +1042,15 @@ TEST(AnchorInserter, ByteLevelTokenizersWithAnAnchorOnly) {
   kvevict::model::Tokenizer tokenizer;
   tokenizer.kind = kvevict::model::Tokenizer::Kind::byte_level;
   tokenizer.anchor_id = 258;
-  EXPECT_EQ(kvevict::cli::AnchorInserter::for_tokenizer(tokenizer).anchor_id(), 258);
+  EXPECT_EQ(kvevict::harness::AnchorInserter::for_tokenizer(tokenizer).anchor_id(), 258);
   tokenizer.anchor_id = -1;
-  kvevict::test::expect_error([&] { (void)kvevict::cli::AnchorInserter::for_tokenizer(tokenizer); },
-                              "--insert-anchors");
+  kvevict::test::expect_error(
+      [&] { (void)kvevict::harness::AnchorInserter::for_tokenizer(tokenizer); },
+      "--insert-anchors");
   tokenizer.kind = kvevict::model::Tokenizer::Kind::sentencepiece;
   tokenizer.anchor_id = 258;
-  kvevict::test::expect_error([&] { (void)kvevict::cli::AnchorInserter::for_tokenizer(tokenizer); },
-                              "SentencePiece");
+  kvevict::test::expect_error(
+      [&] { (void)kvevict::harness::AnchorInserter::for_tokenizer(tokenizer); }, "SentencePiece");
 }
 
 #ifdef KVEVICT_CLI_PATH

@@ -539,6 +539,16 @@ TEST_F(Grid, TurnSeparatorStartsTurnsInPasskeyPrompts) {
 
 // --- Shards and merge ---------------------------------------------------------------------------
 
+TEST(OutputDirectory, OutOrCommittedOrTheBuildTree) {
+  EXPECT_EQ(output_directory("somewhere", false, "grid"), fs::path("somewhere"));
+  EXPECT_EQ(output_directory("", true, "grid"), fs::path("eval/results/grid"));
+  const fs::path by_default = output_directory("", false, "grid");
+  EXPECT_EQ(by_default, default_output_root() / "grid");
+  EXPECT_EQ(default_output_root().filename(), "eval-results");
+  EXPECT_NE(by_default, fs::path("eval/results/grid"));
+  expect_error([] { (void)output_directory("somewhere", true, "grid"); }, "give one");
+}
+
 TEST_F(Grid, ShardSpecParsesAndRefuses) {
   const ShardSpec shard = parse_shard("2/8");
   EXPECT_EQ(shard.index, 2);
@@ -832,8 +842,10 @@ struct CommandResult {
 CommandResult run_cli(const fs::path& dir, const std::string& arguments) {
   const fs::path out = dir / "cli_out.txt";
   const fs::path err = dir / "cli_err.txt";
-  const std::string command = fmt::format("'{}' {} >'{}' 2>'{}' </dev/null", KVEVICT_CLI_PATH,
-                                          arguments, out.string(), err.string());
+  // Run from `dir`: the defaults relative to the working directory land there.
+  const std::string command =
+      fmt::format("cd '{}' && '{}' {} >'{}' 2>'{}' </dev/null", dir.string(), KVEVICT_CLI_PATH,
+                  arguments, out.string(), err.string());
   const int status = std::system(command.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_text(out), read_text(err)};
 }
@@ -891,6 +903,42 @@ TEST_F(Grid, CommandLineShardsAndMerge) {
     EXPECT_NE(result.err.find("kvevict: error: "), std::string::npos) << result.err;
     EXPECT_NE(result.err.find(message), std::string::npos) << arguments << ": " << result.err;
   }
+}
+
+// A user's run leaves the checkout's committed results alone: without --out the results go to
+// the build tree, and only --committed writes eval/results/<name> (from the working directory).
+TEST_F(Grid, CommandLineWritesTheBuildTreeUnlessToldCommitted) {
+  json config = tiny_config();
+  config["name"] = fmt::format("default-out-{}", getpid());
+  config["tasks"] = json::parse(R"([{"task": "stream_bpb", "tokens": 40, "window": 16}])");
+  write_text(*dir_ / "default.json", config.dump());
+  const std::string path = (*dir_ / "default.json").string();
+  const std::string name = config["name"];
+
+  const CommandResult by_default = run_cli(*dir_, fmt::format("eval '{}' --jobs 1", path));
+  ASSERT_EQ(by_default.code, 0) << by_default.err;
+  const std::string marker = "results  ";
+  const std::size_t at = by_default.out.find(marker);
+  ASSERT_NE(at, std::string::npos) << by_default.out;
+  const std::string results =
+      by_default.out.substr(at + marker.size(), by_default.out.find(',', at) - at - marker.size());
+  const fs::path written = fs::path(results).parent_path();
+  EXPECT_EQ(written.filename(), name);
+  EXPECT_EQ(written.parent_path().filename(), "eval-results");
+  EXPECT_TRUE(fs::exists(written / "results.json")) << written;
+  EXPECT_FALSE(fs::exists(*dir_ / "eval")) << "wrote into the working directory";
+  fs::remove_all(written);
+
+  // --committed: eval/results/<name> of the working directory (a checkout's root).
+  const CommandResult committed =
+      run_cli(*dir_, fmt::format("eval '{}' --jobs 1 --committed", path));
+  ASSERT_EQ(committed.code, 0) << committed.err;
+  EXPECT_TRUE(fs::exists(*dir_ / "eval" / "results" / name / "results.json")) << committed.out;
+
+  const CommandResult both =
+      run_cli(*dir_, fmt::format("eval '{}' --committed --out '{}'", path, out("both").string()));
+  EXPECT_EQ(both.code, 2);
+  EXPECT_NE(both.err.find("give one"), std::string::npos) << both.err;
 }
 
 TEST_F(Grid, CommandLineBadInputExitsTwo) {

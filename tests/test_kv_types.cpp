@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/policy_setup.hpp"
 #include "eval/config.hpp"
+#include "harness/policy_setup.hpp"
 #include "model/kernels/kernels.hpp"
 #include "model/kernels/kv_kernels.hpp"
 #include "support/expect_error.hpp"
@@ -263,9 +263,9 @@ TEST(KvTypes, EvalAxisAndCliOptionsNameTheirType) {
             "g.json");
       },
       "g.json: kv_types: unknown K/V storage type 'f8'");
-  kvevict::cli::PolicyOptions options;
+  kvevict::harness::PolicyOptions options;
   options.kv_type = "int8";
-  expect_error([&] { kvevict::cli::validate_policy_options(options); },
+  expect_error([&] { kvevict::harness::validate_policy_options(options); },
                "--kv-type: unknown K/V storage type 'int8'");
   kvevict::model::ModelConfig narrow;  // head_dim 16: no whole Q8_0 block
   narrow.dim = 64;
@@ -277,7 +277,7 @@ TEST(KvTypes, EvalAxisAndCliOptionsNameTheirType) {
   const kvevict::model::Model model =
       kvevict::model::make_random_model(narrow, 1, kvevict::model::DType::f32);
   options.kv_type = "q8_0";
-  expect_error([&] { (void)kvevict::cli::make_policy_setup(options, model); },
+  expect_error([&] { (void)kvevict::harness::make_policy_setup(options, model); },
                "--kv-type: K/V storage type q8_0 needs head_dim a multiple of 32, got 16");
 }
 

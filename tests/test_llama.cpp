@@ -28,8 +28,8 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/log_loss.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/text_pieces.hpp"
 #include "llama/cli/llama_model.hpp"
 #include "model/model_io.hpp"
 
@@ -148,7 +148,7 @@ int expect_same(const ModelFile& file, const Case& c) {
   SCOPED_TRACE(describe(c) + " on " + file.path.filename().string());
   const std::vector<std::int32_t> tokens = stream_tokens(file.model, c.tokens);
   const std::vector<std::uint32_t> bytes =
-      kvevict::cli::token_byte_counts(file.model.tokenizer, file.model.config.vocab_size);
+      kvevict::harness::token_byte_counts(file.model.tokenizer, file.model.config.vocab_size);
 
   kvevict::model::DecoderOptions options;
   options.position_mode = c.positions;
@@ -161,7 +161,7 @@ int expect_same(const ModelFile& file, const Case& c) {
     catalyst = file.model.tokenizer.encode(kvevict::kInfiniPotGeneralCatalystPrompt, false);
     decoder.set_catalyst(*catalyst);
   }
-  kvevict::cli::StreamScorer reference(decoder, 1 << 30, bytes, -1);
+  kvevict::harness::StreamScorer reference(decoder, 1 << 30, bytes, -1);
 
   llama_context_params params = llama_context_default_params();
   params.n_ctx = static_cast<std::uint32_t>(c.n_ctx);
@@ -178,7 +178,7 @@ int expect_same(const ModelFile& file, const Case& c) {
   llama_options.catalyst = catalyst;
   llama_options.slot_reuse = c.slot_reuse;
   kvevict::llama::LlamaSequence llama(file.llama, params, make(c), llama_options);
-  kvevict::cli::StreamScorer engine(
+  kvevict::harness::StreamScorer engine(
       [&llama](std::span<const std::int32_t> chunk, bool turn_start) {
         return llama.feed(chunk, turn_start, /*all_logits=*/true).values;
       },
@@ -486,7 +486,7 @@ std::vector<VocabCase> read_vocab_cases(const fs::path& vocab) {
   return cases;
 }
 
-// `test.text` read as `stream` reads a file, in pieces (cli_common/text_pieces.hpp) of blocks of 4
+// `test.text` read as `stream` reads a file, in pieces (harness/text_pieces.hpp) of blocks of 4
 // to 8 bytes, so that the reader cuts it in different places, each piece encoded by `engine`
 // (without the space it was cut before, with `drop_cut_space`: SentencePiece's dummy prefix stands
 // for it), must give test.ids. 16 blocks of 4 bytes, the most a piece grows without a space, hold
@@ -497,12 +497,12 @@ void expect_the_same_tokens_in_pieces(const kvevict::llama_cli::LlamaModel& engi
                         ("kvevict_test_llama_pieces_" + std::to_string(getpid()) + ".txt");
   std::ofstream(path, std::ios::binary) << test.text;
   for (std::size_t block = 4; block <= 8; ++block) {
-    kvevict::cli::TextPiecesOptions options;
+    kvevict::harness::TextPiecesOptions options;
     options.block_bytes = block;
     options.cut_before_space = true;
-    kvevict::cli::TextPieces pieces(path.string(), options);
+    kvevict::harness::TextPieces pieces(path.string(), options);
     std::vector<std::int32_t> tokens;
-    kvevict::cli::TextPiece piece;
+    kvevict::harness::TextPiece piece;
     while (pieces.next(piece)) {
       const std::string_view piece_text =
           piece.space_cut && drop_cut_space ? std::string_view(piece.text).substr(1) : piece.text;
@@ -581,7 +581,7 @@ TEST(LlamaVocabularies, ByteLevelBpeTextsInPiecesGiveTheWholeTextsTokens) {
     expect_the_same_tokens_in_pieces(engine, test, /*drop_cut_space=*/false);
     // Every place the reader may cut, one at a time.
     for (std::size_t p = 1; p < test.text.size(); ++p) {
-      if (!kvevict::cli::may_cut_before(test.text, p)) continue;
+      if (!kvevict::harness::may_cut_before(test.text, p)) continue;
       std::vector<std::int32_t> ids = engine.encode(test.text.substr(0, p), false);
       const std::vector<std::int32_t> rest = engine.encode(test.text.substr(p), false);
       ids.insert(ids.end(), rest.begin(), rest.end());

@@ -16,6 +16,7 @@
 #include <kvevict/model/model.hpp>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -200,6 +201,49 @@ TEST_F(LlamaEval, StreamCellsFollowKvType) {
     const double bpb = reference.at("bits_per_byte").get<double>();
     EXPECT_NEAR(llama.at("bits_per_byte").get<double>(), bpb, 1e-4 * bpb);
   }
+}
+
+// Both streams say their granularity; kvevict-llama says that llama.cpp's cells, per token, make
+// its default differ from kvevict's own for a policy that decides per KV head.
+TEST_F(LlamaEval, StreamsSayTheirGranularity) {
+  const std::string flags = " stream '" + gguf_.string() + "' --input '" +
+                            (fs::path(KVEVICT_SOURCE_DIR) / "data/kjv-heldout.txt").string() +
+                            "' --limit-bytes 600 --policy h2o --budget 64";
+  const Outcome llama =
+      run(std::string("(") + KVEVICT_LLAMA_CLI + flags + " -c 512 2>/dev/null)", dir_);
+  EXPECT_EQ(llama.status, 0) << llama.output;
+  EXPECT_NE(llama.output.find("granularity    token: one keep-set for the whole model, per token, "
+                              "as llama.cpp's cells are; kvevict stream decides at h2o's default, "
+                              "head (one keep-set per KV head), so the decisions differ: "
+                              "--granularity token on both makes them agree"),
+            std::string::npos)
+      << llama.output;
+  const Outcome reference = run(std::string("(") + KVEVICT_CLI + flags + " 2>/dev/null)", dir_);
+  EXPECT_EQ(reference.status, 0) << reference.output;
+  EXPECT_NE(reference.output.find("granularity    head: one keep-set per KV head (h2o's default; "
+                                  "kvevict-llama decides per token"),
+            std::string::npos)
+      << reference.output;
+}
+
+// `kvevict-llama stream` registers its input options as `kvevict stream` does: the same help.
+TEST_F(LlamaEval, StreamInputOptionsAreKvevicts) {
+  const auto input_options = [&](const std::string& executable) {
+    const Outcome help = run(executable + " stream --help", dir_);
+    EXPECT_EQ(help.status, 0) << help.output;
+    std::istringstream in(help.output);
+    std::string lines;
+    for (std::string line; std::getline(in, line);) {
+      if (line.starts_with("  -i,--input ") || line.starts_with("  --turn-separator ") ||
+          line.starts_with("  --limit-bytes ") || line.starts_with("  -w,--window ")) {
+        lines += line + "\n";
+      }
+    }
+    return lines;
+  };
+  const std::string reference = input_options(KVEVICT_CLI);
+  EXPECT_NE(reference.find("--turn-separator"), std::string::npos) << reference;
+  EXPECT_EQ(input_options(KVEVICT_LLAMA_CLI), reference);
 }
 
 }  // namespace

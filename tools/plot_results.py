@@ -1,7 +1,10 @@
 #!/usr/bin/python3
 """Plots of `kvevict eval` results (results.json) as PNG, with Debian's python3-matplotlib.
 
-    /usr/bin/python3 tools/plot_results.py eval/results/<name>/results.json [...] --out docs/results
+    /usr/bin/python3 tools/plot_results.py <eval output>/results.json [...] [--out DIR]
+
+The figures go to build/plots unless --out says where; `--out docs/results` over
+eval/results/*/results.json redraws the committed figures.
 
 One figure per task found in a results file, named <grid name>-<task>.png:
   stream_bpb  bits/byte per window of positions (a panel per budget) and overall bits/byte vs
@@ -224,7 +227,9 @@ PLOTTERS = {"stream_bpb": plot_stream_bpb, "passkey": plot_passkey, "grocery": p
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="results.json of kvevict eval")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"))
+    parser.add_argument("--out", type=Path, default=Path("build/plots"),
+                        help="directory of the figures (default: build/plots, outside the "
+                        "committed folders; --out docs/results redraws the committed figures)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for path in args.results:

@@ -5,7 +5,13 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 
+namespace kvevict::harness {}
+
 namespace kvevict::cli {
+
+// The subcommands are written against the harness the front ends share (src/harness): its names
+// are used unqualified here.
+using namespace kvevict::harness;  // NOLINT(google-build-using-namespace)
 
 /// Process exit codes shared by every subcommand.
 inline constexpr int kExitOk = 0;

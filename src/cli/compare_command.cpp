@@ -17,22 +17,24 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/cli_options.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_stream.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/text_stream.hpp"
 
 namespace kvevict::cli {
 namespace {
 
+// compare's --limit-bytes: the full cache's attention grows with the text.
+constexpr std::int64_t kDefaultLimitBytes = 8192;
+
 struct CompareOptions {
   std::string model;
-  std::string input;
+  StreamInputOptions input;  ///< --limit-bytes defaults to kDefaultLimitBytes
   int budget = 64;
   std::vector<std::string> policies = {"full", "window", "streaming_llm", "h2o", "tova"};
-  std::int64_t limit_bytes = 8192;
   int chunk = kDefaultChunk;
   std::string kv_type = "f32";
   int threads = 1;
@@ -44,6 +46,7 @@ struct CompareRow {
   LossTotals overall;
   LossTotals within_context;  ///< positions [0, trained context)
   LossTotals beyond_context;  ///< positions [trained context, end)
+  std::int64_t turns = 0;     ///< pieces that started a turn (0 without --turn-separator)
   CacheReport report;
 };
 
@@ -54,28 +57,28 @@ PolicyOptions policy_options(const CompareOptions& options, const std::string& n
   if (name != "full") policy.budget = options.budget;
   policy.chunk = options.chunk;
   policy.kv_type = options.kv_type;
-  policy.threads = options.threads;
   return policy;
 }
 
 // Streams the input through `name` at the options' budget.
 CompareRow run_policy(const CompareOptions& options, const model::Model& model,
                       const std::string& name) {
+  const TextStreamOptions stream = text_stream_options(options.input);
+  const bool turns = !stream.turn_separator.empty();
   PolicySetup setup = make_policy_setup(policy_options(options, name), model);
-  warn_if_single_turn(*setup.policy, /*input_has_turns=*/false);
+  warn_if_single_turn(*setup.policy, turns);
   StageClock clock;
   setup.decoder_options.observer = &clock;
+  setup.decoder_options.threads = options.threads;
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
   // Windows as long as the trained context split the loss into within and beyond it.
   const std::int64_t context =
       model.config.context_length > 0 ? model.config.context_length : std::int64_t{1} << 62;
   StreamScorer scorer(*decoder, context,
                       token_byte_counts(model.tokenizer, model.config.vocab_size), -1);
-  TextStreamOptions stream_options;
-  stream_options.input = options.input;
-  stream_options.limit_bytes = static_cast<std::uint64_t>(options.limit_bytes);
   const TextStreamResult streamed =
-      stream_text(stream_options, model.tokenizer, scorer, decoder->options().max_chunk);
+      stream_text(stream, model.tokenizer, scorer, decoder->options().max_chunk);
+  if (turns) warn_if_single_turn(decoder->cache().sequence().policy(), streamed.turns > 0);
 
   CompareRow row;
   row.policy = describe_policy(setup, *decoder);
@@ -86,6 +89,7 @@ CompareRow run_policy(const CompareOptions& options, const model::Model& model,
     part.bits += window.totals.bits;
     part.bytes += window.totals.bytes;
   }
+  row.turns = streamed.turns;
   row.report = make_cache_report(*decoder, name, streamed.seconds, &clock);
   return row;
 }
@@ -107,10 +111,14 @@ int run_compare(const CompareOptions& options) {
   if (options.budget < 1) {
     throw Error(fmt::format("--budget must be at least 1, got {}", options.budget));
   }
-  if (options.limit_bytes < 0) {
-    throw Error(fmt::format("--limit-bytes must be >= 0 (0 = all), got {}", options.limit_bytes));
-  }
+  (void)text_stream_options(options.input);  // --limit-bytes
   if (options.policies.empty()) throw Error("--policies needs at least one policy");
+  if (options.input.input == "-" && options.policies.size() > 1) {
+    throw Error(
+        "--input -: compare streams the text once per policy, and stdin can be read once: "
+        "give a file");
+  }
+  check_threads(options.threads);
   for (const std::string& name : options.policies) {
     validate_policy_options(policy_options(options, name));  // before the model loads
   }
@@ -125,7 +133,8 @@ int run_compare(const CompareOptions& options) {
   if (options.json) {
     nlohmann::ordered_json json;
     json["model"] = options.model;
-    json["input"] = options.input;
+    json["input"] = options.input.input;
+    if (!options.input.turn_separator.empty()) json["turns"] = rows.front().turns;
     json["budget"] = options.budget;
     json["trained_context"] = context;
     json["rows"] = nlohmann::ordered_json::array();
@@ -145,8 +154,11 @@ int run_compare(const CompareOptions& options) {
 
   std::string out;
   out += fmt::format("model   {} (trained context {} positions)\n", options.model, context);
-  out += fmt::format("input   {}: {} tokens scored ({} bytes)\n", options.input,
-                     rows.front().overall.tokens, rows.front().overall.bytes);
+  out += fmt::format("input   {}: {} tokens scored ({} bytes){}\n", options.input.input,
+                     rows.front().overall.tokens, rows.front().overall.bytes,
+                     options.input.turn_separator.empty()
+                         ? std::string()
+                         : fmt::format(", {} turns", rows.front().turns));
   out += fmt::format("budget  {} tokens (full: no budget)\n\n", options.budget);
   out += fmt::format("{:<15} {:>9} {:>9} {:>9} {:>11} {:>11} {:>9} {:>9}\n", "", "bits/byte",
                      fmt::format("first {}", context), "after", "live KV", "peak KV", "tokens/s",
@@ -162,8 +174,11 @@ int run_compare(const CompareOptions& options) {
   }
   out += fmt::format(
       "\nbits/byte: lower is better; overall, over the first {} tokens (the model's trained\n"
-      "context) and after them. Each row is `kvevict stream --policy P --budget N` with:\n",
-      context);
+      "context) and after them. Each row is `kvevict stream --policy P --budget N{}` with:\n",
+      context,
+      options.input.turn_separator.empty()
+          ? std::string()
+          : fmt::format(" --turn-separator '{}'", options.input.turn_separator));
   for (const CompareRow& row : rows) out += "  " + row.policy + '\n';
   std::cout << out << std::flush;
   return kExitOk;
@@ -177,15 +192,12 @@ Command add_compare_command(CLI::App& parent) {
       "compare",
       "Stream one text under several policies at one budget: what eviction buys, in one table");
   add_model_option(*app, options->model);
-  app->add_option("-i,--input", options->input, "text file to stream")->required();
+  options->input.limit_bytes = kDefaultLimitBytes;
+  add_stream_input_options(*app, options->input);
   app->add_option("--budget", options->budget, "cache budget in tokens of every bounded policy")
       ->capture_default_str();
   app->add_option("--policies", options->policies, "policies to compare: " + policy_list())
       ->delimiter(',')
-      ->capture_default_str();
-  app->add_option("--limit-bytes", options->limit_bytes,
-                  "read only the first N bytes of the input (0 = all; the full cache's attention "
-                  "grows with the text)")
       ->capture_default_str();
   app->add_option("--kv-type", options->kv_type,
                   "how every policy's cache stores keys and values: f32, f16, bf16 or q8_0")
@@ -201,10 +213,13 @@ Command add_compare_command(CLI::App& parent) {
       "evicting (policy, re-positioning and InfiniPot's catalyst). Past its trained context a\n"
       "model with a full cache attends to keys further back than it ever saw; a policy that\n"
       "keeps recent tokens at shifted positions keeps both the memory and the distances in\n"
-      "range.\n"
+      "range. --limit-bytes is 8192 by default: the full cache's attention grows with the text.\n"
+      "With --turn-separator every policy gets the same turns (SirLLM evicts before them).\n"
       "\n"
-      "Example:\n"
-      "  kvevict compare --model models/toy-base --input data/kjv-heldout.txt --budget 64");
+      "Examples:\n"
+      "  kvevict compare --model models/toy-base --input data/kjv-heldout.txt --budget 64\n"
+      "  kvevict compare --model models/toy-base --input data/kjv-heldout.txt --budget 64 \\\n"
+      "      --policies window,sirllm --chunk 32 --turn-separator '\\n\\n'");
   return Command{app, [options] { return run_compare(*options); }};
 }
 

@@ -13,11 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/cli_options.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
 #include "eval/config.hpp"
 #include "eval/grid.hpp"
-#include "eval/grid_options.hpp"
 
 namespace kvevict::cli {
 namespace {
@@ -53,6 +52,7 @@ void override_kv_type(eval::EvalConfig& config, const std::string& kv_type) {
 struct MergeCommandOptions {
   std::vector<std::string> shards;
   std::string out;
+  bool committed = false;
   bool fresh = false;
 };
 
@@ -78,6 +78,7 @@ int run_merge(const MergeCommandOptions& options) {
   eval::MergeOptions merge;
   merge.shards.assign(options.shards.begin(), options.shards.end());
   merge.out = options.out;
+  merge.committed = options.committed;
   merge.fresh = options.fresh;
   const eval::MergeSummary summary = eval::merge_shards(merge);
   for (const std::string& note : summary.notes) std::cerr << "kvevict: note: " << note << "\n";
@@ -99,9 +100,8 @@ void add_merge_subcommand(CLI::App& eval_app, std::function<int()>& run_chosen,
       "merge", "Combine the output directories of `eval --shard` runs into one grid's results");
   app->add_option("shard_dirs", options->shards, "output directories of the shards (any order)")
       ->required();
-  app->add_option("-o,--out", options->out,
-                  "output directory (default: eval/results/<grid name>); receives cells/ and the "
-                  "results a single run writes");
+  add_output_options(*app, options->out, options->committed,
+                     "receives cells/ and the results a single run writes");
   app->add_flag("--fresh", options->fresh,
                 "discard the output directory's cells and results first");
   app->footer(
@@ -127,7 +127,7 @@ Command add_eval_command(CLI::App& parent) {
   eval::EvalCommand& grid_command = options->command;
   CLI::App* app = parent.add_subcommand(
       "eval", "Run a benchmark grid (policies x budgets x tasks) from a JSON config, resumable");
-  (void)eval::add_grid_options(*app, grid_command);
+  (void)add_grid_options(*app, grid_command);
   add_threads_option(*app, grid_command.threads);
   app->add_option("--model", grid_command.model,
                   "use this model instead of the config's \"model\"");
@@ -150,8 +150,13 @@ Command add_eval_command(CLI::App& parent) {
       "in --list order) belongs to shard k mod N + 1. `kvevict eval merge DIR...` combines the\n"
       "shards' output directories into the results one run writes (docs/eval.md).\n"
       "\n"
+      "Outputs go to <build>/eval-results/<config name> (see --out) unless --out DIR says where;\n"
+      "--committed writes the committed eval/results/<config name> instead (from the checkout's\n"
+      "root: how the committed results are reproduced).\n"
+      "\n"
       "Examples:\n"
       "  kvevict eval eval/configs/toy-base-passkey.json\n"
+      "  kvevict eval eval/configs/toy-base-passkey.json --committed   # the committed results\n"
       "  kvevict eval eval/configs/toy-base-passkey.json --shard 2/8 --out /scratch/passkey-2\n"
       "  kvevict eval eval/configs/toy-base-stream.json --out /tmp/stream --jobs 2 --fresh\n"
       "  kvevict eval eval/configs/tiny.json --out /tmp/tiny --fresh");

@@ -20,13 +20,13 @@
 #include <string>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/cli_options.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/sampling.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
 #include "common/input_files.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/sampling.hpp"
 
 namespace kvevict::cli {
 namespace {
@@ -43,6 +43,7 @@ struct GenerateOptions {
   int max_tokens = 128;
   SamplingOptions sampling;
   PolicyOptions policy;
+  int threads = 1;
   bool json = false;
   bool insert_anchors = false;
 };
@@ -58,6 +59,7 @@ int run_generate(const GenerateOptions& options) {
   }
   validate_sampling(options.sampling);
   validate_policy_options(options.policy);
+  check_threads(options.threads);
   if (options.prompt.empty() == options.prompt_file.empty()) {
     throw Error("give the prompt as --prompt TEXT or -f/--file FILE (one of the two)");
   }
@@ -72,6 +74,7 @@ int run_generate(const GenerateOptions& options) {
   PolicySetup setup = make_policy_setup(options.policy, model);
   StageClock clock;  // where the eviction time goes (the report's eviction seconds)
   setup.decoder_options.observer = &clock;
+  setup.decoder_options.threads = options.threads;
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
   const model::Tokenizer& tokenizer = model.tokenizer;
 
@@ -180,7 +183,7 @@ Command add_generate_command(CLI::App& parent) {
       ->capture_default_str();
   add_sampling_options(*app, options->sampling);
   add_policy_options(*app, options->policy);
-  add_threads_option(*app, options->policy.threads);
+  add_threads_option(*app, options->threads);
   add_decode_activations_option(*app, options->policy.decode_activations);
   add_insert_anchors_option(*app, options->insert_anchors,
                             "anchors go into the prompt and after every generated sentence end "
@@ -200,7 +203,7 @@ Command add_generate_command(CLI::App& parent) {
       "counts the prompt's anchors, the generated text and token_ids hold the sampled tokens.\n"
       "\n"
       "Examples:\n"
-      "  kvevict generate --model build/release/models/random-tiny.gguf --prompt 'Once upon' \\\n"
+      "  kvevict generate --model models/toy-base --prompt 'In the beginning' \\\n"
       "      --max-tokens 64 --policy streaming_llm --budget 32\n"
       "  kvevict generate --model model.gguf -f prompt.txt --temp 0.8 --top-k 40 --top-p 0.95 "
       "--seed 7 \\\n"

@@ -1,5 +1,6 @@
-// `kvevict info --model PATH [--json]`: what a model file holds (format, architecture, tokenizer,
-// weight bytes by dtype) and what its KV cache costs per token, in kvevict's store.
+// `kvevict info MODEL [--json]` (or --model MODEL): what a model file holds (format,
+// architecture, tokenizer, weight bytes by dtype) and what its KV cache costs per token, in
+// kvevict's store.
 #include <fmt/format.h>
 
 #include <cstdint>
@@ -16,10 +17,10 @@
 #include <system_error>
 #include <vector>
 
-#include "cli_common/cli_options.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::cli {
 namespace {
@@ -211,7 +212,9 @@ Command add_info_command(CLI::App& parent) {
       "embeddings, weight bytes by dtype, and KV-cache bytes per token (keys + values, plus\n"
       "kvevict's per-slot metadata, shown separately and per policy).\n"
       "\n"
-      "Example:\n  kvevict info --model build/release/models/random-tiny.gguf");
+      "Examples:\n"
+      "  kvevict info models/toy-base\n"
+      "  kvevict info --model models/toy-anchor --json");
   return Command{app, [options] { return run_info(*options); }};
 }
 

@@ -1,7 +1,7 @@
-// `kvevict policies [--markdown]`: every policy the registry knows, read from its PolicySpec: the
-// parameters with their types, defaults and ranges, what `--budget N` stands for, and the
-// granularity and position mode the policy uses unless told otherwise. docs/policies.md carries
-// the --markdown output, so the documentation cannot drift from the specs.
+// `kvevict policies [NAME...] [--markdown]`: every policy the registry knows (or the ones named),
+// read from its PolicySpec: the parameters with their types, defaults and ranges, what `--budget N`
+// stands for, and the granularity and position mode the policy uses unless told otherwise.
+// docs/policies.md carries the --markdown output, so the documentation cannot drift from the specs.
 #include <fmt/format.h>
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include <kvevict/positions.hpp>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "command.hpp"
 
@@ -63,12 +64,30 @@ std::unique_ptr<Policy> example_policy(const PolicySpec& spec) {
   return spec.make(spec.resolve(params));
 }
 
-int print_policies(bool markdown) {
+struct PoliciesOptions {
+  std::vector<std::string> names;  ///< empty: every policy
+  bool markdown = false;
+};
+
+// The specs named (an error naming the known ones for an unknown name), or every spec.
+std::vector<const PolicySpec*> chosen_specs(const std::vector<std::string>& names) {
+  if (names.empty()) {
+    const auto all = policy_specs();
+    return {all.begin(), all.end()};
+  }
+  std::vector<const PolicySpec*> specs;
+  for (const std::string& name : names) specs.push_back(&policy_spec(name));
+  return specs;
+}
+
+int print_policies(const PoliciesOptions& options) {
+  const bool markdown = options.markdown;
+  const std::vector<const PolicySpec*> specs = chosen_specs(options.names);
   if (markdown) {
     std::cout << fmt::format(
         "| policy | parameter | type and range | default | meaning |\n|---|---|---|---|---|\n");
   }
-  for (const PolicySpec* spec : policy_specs()) {
+  for (const PolicySpec* spec : specs) {
     const std::unique_ptr<Policy> policy = example_policy(*spec);
     const std::string defaults =
         fmt::format("granularity {}, positions {}", to_string(policy->default_granularity()),
@@ -96,7 +115,7 @@ int print_policies(bool markdown) {
         "\n| policy | default granularity | default positions | `--budget {}` (sinks {}) |\n"
         "|---|---|---|---|\n",
         kExampleBudget, kExampleSinks);
-    for (const PolicySpec* spec : policy_specs()) {
+    for (const PolicySpec* spec : specs) {
       const std::unique_ptr<Policy> policy = example_policy(*spec);
       std::cout << fmt::format("| `{}` | {} | {} | {} |\n", spec->name,
                                to_string(policy->default_granularity()),
@@ -111,9 +130,19 @@ int print_policies(bool markdown) {
 Command add_policies_command(CLI::App& parent) {
   CLI::App* app = parent.add_subcommand(
       "policies", "List the policies: parameters, defaults, ranges and what --budget means");
-  auto markdown = std::make_shared<bool>(false);
-  app->add_flag("--markdown", *markdown, "Print the tables of docs/policies.md");
-  return {app, [markdown] { return print_policies(*markdown); }};
+  auto options = std::make_shared<PoliciesOptions>();
+  app->add_option("names", options->names,
+                  "policies to show (default: every one): " + policy_list());
+  app->add_flag("--markdown", options->markdown, "Print the tables of docs/policies.md");
+  app->footer(
+      "Each policy's summary (paper and rule), default granularity and positions, what\n"
+      "--budget N stands for, and its parameters (--param KEY=VALUE) with types, ranges and\n"
+      "defaults.\n"
+      "\n"
+      "Examples:\n"
+      "  kvevict policies\n"
+      "  kvevict policies h2o tova");
+  return {app, [options] { return print_policies(*options); }};
 }
 
 }  // namespace kvevict::cli

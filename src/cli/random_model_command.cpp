@@ -13,8 +13,8 @@
 #include <string>
 #include <system_error>
 
-#include "cli_common/report.hpp"
 #include "command.hpp"
+#include "harness/report.hpp"
 #include "model/model_io.hpp"
 
 namespace kvevict::cli {

@@ -30,45 +30,45 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/cli_options.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_stream.hpp"
+#include "cli/options.hpp"
 #include "command.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/text_stream.hpp"
 
 namespace kvevict::cli {
 namespace {
 
 struct StreamOptions {
   std::string model;
-  std::string input;
+  StreamInputOptions input;
   int window = 1024;
-  std::string turn_separator;
   PolicyOptions policy;
+  int threads = 1;
   bool json = false;
   bool insert_anchors = false;
-  std::int64_t limit_bytes = 0;
 };
 
 int run_stream(const StreamOptions& options) {
   if (options.window < 1) {
     throw Error(fmt::format("--window must be at least 1, got {}", options.window));
   }
-  if (options.limit_bytes < 0) {
-    throw Error(
-        fmt::format("--limit-bytes must be >= 0 (0 = no limit), got {}", options.limit_bytes));
-  }
-  const std::string separator = unescape(options.turn_separator);
+  TextStreamOptions stream = text_stream_options(options.input);
+  stream.insert_anchors = options.insert_anchors;
+  stream.progress = true;
+  const bool turns = !stream.turn_separator.empty();
   validate_policy_options(options.policy);
+  check_threads(options.threads);
 
   const model::Model model = load_model_file(options.model);
   const model::Tokenizer& tokenizer = model.tokenizer;
   PolicySetup setup = make_policy_setup(options.policy, model);
-  warn_if_single_turn(*setup.policy, !separator.empty());
+  warn_if_single_turn(*setup.policy, turns);
   StageClock clock;  // where the eviction time goes (the report's eviction seconds)
   setup.decoder_options.observer = &clock;
+  setup.decoder_options.threads = options.threads;
   const std::unique_ptr<model::Decoder> decoder = make_decoder(model, setup);
 
   std::optional<std::int32_t> anchor_id;
@@ -77,21 +77,16 @@ int run_stream(const StreamOptions& options) {
                       token_byte_counts(tokenizer, model.config.vocab_size),
                       anchor_id.value_or(-1));
   const TextStreamResult streamed =
-      stream_text(TextStreamOptions{.input = options.input,
-                                    .turn_separator = separator,
-                                    .insert_anchors = options.insert_anchors,
-                                    .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
-                                    .progress = true},
-                  tokenizer, scorer, decoder->options().max_chunk);
-  if (!separator.empty())
-    warn_if_single_turn(decoder->cache().sequence().policy(), streamed.turns > 0);
+      stream_text(stream, tokenizer, scorer, decoder->options().max_chunk);
+  if (turns) warn_if_single_turn(decoder->cache().sequence().policy(), streamed.turns > 0);
   const CacheReport report = make_cache_report(*decoder, setup.name, streamed.seconds, &clock);
   print_stream_report(options.json,
                       StreamReportHeader{.model = options.model,
-                                         .input = options.input,
-                                         .turns = !separator.empty(),
+                                         .input = options.input.input,
+                                         .turns = turns,
                                          .insert_anchors = options.insert_anchors,
                                          .policy_description = describe_policy(setup, *decoder),
+                                         .granularity = describe_granularity(setup, *decoder),
                                          .policy = policy_json(setup, *decoder)},
                       scorer.loss(), streamed, report);
   return kExitOk;
@@ -105,19 +100,10 @@ Command add_stream_command(CLI::App& parent) {
       "stream",
       "Stream a text file through the decoder under a policy: bits per byte, perplexity, memory");
   add_model_option(*app, options->model);
-  app->add_option("-i,--input", options->input, "text file to stream (\"-\" = stdin)")->required();
-  app->add_option("-w,--window", options->window,
-                  "report the loss per window of this many positions")
-      ->capture_default_str();
-  app->add_option("--turn-separator", options->turn_separator,
-                  "split the text after each occurrence of this string and feed each piece as a "
-                  "new turn (SirLLM, RandomLLM and IntervalLLM evict before turns); \\n, \\t, \\r "
-                  "and \\\\ are unescaped");
-  app->add_option("--limit-bytes", options->limit_bytes,
-                  "read only the first N bytes of the input (0 = all)")
-      ->capture_default_str();
+  add_stream_input_options(*app, options->input);
+  add_window_option(*app, options->window);
   add_policy_options(*app, options->policy);
-  add_threads_option(*app, options->policy.threads);
+  add_threads_option(*app, options->threads);
   add_decode_activations_option(*app, options->policy.decode_activations);
   add_insert_anchors_option(*app, options->insert_anchors,
                             "the anchors are fed and take positions but are not scored: bits per "
@@ -141,11 +127,11 @@ Command add_stream_command(CLI::App& parent) {
       "over the text's bytes, so it compares with a run without anchors.\n"
       "\n"
       "Examples:\n"
-      "  kvevict stream --model build/release/models/random-tiny.gguf --input README.md \\\n"
+      "  kvevict stream --model models/toy-base --input data/kjv-heldout.txt \\\n"
       "      --policy streaming_llm --budget 64 --window 512\n"
       "  kvevict stream --model model.gguf --input chat.txt --turn-separator '\\n\\n' \\\n"
       "      --policy sirllm --budget 256 --json\n"
-      "  kvevict stream --model toy-anchor.safetensors --input book.txt --insert-anchors \\\n"
+      "  kvevict stream models/toy-anchor --input data/kjv-heldout.txt --insert-anchors \\\n"
       "      --policy anllm --budget 256");
   return Command{app, [options] { return run_stream(*options); }};
 }

@@ -195,7 +195,7 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
   const std::vector<std::string_view> names = policy_names();
   if (std::find(names.begin(), names.end(), entry.policy) == names.end()) {
     reader.fail(reader.child("policy"),
-                fmt::format("unknown policy '{}' (known: {})", entry.policy, cli::policy_list()));
+                fmt::format("unknown policy '{}' (known: {})", entry.policy, policy_list()));
   }
   if (reader.has("sinks"))
     entry.sinks = static_cast<int>(reader.integer("sinks", std::nullopt, 0, kMaxBudget));
@@ -235,7 +235,7 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
   for (const PolicyEntry& typed : entries) {
     for (const std::optional<int> budget : budgets) {
       try {
-        cli::validate_policy_options(typed.options(budget, chunk));
+        harness::validate_policy_options(typed.options(budget, chunk));
       } catch (const Error& error) {
         reader.fail(path,
                     fmt::format("policy '{}'{}: {}", typed.policy,
@@ -439,8 +439,8 @@ std::string_view to_string(TaskKind kind) {
   return "unknown";
 }
 
-cli::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk) const {
-  cli::PolicyOptions options;
+harness::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk) const {
+  harness::PolicyOptions options;
   options.policy = policy;
   options.budget = budget;
   if (sinks) {

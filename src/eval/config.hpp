@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 
 namespace kvevict::eval {
 
@@ -45,7 +45,7 @@ struct PolicyEntry {
 
   [[nodiscard]] bool bounded() const { return !budgets.empty(); }
   /// The CLI's policy options for this entry at `budget` (nullopt: no --budget) and `chunk`.
-  [[nodiscard]] cli::PolicyOptions options(std::optional<int> budget, int chunk) const;
+  [[nodiscard]] harness::PolicyOptions options(std::optional<int> budget, int chunk) const;
 };
 
 struct TaskConfig {

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 
 namespace kvevict::eval {
 
@@ -87,21 +87,23 @@ class EvalEngine {
   [[nodiscard]] virtual std::vector<std::uint32_t> token_bytes() const = 0;
 
   /// The policy as the engine's CLI builds it from `options`. Throws kvevict::Error.
-  [[nodiscard]] virtual cli::PolicySetup make_setup(const cli::PolicyOptions& options) const = 0;
+  [[nodiscard]] virtual harness::PolicySetup make_setup(
+      const harness::PolicyOptions& options) const = 0;
   /// Throws kvevict::Error when the engine cannot run `setup` (checked for every policy entry at
   /// every budget before the grid runs); else returns the tokens a sequence can hold at most
   /// (llama.cpp's context), nullopt for as many as it is fed. Consumes the setup's policy.
-  [[nodiscard]] virtual std::optional<std::int64_t> check(cli::PolicySetup& setup) const = 0;
+  [[nodiscard]] virtual std::optional<std::int64_t> check(harness::PolicySetup& setup) const = 0;
   /// A sequence with the setup's policy (moved into it), `threads` threads, stages timed on
   /// `clock` (which must outlive it).
-  [[nodiscard]] virtual std::unique_ptr<EvalSequence> start(cli::PolicySetup& setup, int threads,
+  [[nodiscard]] virtual std::unique_ptr<EvalSequence> start(harness::PolicySetup& setup,
+                                                            int threads,
                                                             StageClock& clock) const = 0;
 };
 
 /// Loads the model at a path into an engine (the grid's parent does it once).
 using EngineLoader = std::function<std::unique_ptr<EvalEngine>(const std::string& model)>;
 
-/// kvevict's reference decoder over `model` (a file or directory cli::load_model_file reads).
+/// kvevict's reference decoder over `model` (a file or directory harness::load_model_file reads).
 [[nodiscard]] std::unique_ptr<EvalEngine> reference_engine(const std::string& model);
 
 }  // namespace kvevict::eval

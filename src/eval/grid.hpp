@@ -42,6 +42,11 @@ struct CellSpec {
 /// then the task's variants. An unbounded policy runs each variant once; passkey lengths given as
 /// length_x_budget run, for an unbounded policy, at every length any budget gives (their union).
 [[nodiscard]] std::vector<CellSpec> enumerate_cells(const EvalConfig& config);
+/// The passkey lengths a cell list of `task` uses at `budget` (nullopt: the union over every
+/// budget of the config): the task's lengths, or its length_x_budget factors times the budget.
+[[nodiscard]] std::vector<std::int64_t> passkey_lengths(const EvalConfig& config,
+                                                        const TaskConfig& task,
+                                                        std::optional<int> budget);
 
 /// The checksum of a model file, or of every file a model directory / safetensors model holds.
 struct ModelChecksum {
@@ -177,10 +182,26 @@ void write_file_atomically(const std::filesystem::path& path, const std::string&
 /// first.
 std::filesystem::path prepare_cells_directory(const std::filesystem::path& out, bool fresh);
 
+/// Where the committed results of the grids live, relative to the checkout's root.
+inline constexpr std::string_view kCommittedResults = "eval/results";
+
+/// Where a grid's results go by default: <build>/eval-results, in the build tree kvevict was built
+/// in (<build>/eval-results/<grid name>).
+[[nodiscard]] std::filesystem::path default_output_root();
+
+/// The output directory of grid `grid_name`: `out` when given; with `committed` (--committed),
+/// eval/results/<grid name>, the committed results (run from the checkout's root to reproduce or
+/// update them); else <build>/eval-results/<grid name>, in the build tree kvevict was built in, so
+/// that a run leaves the checkout's committed folders as they are. Throws kvevict::Error for both
+/// --out and --committed, and when the build tree is gone (an installed kvevict: give --out).
+[[nodiscard]] std::filesystem::path output_directory(const std::filesystem::path& out,
+                                                     bool committed, std::string_view grid_name);
+
 /// What `kvevict eval` and `kvevict-llama eval` are given on the command line.
 struct EvalCommand {
   std::string config;
-  std::string out;  ///< empty: eval/results/<grid name>
+  std::string out;         ///< empty: output_directory's default
+  bool committed = false;  ///< --committed: eval/results/<grid name>
   int jobs = 2;
   int threads = 1;
   std::string shard;  ///< "I/N"; empty: every cell
@@ -198,7 +219,8 @@ bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std:
 
 struct MergeOptions {
   std::vector<std::filesystem::path> shards;  ///< output directories of `eval --shard` runs
-  std::filesystem::path out;                  ///< empty: eval/results/<grid name>
+  std::filesystem::path out;                  ///< empty: output_directory's default
+  bool committed = false;                     ///< --committed: eval/results/<grid name>
   bool fresh = false;                         ///< discard what `out` holds first
 };
 struct MergeSummary {

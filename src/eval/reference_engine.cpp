@@ -4,17 +4,17 @@
 #include <string>
 #include <utility>
 
-#include "cli_common/log_loss.hpp"
-#include "cli_common/report.hpp"
 #include "eval/engine.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::eval {
 namespace {
 
 class DecoderSequence final : public EvalSequence {
  public:
-  DecoderSequence(const model::Model& model, cli::PolicySetup& setup, const StageClock& clock)
-      : clock_(clock), decoder_(cli::make_decoder(model, setup)) {
+  DecoderSequence(const model::Model& model, harness::PolicySetup& setup, const StageClock& clock)
+      : clock_(clock), decoder_(harness::make_decoder(model, setup)) {
     // What policy_json records; the policy itself now belongs to the decoder.
     setup_.name = setup.name;
     setup_.params = setup.params;
@@ -41,7 +41,7 @@ class DecoderSequence final : public EvalSequence {
     // forward = head + attention + mlp, eviction = policy + reposition + catalyst.
     counters.forward_seconds =
         clock_.seconds(Stage::head) + clock_.seconds(Stage::attention) + clock_.seconds(Stage::mlp);
-    counters.eviction_seconds = cli::eviction_seconds(clock_);
+    counters.eviction_seconds = harness::eviction_seconds(clock_);
     for (const Stage stage : {Stage::head, Stage::attention, Stage::mlp, Stage::policy,
                               Stage::reposition, Stage::catalyst}) {
       counters.stage_seconds.emplace_back(std::string(to_string(stage)) + "_seconds",
@@ -51,18 +51,18 @@ class DecoderSequence final : public EvalSequence {
   }
 
   [[nodiscard]] nlohmann::ordered_json policy_json() const override {
-    return cli::policy_json(setup_, *decoder_);
+    return harness::policy_json(setup_, *decoder_);
   }
 
  private:
   const StageClock& clock_;
-  cli::PolicySetup setup_;
+  harness::PolicySetup setup_;
   std::unique_ptr<model::Decoder> decoder_;
 };
 
 class ReferenceEngine final : public EvalEngine {
  public:
-  explicit ReferenceEngine(const std::string& path) : model_(cli::load_model_file(path)) {}
+  explicit ReferenceEngine(const std::string& path) : model_(harness::load_model_file(path)) {}
 
   [[nodiscard]] std::string name() const override { return std::string(kReferenceEngine); }
   [[nodiscard]] nlohmann::ordered_json model_json() const override {
@@ -82,17 +82,18 @@ class ReferenceEngine final : public EvalEngine {
   [[nodiscard]] std::int32_t bos_id() const override { return model_.tokenizer.bos_id; }
   [[nodiscard]] std::int32_t eos_id() const override { return model_.tokenizer.eos_id; }
   [[nodiscard]] std::vector<std::uint32_t> token_bytes() const override {
-    return cli::token_byte_counts(model_.tokenizer, model_.config.vocab_size);
+    return harness::token_byte_counts(model_.tokenizer, model_.config.vocab_size);
   }
 
-  [[nodiscard]] cli::PolicySetup make_setup(const cli::PolicyOptions& options) const override {
-    return cli::make_policy_setup(options, model_);
+  [[nodiscard]] harness::PolicySetup make_setup(
+      const harness::PolicyOptions& options) const override {
+    return harness::make_policy_setup(options, model_);
   }
   // make_setup checked everything; the cache grows as needed.
-  [[nodiscard]] std::optional<std::int64_t> check(cli::PolicySetup& /*setup*/) const override {
+  [[nodiscard]] std::optional<std::int64_t> check(harness::PolicySetup& /*setup*/) const override {
     return std::nullopt;
   }
-  [[nodiscard]] std::unique_ptr<EvalSequence> start(cli::PolicySetup& setup, int threads,
+  [[nodiscard]] std::unique_ptr<EvalSequence> start(harness::PolicySetup& setup, int threads,
                                                     StageClock& clock) const override {
     setup.decoder_options.threads = threads;
     setup.decoder_options.observer = &clock;

@@ -15,13 +15,14 @@
 #include <map>
 #include <set>
 
-#include "cli_common/report.hpp"
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
 #include "eval/engine.hpp"
 #include "eval/grid.hpp"
 #include "eval/machine_info.hpp"
 #include "eval/sha256.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::eval {
 namespace {
@@ -81,7 +82,7 @@ std::string describe_status(int status, const fs::path& failed_file) {
     (void)reset_peak_rss();
     if (options.before_cell) options.before_cell(cell);
     const OrderedJson result = run_cell(grid, cell);
-    write_file_atomically(cells_dir / (cell.id + ".json"), cli::dump_json(result) + "\n");
+    write_file_atomically(cells_dir / (cell.id + ".json"), harness::dump_json(result) + "\n");
   } catch (const std::exception& error) {
     try {
       write_file_atomically(cells_dir / (cell.id + ".failed"), std::string(error.what()) + "\n");
@@ -604,17 +605,35 @@ void write_results(const GridRecord& record, const fs::path& out, const OrderedJ
     }
     aggregate = std::move(ordered);
   }
-  write_file_atomically(out / "results.json", cli::dump_json(aggregate) + "\n");
+  write_file_atomically(out / "results.json", harness::dump_json(aggregate) + "\n");
   write_file_atomically(out / "results.csv", results_csv(aggregate));
   write_file_atomically(out / "results.md", results_markdown(record, aggregate));
+}
+
+fs::path default_output_root() { return fs::path(KVEVICT_BUILD_DIR) / "eval-results"; }
+
+fs::path output_directory(const fs::path& out, bool committed, std::string_view grid_name) {
+  if (committed && !out.empty()) {
+    throw Error(fmt::format("--out {} and --committed ({}/{}): give one", out.string(),
+                            kCommittedResults, grid_name));
+  }
+  if (!out.empty()) return out;
+  if (committed) return fs::path(kCommittedResults) / grid_name;
+  const fs::path root = default_output_root();
+  std::error_code error;
+  if (!fs::is_directory(root.parent_path(), error)) {
+    throw Error(fmt::format(
+        "no --out given, and the build tree of the default output ({}) is gone: give --out DIR "
+        "(or --committed for {}/{})",
+        root.string(), kCommittedResults, grid_name));
+  }
+  return root / grid_name;
 }
 
 bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std::ostream& out,
                       std::ostream& progress) {
   if (command.jobs < 1) throw Error(fmt::format("--jobs must be at least 1, got {}", command.jobs));
-  if (command.threads < 1 || command.threads > 1024) {
-    throw Error(fmt::format("--threads must be in [1, 1024], got {}", command.threads));
-  }
+  harness::check_threads(command.threads);
   std::optional<ShardSpec> shard;
   if (!command.shard.empty()) shard = parse_shard(command.shard);
   EvalConfig config = load_eval_config(command.config);
@@ -632,7 +651,7 @@ bool run_eval_command(const EvalCommand& command, const EngineLoader& load, std:
   GridContext grid = prepare_grid(std::move(config), load);
   grid.threads = command.threads;
   GridOptions options;
-  options.out = command.out.empty() ? "eval/results/" + grid.config.name : command.out;
+  options.out = output_directory(command.out, command.committed, grid.config.name);
   options.jobs = command.jobs;
   options.fresh = command.fresh;
   options.shard = shard;

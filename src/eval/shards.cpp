@@ -9,12 +9,12 @@
 #include <optional>
 #include <set>
 
-#include "cli_common/report.hpp"
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
 #include "eval/engine.hpp"
 #include "eval/grid.hpp"
 #include "eval/sha256.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::eval {
 namespace {
@@ -338,7 +338,7 @@ MergeSummary merge_shards(const MergeOptions& options) {
   }
 
   MergeSummary summary;
-  summary.out = options.out.empty() ? fs::path("eval/results") / grid_name : options.out;
+  summary.out = output_directory(options.out, options.committed, grid_name);
   summary.cells = merged.cells.size();
   std::error_code error;
   for (const ShardOutput& shard : shards) {
@@ -358,7 +358,7 @@ MergeSummary merge_shards(const MergeOptions& options) {
   // Written as a run writes them (upgraded names included): the merged directory resumes as a
   // run's does.
   for (const auto& [id, source] : found) {
-    write_file_atomically(cells_dir / (id + ".json"), cli::dump_json(source.first) + "\n");
+    write_file_atomically(cells_dir / (id + ".json"), harness::dump_json(source.first) + "\n");
   }
   OrderedJson sources = OrderedJson::array();
   for (const ShardOutput& shard : shards) {

@@ -8,7 +8,7 @@
 #include <kvevict/timing.hpp>
 #include <string>
 
-#include "cli_common/report.hpp"
+#include "harness/report.hpp"
 
 namespace kvevict::llama_cli {
 
@@ -25,8 +25,8 @@ Command add_eval_command(CLI::App& parent);
 
 /// The cache report of `kvevict`, from a LlamaSequence: live and peak KV bytes are llama.cpp's
 /// cells in use times the K and V bytes of a cell.
-[[nodiscard]] cli::CacheReport cache_report(const llama::LlamaSequence& sequence,
-                                            std::string policy, double seconds,
-                                            const StageClock& clock);
+[[nodiscard]] harness::CacheReport cache_report(const llama::LlamaSequence& sequence,
+                                                std::string policy, double seconds,
+                                                const StageClock& clock);
 
 }  // namespace kvevict::llama_cli

@@ -12,10 +12,10 @@
 #include <string>
 #include <utility>
 
-#include "cli_common/policy_setup.hpp"
+#include "cli/options.hpp"
 #include "eval/engine.hpp"
 #include "eval/grid.hpp"
-#include "eval/grid_options.hpp"
+#include "harness/policy_setup.hpp"
 #include "llama/cli/commands.hpp"
 #include "llama/cli/llama_options.hpp"
 
@@ -26,7 +26,7 @@ using Clock = std::chrono::steady_clock;
 
 class LlamaEvalSequence final : public eval::EvalSequence {
  public:
-  LlamaEvalSequence(std::unique_ptr<llama::LlamaSequence> sequence, cli::PolicySetup& setup,
+  LlamaEvalSequence(std::unique_ptr<llama::LlamaSequence> sequence, harness::PolicySetup& setup,
                     const StageClock& clock)
       : sequence_(std::move(sequence)), clock_(clock) {
     // What policy_json records; the policy itself now belongs to the sequence.
@@ -45,7 +45,7 @@ class LlamaEvalSequence final : public eval::EvalSequence {
   }
 
   [[nodiscard]] eval::SequenceCounters counters() const override {
-    const cli::CacheReport report = cache_report(*sequence_, setup_.name, 0, clock_);
+    const harness::CacheReport report = cache_report(*sequence_, setup_.name, 0, clock_);
     eval::SequenceCounters counters;
     counters.tokens_fed = report.tokens;
     counters.forwards = sequence_->stats().forwards;
@@ -71,7 +71,7 @@ class LlamaEvalSequence final : public eval::EvalSequence {
  private:
   std::unique_ptr<llama::LlamaSequence> sequence_;
   const StageClock& clock_;
-  cli::PolicySetup setup_;
+  harness::PolicySetup setup_;
   double feed_seconds_ = 0;
 };
 
@@ -101,17 +101,18 @@ class LlamaEvalEngine final : public eval::EvalEngine {
     return model_.token_bytes();
   }
 
-  [[nodiscard]] cli::PolicySetup make_setup(const cli::PolicyOptions& options) const override {
+  [[nodiscard]] harness::PolicySetup make_setup(
+      const harness::PolicyOptions& options) const override {
     return llama_cli::make_setup(options, model_);
   }
   // The sequence the cell would build, built and dropped: LlamaSequence's own checks
   // (granularity, flash attention, position shifts, budget plus a chunk within -c), once.
-  [[nodiscard]] std::optional<std::int64_t> check(cli::PolicySetup& setup) const override {
+  [[nodiscard]] std::optional<std::int64_t> check(harness::PolicySetup& setup) const override {
     const std::unique_ptr<llama::LlamaSequence> sequence =
         make_llama_sequence(model_, options_, setup, nullptr);
     return llama_n_ctx(sequence->context());  // -c as llama.cpp rounds it
   }
-  [[nodiscard]] std::unique_ptr<eval::EvalSequence> start(cli::PolicySetup& setup, int threads,
+  [[nodiscard]] std::unique_ptr<eval::EvalSequence> start(harness::PolicySetup& setup, int threads,
                                                           StageClock& clock) const override {
     std::unique_ptr<llama::LlamaSequence> sequence =
         make_llama_sequence(model_, with_threads(threads), setup, &clock);
@@ -154,7 +155,7 @@ Command add_eval_command(CLI::App& parent) {
       "Run a `kvevict eval` benchmark grid (policies x budgets x tasks) on a GGUF through "
       "llama.cpp, resumable");
   eval::EvalCommand& command = options->command;
-  eval::add_grid_options(*app, command)->required();
+  cli::add_grid_options(*app, command)->required();
   app->add_option("-m,--model", command.model,
                   "the GGUF llama.cpp loads (replaces the config's \"model\")")
       ->required();

@@ -1,5 +1,5 @@
 // `kvevict-llama generate`: `kvevict generate` over llama.cpp: the prompt is the first turn, then
-// tokens are sampled (cli_common/sampling.hpp) and fed one by one under the policy.
+// tokens are sampled (harness/sampling.hpp) and fed one by one under the policy.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -10,10 +10,10 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/cli_options.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/sampling.hpp"
+#include "cli/options.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/sampling.hpp"
 #include "llama/cli/commands.hpp"
 #include "llama/cli/llama_options.hpp"
 
@@ -26,8 +26,8 @@ struct GenerateOptions {
   std::string model;
   std::string prompt;
   int max_tokens = 128;
-  cli::PolicyOptions policy;
-  cli::SamplingOptions sampling;
+  harness::PolicyOptions policy;
+  harness::SamplingOptions sampling;
   LlamaOptions llama;
   bool json = false;
 };
@@ -40,10 +40,10 @@ int run_generate(const GenerateOptions& options) {
   if (options.max_tokens < 1) {
     throw Error(fmt::format("--max-tokens must be at least 1, got {}", options.max_tokens));
   }
-  cli::validate_sampling(options.sampling);
-  cli::validate_policy_options(options.policy);
+  harness::validate_sampling(options.sampling);
+  harness::validate_policy_options(options.policy);
   const LlamaModel model(options.model, options.llama.gpu_layers);
-  cli::PolicySetup setup = make_setup(options.policy, model);
+  harness::PolicySetup setup = make_setup(options.policy, model);
   StageClock clock;
   const std::unique_ptr<llama::LlamaSequence> sequence =
       make_llama_sequence(model, options.llama, setup, &clock);
@@ -52,7 +52,7 @@ int run_generate(const GenerateOptions& options) {
   if (prompt.empty()) {
     throw Error("the prompt is empty and the model has no BOS token: give a non-empty --prompt");
   }
-  cli::Sampler sampler(options.sampling);
+  harness::Sampler sampler(options.sampling);
   const Clock::time_point start = Clock::now();
   llama::LlamaLogits logits = sequence->feed(prompt, /*turn_start=*/true);
   const Clock::time_point prefilled = Clock::now();
@@ -73,7 +73,7 @@ int run_generate(const GenerateOptions& options) {
     logits = sequence->forward(std::span<const std::int32_t>(&generated.back(), 1));
   }
   const Clock::time_point done = Clock::now();
-  const cli::CacheReport report =
+  const harness::CacheReport report =
       cache_report(*sequence, setup.name, seconds_between(start, done), clock);
   const double decode_seconds = seconds_between(prefilled, done);
   const double decode_rate =
@@ -93,14 +93,14 @@ int run_generate(const GenerateOptions& options) {
     json["policy"] = policy_json(setup, *sequence);
     json["prefill_seconds"] = seconds_between(start, prefilled);
     json["decode_tokens_per_second"] = decode_rate;
-    json["cache"] = cli::to_json(report);
-    std::cout << cli::dump_json(json) << '\n' << std::flush;
+    json["cache"] = harness::to_json(report);
+    std::cout << harness::dump_json(json) << '\n' << std::flush;
   } else {
     std::cout << '\n'
               << fmt::format("[{} prompt tokens, {} generated ({:.1f} tokens/s), stop: {}]\n",
                              prompt.size(), generated.size(), decode_rate,
                              stopped_at_eos ? "eos" : "max_tokens")
-              << cli::format_cache_report(report) << '\n'
+              << harness::format_cache_report(report) << '\n'
               << std::flush;
   }
   return 0;

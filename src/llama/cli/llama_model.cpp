@@ -8,7 +8,7 @@
 #include <kvevict/error.hpp>
 #include <mutex>
 
-#include "cli_common/log_loss.hpp"
+#include "harness/log_loss.hpp"
 
 namespace kvevict::llama_cli {
 namespace {
@@ -156,7 +156,7 @@ std::int32_t LlamaModel::bos_id() const {
 }
 
 std::vector<std::uint32_t> LlamaModel::token_bytes() const {
-  if (tokenizer_) return cli::token_byte_counts(*tokenizer_, vocab_size_);
+  if (tokenizer_) return harness::token_byte_counts(*tokenizer_, vocab_size_);
   // llama.cpp's vocabularies: the bytes of each token's piece (control tokens have none).
   std::vector<std::uint32_t> bytes(static_cast<std::size_t>(vocab_size_));
   for (std::size_t id = 0; id < bytes.size(); ++id) {

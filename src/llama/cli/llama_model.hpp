@@ -7,7 +7,7 @@
 //     tokenizer model overridden to "none" (llama.cpp then runs on ids alone);
 //   - SentencePiece vocabularies ("llama": Llama 2, TinyLlama), rebuilt from llama.cpp's vocab.
 // Other vocabularies (BPE: Llama 3, Qwen, SmolLM2) are tokenized by llama.cpp (stream cuts their
-// text only before a space: cli_common/text_stream.hpp, PieceEncoder).
+// text only before a space: harness/text_stream.hpp, PieceEncoder).
 #pragma once
 
 #include <llama.h>

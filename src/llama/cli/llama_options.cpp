@@ -25,7 +25,7 @@ ggml_type ggml_cell_type(KvType type) {
 
 }  // namespace
 
-cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel& model) {
+harness::PolicySetup make_setup(const harness::PolicyOptions& options, const LlamaModel& model) {
   // The setup reads only the model's tokenizer and shape (--kv-type checks the head size); a
   // vocabulary kvevict does not hold gets a byte-level stand-in without an anchor (AnLLM then asks
   // for --param anchor_ids) and llama.cpp tokenizes the catalyst.
@@ -38,7 +38,7 @@ cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel&
   stand_in.config.kv_heads = llama_model_n_head_kv(model.get());
   stand_in.config.layers = llama_model_n_layer(model.get());
   stand_in.config.vocab_size = model.vocab_size();
-  cli::PolicySetup setup = cli::make_policy_setup(options, stand_in);
+  harness::PolicySetup setup = harness::make_policy_setup(options, stand_in);
   if (setup.catalyst && model.kvevict_tokenizer() == nullptr) {
     setup.catalyst = model.encode(
         options.catalyst.value_or(std::string(kInfiniPotGeneralCatalystPrompt)), false);
@@ -46,20 +46,39 @@ cli::PolicySetup make_setup(const cli::PolicyOptions& options, const LlamaModel&
   return setup;
 }
 
-std::string describe_policy(const cli::PolicySetup& setup, const llama::LlamaSequence& sequence) {
+std::string describe_policy(const harness::PolicySetup& setup,
+                            const llama::LlamaSequence& sequence) {
   const std::string params = setup.params.to_string();
   return fmt::format("{}{}, positions {}, granularity {}, keys post_rope (llama.cpp), chunk {}{}",
                      setup.name, params.empty() ? std::string() : " (" + params + ")",
                      to_string(sequence.sequence().position_mode()),
                      to_string(sequence.sequence().granularity()), sequence.max_chunk(),
-                     cli::describe_kv_type(setup.decoder_options.kv_type));
+                     harness::describe_kv_type(setup.decoder_options.kv_type));
 }
 
-nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
+std::string describe_granularity(const harness::PolicySetup& setup,
+                                 const llama::LlamaSequence& sequence) {
+  const Granularity used = sequence.sequence().granularity();
+  const std::string head = fmt::format("{}: {}", to_string(used), harness::keep_set_text(used));
+  if (setup.decoder_options.granularity) return head + " (--granularity)";
+  const Granularity kvevict_default = sequence.sequence().policy().default_granularity();
+  if (kvevict_default == used) {
+    return fmt::format(
+        "{}, as llama.cpp's cells are ({}'s default too: kvevict stream decides "
+        "the same)",
+        head, setup.name);
+  }
+  return fmt::format(
+      "{}, as llama.cpp's cells are; kvevict stream decides at {}'s default, {} ({}), so the "
+      "decisions differ: --granularity token on both makes them agree",
+      head, setup.name, to_string(kvevict_default), harness::keep_set_text(kvevict_default));
+}
+
+nlohmann::ordered_json policy_json(const harness::PolicySetup& setup,
                                    const llama::LlamaSequence& sequence) {
   nlohmann::ordered_json json;
   json["name"] = setup.name;
-  json["params"] = cli::params_json(setup.params);
+  json["params"] = harness::params_json(setup.params);
   json["positions"] = std::string(to_string(sequence.sequence().position_mode()));
   json["granularity"] = std::string(to_string(sequence.sequence().granularity()));
   json["keys"] = "post_rope";
@@ -71,7 +90,7 @@ nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
 
 std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,
                                                           const LlamaOptions& options,
-                                                          cli::PolicySetup& setup,
+                                                          harness::PolicySetup& setup,
                                                           StageObserver* observer) {
   if (options.threads < 1) throw Error("--threads must be at least 1");
   if (options.context < 1) throw Error("--ctx-size must be at least 1");

@@ -1,6 +1,6 @@
 // What `kvevict-llama`'s subcommands share: llama.cpp's own options (-t, --ngl, -c, --fa; CLI11
 // takes no multi-letter short options, so -ngl and -fa are spelled --ngl and --fa) and the
-// LlamaSequence built from kvevict's policy options (cli_common/policy_setup.hpp).
+// LlamaSequence built from kvevict's policy options (harness/policy_setup.hpp).
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 #include "llama/cli/llama_model.hpp"
 
 namespace kvevict::llama_cli {
@@ -44,23 +44,28 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
       ->capture_default_str();
 }
 
-/// kvevict's policy setup (cli_common/policy_setup.hpp) for `model`: AnLLM's default anchor and
+/// kvevict's policy setup (harness/policy_setup.hpp) for `model`: AnLLM's default anchor and
 /// InfiniPot's catalyst come from the model's tokenizer.
-[[nodiscard]] cli::PolicySetup make_setup(const cli::PolicyOptions& options,
-                                          const LlamaModel& model);
+[[nodiscard]] harness::PolicySetup make_setup(const harness::PolicyOptions& options,
+                                              const LlamaModel& model);
 
 /// `kvevict`'s policy line and JSON for a LlamaSequence (keys: llama.cpp stores them after RoPE;
 /// kv_type: the type of llama.cpp's K and V cells).
-[[nodiscard]] std::string describe_policy(const cli::PolicySetup& setup,
+[[nodiscard]] std::string describe_policy(const harness::PolicySetup& setup,
                                           const llama::LlamaSequence& sequence);
-[[nodiscard]] nlohmann::ordered_json policy_json(const cli::PolicySetup& setup,
+/// The stream report's granularity line over llama.cpp: llama.cpp's cells are per token, so the
+/// default is token where kvevict's decoder takes the policy's own (per KV head for h2o, tova,
+/// ...): the line says when `kvevict stream` decides differently by default.
+[[nodiscard]] std::string describe_granularity(const harness::PolicySetup& setup,
+                                               const llama::LlamaSequence& sequence);
+[[nodiscard]] nlohmann::ordered_json policy_json(const harness::PolicySetup& setup,
                                                  const llama::LlamaSequence& sequence);
 
 /// A LlamaSequence over `model` with the setup's policy (moved into it) and catalyst. The setup's
 /// positions and granularity apply; --keys must be post_rope (llama.cpp stores keys rotated).
 [[nodiscard]] std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,
                                                                         const LlamaOptions& options,
-                                                                        cli::PolicySetup& setup,
+                                                                        harness::PolicySetup& setup,
                                                                         StageObserver* observer);
 
 }  // namespace kvevict::llama_cli

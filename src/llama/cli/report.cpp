@@ -4,10 +4,10 @@
 #include "llama/cli/commands.hpp"
 
 namespace kvevict::llama_cli {
-cli::CacheReport cache_report(const llama::LlamaSequence& sequence, std::string policy,
-                              double seconds, const StageClock& clock) {
+harness::CacheReport cache_report(const llama::LlamaSequence& sequence, std::string policy,
+                                  double seconds, const StageClock& clock) {
   const SequenceStats& stats = sequence.sequence().stats();
-  cli::CacheReport report;
+  harness::CacheReport report;
   report.policy = std::move(policy);
   report.tokens = stats.tokens_fed;
   report.live_kv_bytes =
@@ -19,7 +19,7 @@ cli::CacheReport cache_report(const llama::LlamaSequence& sequence, std::string 
   report.catalyst_runs = sequence.stats().catalyst_runs;
   report.seconds = seconds;
   report.tokens_per_second = seconds > 0 ? static_cast<double>(stats.tokens_fed) / seconds : 0.0;
-  report.eviction_seconds = cli::eviction_seconds(clock);
+  report.eviction_seconds = harness::eviction_seconds(clock);
   return report;
 }
 

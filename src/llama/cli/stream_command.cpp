@@ -11,12 +11,12 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/cli_options.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_stream.hpp"
+#include "cli/options.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/report.hpp"
+#include "harness/text_stream.hpp"
 #include "llama/cli/commands.hpp"
 #include "llama/cli/llama_options.hpp"
 
@@ -25,52 +25,44 @@ namespace {
 
 struct StreamOptions {
   std::string model;
-  std::string input;
+  harness::StreamInputOptions input;
   int window = 1024;
-  std::string turn_separator;
-  cli::PolicyOptions policy;
+  harness::PolicyOptions policy;
   LlamaOptions llama;
   bool json = false;
   bool insert_anchors = false;
-  std::int64_t limit_bytes = 0;
 };
 
 // kvevict's tokenizer where it holds the vocabulary (the text cut and encoded exactly as `kvevict
 // stream` does); else llama.cpp's, the text cut only before a space and each piece encoded with
 // its leading space (byte-level BPE: Llama 3, Qwen, SmolLM2).
-cli::TextStreamResult stream_text(const StreamOptions& options, const std::string& separator,
-                                  const LlamaModel& model, cli::StreamScorer& scorer, int chunk) {
-  const cli::TextStreamOptions stream{
-      .input = options.input,
-      .turn_separator = separator,
-      .insert_anchors = options.insert_anchors,
-      .limit_bytes = static_cast<std::uint64_t>(options.limit_bytes),
-      .progress = true};
+harness::TextStreamResult stream_text(const harness::TextStreamOptions& stream,
+                                      const LlamaModel& model, harness::StreamScorer& scorer,
+                                      int chunk) {
   if (const model::Tokenizer* tokenizer = model.kvevict_tokenizer()) {
-    return cli::stream_text(stream, *tokenizer, scorer, chunk);
+    return harness::stream_text(stream, *tokenizer, scorer, chunk);
   }
-  const cli::PieceEncoder encoder{
+  const harness::PieceEncoder encoder{
       .encode = [&model](std::string_view text,
                          bool add_bos) { return model.encode(text, add_bos); },
       .cut_before_space = true,
       .drop_cut_space = false};
-  return cli::stream_text(stream, encoder, std::nullopt, scorer, chunk);
+  return harness::stream_text(stream, encoder, std::nullopt, scorer, chunk);
 }
 
 int run_stream(const StreamOptions& options) {
   if (options.window < 1) {
     throw Error(fmt::format("--window must be at least 1, got {}", options.window));
   }
-  if (options.limit_bytes < 0) {
-    throw Error(
-        fmt::format("--limit-bytes must be >= 0 (0 = no limit), got {}", options.limit_bytes));
-  }
-  const std::string separator = cli::unescape(options.turn_separator);
-  cli::validate_policy_options(options.policy);
+  harness::TextStreamOptions stream = harness::text_stream_options(options.input);
+  stream.insert_anchors = options.insert_anchors;
+  stream.progress = true;
+  const bool turns = !stream.turn_separator.empty();
+  harness::validate_policy_options(options.policy);
 
   const LlamaModel model(options.model, options.llama.gpu_layers);
-  cli::PolicySetup setup = make_setup(options.policy, model);
-  cli::warn_if_single_turn(*setup.policy, !separator.empty());
+  harness::PolicySetup setup = make_setup(options.policy, model);
+  harness::warn_if_single_turn(*setup.policy, turns);
   StageClock clock;
   const std::unique_ptr<llama::LlamaSequence> sequence =
       make_llama_sequence(model, options.llama, setup, &clock);
@@ -82,27 +74,28 @@ int run_stream(const StreamOptions& options) {
       throw Error("--insert-anchors needs a vocabulary with kvevict's <AC> anchor; '" +
                   options.model + "' has none");
     }
-    anchor_id = cli::AnchorInserter::for_tokenizer(*tokenizer).anchor_id();
+    anchor_id = harness::AnchorInserter::for_tokenizer(*tokenizer).anchor_id();
   }
-  cli::StreamScorer scorer(
+  harness::StreamScorer scorer(
       [&sequence](std::span<const std::int32_t> tokens, bool turn_start) {
         return sequence->feed(tokens, turn_start, /*all_logits=*/true).values;
       },
       sequence->vocab(), options.window, model.token_bytes(), anchor_id.value_or(-1));
-  const cli::TextStreamResult streamed =
-      stream_text(options, separator, model, scorer, sequence->max_chunk());
-  if (!separator.empty()) {
-    cli::warn_if_single_turn(sequence->sequence().policy(), streamed.turns > 0);
+  const harness::TextStreamResult streamed =
+      stream_text(stream, model, scorer, sequence->max_chunk());
+  if (turns) {
+    harness::warn_if_single_turn(sequence->sequence().policy(), streamed.turns > 0);
   }
-  const cli::CacheReport report = cache_report(*sequence, setup.name, streamed.seconds, clock);
-  cli::print_stream_report(
+  const harness::CacheReport report = cache_report(*sequence, setup.name, streamed.seconds, clock);
+  harness::print_stream_report(
       options.json,
-      cli::StreamReportHeader{.model = options.model,
-                              .input = options.input,
-                              .turns = !separator.empty(),
-                              .insert_anchors = options.insert_anchors,
-                              .policy_description = describe_policy(setup, *sequence),
-                              .policy = policy_json(setup, *sequence)},
+      harness::StreamReportHeader{.model = options.model,
+                                  .input = options.input.input,
+                                  .turns = turns,
+                                  .insert_anchors = options.insert_anchors,
+                                  .policy_description = describe_policy(setup, *sequence),
+                                  .granularity = describe_granularity(setup, *sequence),
+                                  .policy = policy_json(setup, *sequence)},
       scorer.loss(), streamed, report);
   return 0;
 }
@@ -116,16 +109,8 @@ Command add_stream_command(CLI::App& parent) {
       "Stream a text file through llama.cpp under a kvevict policy: bits per byte, perplexity, "
       "memory (the report of `kvevict stream`)");
   cli::add_model_option(*app, options->model);
-  app->add_option("-i,--input", options->input, "text file to stream (\"-\" = stdin)")->required();
-  app->add_option("-w,--window", options->window,
-                  "report the loss per window of this many positions")
-      ->capture_default_str();
-  app->add_option("--turn-separator", options->turn_separator,
-                  "split the text after each occurrence of this string and feed each piece as a "
-                  "new turn; \\n, \\t, \\r and \\\\ are unescaped");
-  app->add_option("--limit-bytes", options->limit_bytes,
-                  "read only the first N bytes of the input (0 = all)")
-      ->capture_default_str();
+  cli::add_stream_input_options(*app, options->input);
+  cli::add_window_option(*app, options->window);
   cli::add_policy_options(*app, options->policy);
   cli::add_insert_anchors_option(*app, options->insert_anchors,
                                  "the anchors are fed and take positions but are not scored");
@@ -135,7 +120,11 @@ Command add_stream_command(CLI::App& parent) {
   app->footer(
       "The same stream, scoring and report as `kvevict stream`, computed by llama.cpp: token t\n"
       "is scored with the logits of position t - 1; the first token (BOS) is not scored. The\n"
-      "KV memory reported is llama.cpp's cells in use (K and V of every layer).\n"
+      "KV memory reported is llama.cpp's cells in use (K and V of every layer). llama.cpp's\n"
+      "cells are per token, so the policy decides once for the whole model (granularity token)\n"
+      "where `kvevict stream` takes the policy's own (per KV head for h2o): give\n"
+      "--granularity token to both for the same decisions; the report's granularity line says\n"
+      "which.\n"
       "\n"
       "Example:\n"
       "  kvevict-llama stream --model model.gguf --input book.txt --policy h2o --budget 1024 \\\n"

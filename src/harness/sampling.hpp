@@ -7,7 +7,7 @@
 #include <span>
 #include <vector>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 struct SamplingOptions {
   double temperature = 0.0;  ///< 0 = greedy (argmax)
@@ -47,4 +47,4 @@ class Sampler {
   std::vector<Candidate> candidates_;  // reused across calls
 };
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

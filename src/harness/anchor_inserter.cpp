@@ -1,8 +1,8 @@
-#include "cli_common/anchor_inserter.hpp"
+#include "harness/anchor_inserter.hpp"
 
 #include <kvevict/error.hpp>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 AnchorInserter::AnchorInserter(std::int32_t anchor_id) : anchor_id_(anchor_id) {}
 
@@ -57,4 +57,4 @@ void AnchorInserter::finish(std::vector<std::int32_t>& out) {
   if (pending_ || open_unit_) emit_anchor(out);
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

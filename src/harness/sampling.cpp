@@ -1,4 +1,4 @@
-#include "cli_common/sampling.hpp"
+#include "harness/sampling.hpp"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 #include <cmath>
 #include <kvevict/error.hpp>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 void validate_sampling(const SamplingOptions& options) {
   if (!std::isfinite(options.temperature) || options.temperature < 0.0) {
@@ -83,4 +83,4 @@ std::int32_t Sampler::sample(std::span<const float> logits) {
   return candidates_[kept - 1].id;  // only reached through rounding in the last addition
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

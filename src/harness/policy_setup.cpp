@@ -1,4 +1,4 @@
-#include "cli_common/policy_setup.hpp"
+#include "harness/policy_setup.hpp"
 
 #include <fmt/format.h>
 
@@ -15,9 +15,9 @@
 #include <utility>
 #include <variant>
 
-#include "cli_common/report.hpp"
+#include "harness/report.hpp"
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 namespace {
 
 // The spec's parameters, resolved, with the policy named in messages and a hint for a missing
@@ -35,12 +35,58 @@ PolicyParams resolved(const PolicySpec& spec, const PolicyParams& given) {
 // Whether policy `spec` takes a `sinks` parameter (--sinks applies to it).
 bool has_sinks(const PolicySpec& spec) { return spec.find("sinks") != nullptr; }
 
+// The sinks --budget counts for `spec`: --sinks when the budget mapping takes them (streaming_llm,
+// sirllm, random_llm, interval_llm) or they were given (tova's sinks), else none.
+int sinks_in_budget(const PolicySpec& spec, const PolicyOptions& options) {
+  if (!has_sinks(spec)) return 0;
+  if (options.sinks_given) return options.sinks;
+  // A budget one above the sinks is valid for every mapping: whether it sets "sinks" tells.
+  const bool mapped = spec.budget(options.sinks + 1, options.sinks).has("sinks");
+  return mapped ? options.sinks : 0;
+}
+
+// --budget N keeps the protected first tokens (sinks) inside N, and a policy needs a slot besides
+// them (streaming_llm's recent, sirllm's entropy, random_llm's and interval_llm's budget, tova's
+// attention-ranked slots): N must be larger than the sinks. A policy that evicts only before a turn
+// also makes room for a turn's first chunk before feeding it, so it needs the sinks plus a chunk.
+// The error says the smallest N that works.
+void check_budget_holds_sinks(const PolicySpec& spec, const PolicyOptions& options) {
+  if (!options.budget || *options.budget < 1 || spec.budget == nullptr || options.sinks < 0 ||
+      options.sinks >= kMaxSlotsParam) {
+    return;
+  }
+  const int sinks = sinks_in_budget(spec, options);
+  if (sinks == 0 || *options.budget > sinks) return;
+  PolicyParams smallest = spec.budget(sinks + 1, sinks);
+  if (options.sinks_given) smallest.set("sinks", sinks);
+  const bool per_turn = evicts_only_before_turns(*spec.make(spec.resolve(smallest)));
+  const std::string rule =
+      per_turn ? fmt::format(
+                     "it evicts only before a turn and makes room for a turn's first chunk "
+                     "first, so it needs the sinks plus one chunk (--chunk {}): --budget "
+                     "{} at least (or fewer --sinks, or a smaller --chunk)",
+                     options.chunk, sinks + options.chunk)
+               : fmt::format(
+                     "it needs at least one slot besides them: --budget {} at least (or "
+                     "fewer --sinks)",
+                     sinks + 1);
+  throw Error(fmt::format(
+      "--budget {} leaves no room beside the protected set: {} keeps its {} sinks (--sinks {}) "
+      "inside the budget, and {}",
+      *options.budget, spec.name, sinks, sinks, rule));
+}
+
 }  // namespace
 
-std::string policy_list() { return kvevict::policy_list(); }
+void check_threads(int threads) {
+  if (threads < 1 || threads > 1024) {
+    throw Error(fmt::format("--threads must be in [1, 1024], got {}", threads));
+  }
+}
 
 PolicyParams resolve_params(const PolicyOptions& options, const model::Tokenizer* tokenizer) {
   PolicyParams params;
+  check_budget_holds_sinks(policy_spec(options.policy), options);
   if (options.budget) params = budget_params(options.policy, *options.budget, options.sinks);
   if (options.sinks_given) params.set("sinks", options.sinks);
   for (const std::string& param : options.params) {
@@ -67,9 +113,6 @@ void validate_policy_options(const PolicyOptions& options) {
     throw Error(fmt::format("--chunk must be in [1, {}], got {}", kMaxChunk, options.chunk));
   }
   if (options.sinks < 0) throw Error(fmt::format("--sinks must be >= 0, got {}", options.sinks));
-  if (options.threads < 1 || options.threads > 1024) {
-    throw Error(fmt::format("--threads must be in [1, 1024], got {}", options.threads));
-  }
   if (options.sinks_given && !has_sinks(spec)) {
     throw Error(
         fmt::format("--sinks does not apply to policy '{}' (it has no sinks)", options.policy));
@@ -139,7 +182,6 @@ PolicySetup make_policy_setup(const PolicyOptions& options, const model::Model& 
     throw Error(fmt::format("--kv-type: {}", error.what()));
   }
   setup.decoder_options.max_chunk = options.chunk;
-  setup.decoder_options.threads = options.threads;
   setup.decoder_options.decode_activations =
       model::parse_decode_activations(options.decode_activations);
   if (setup.policy->signals().contains(Signal::catalyst_attention)) {
@@ -185,6 +227,35 @@ std::string describe_policy(const PolicySetup& setup, const model::Decoder& deco
                      activations == model::DecodeActivations::f32
                          ? std::string()
                          : ", decode activations " + std::string(to_string(activations)));
+}
+
+std::string keep_set_text(Granularity granularity) {
+  switch (granularity.kind()) {
+    case Granularity::Kind::head:
+      return "one keep-set per KV head";
+    case Granularity::Kind::layer:
+      return "one keep-set per layer";
+    case Granularity::Kind::token:
+      return "one keep-set for the whole model, per token";
+    case Granularity::Kind::block:
+      return fmt::format("one keep-set for the whole model, in blocks of {} tokens",
+                         granularity.block_tokens());
+  }
+  return "";
+}
+
+std::string describe_granularity(const PolicySetup& setup, const model::Decoder& decoder) {
+  const Sequence& sequence = decoder.cache().sequence();
+  const Granularity used = sequence.granularity();
+  const std::string head = fmt::format("{}: {}", to_string(used), keep_set_text(used));
+  if (setup.decoder_options.granularity) return head + " (--granularity)";
+  if (used.kind() == Granularity::Kind::token) {
+    return fmt::format("{} ({}'s default, and kvevict-llama's)", head, setup.name);
+  }
+  return fmt::format(
+      "{} ({}'s default; kvevict-llama decides per token, as llama.cpp's cells are: "
+      "--granularity token here decides as it does)",
+      head, setup.name);
 }
 
 std::string describe_kv_type(KvType type) {
@@ -243,4 +314,4 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
           : ""));
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -1,4 +1,4 @@
-#include "cli_common/text_pieces.hpp"
+#include "harness/text_pieces.hpp"
 
 #include <fmt/format.h>
 
@@ -9,7 +9,7 @@
 #include <system_error>
 #include <utility>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 namespace {
 
 bool is_utf8_continuation(char c) { return (static_cast<unsigned char>(c) & 0xC0) == 0x80; }
@@ -123,4 +123,4 @@ bool TextPieces::next(TextPiece& piece) {
   }
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -1,4 +1,4 @@
-#include "cli_common/report.hpp"
+#include "harness/report.hpp"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -11,7 +11,7 @@
 #include <system_error>
 #include <utility>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
                               double wall_seconds, const StageClock* clock) {
@@ -124,4 +124,4 @@ bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
 
 void warn(const std::string& message) { std::cerr << "kvevict: warning: " << message << '\n'; }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

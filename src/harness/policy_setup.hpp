@@ -3,11 +3,13 @@
 // --chunk / --catalyst become a kvevict::Policy plus the decoder's options. Parameters are typed
 // and checked by the policy's spec (kvevict/policy_registry.hpp); this file only maps options.
 //
-// Nothing here depends on CLI11 (cli_options.hpp registers the flags), so tests call it directly.
+// Nothing here depends on CLI11 (the programs register the flags: src/cli/options.hpp), so tests
+// call it directly.
 // Every problem is a kvevict::Error whose message names the option at fault.
 #pragma once
 
 #include <cstdint>
+#include <kvevict/granularity.hpp>
 #include <kvevict/kv_type.hpp>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
@@ -19,7 +21,7 @@
 #include <string>
 #include <vector>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 inline constexpr int kDefaultSinks = 4;
 inline constexpr int kDefaultChunk = 64;
@@ -40,13 +42,13 @@ struct PolicyOptions {
   std::string kv_type = "f32";  ///< --kv-type: how the cache stores keys and values
   int chunk = kDefaultChunk;
   std::optional<std::string> catalyst;  ///< InfiniPot's catalyst prompt; nullopt = the paper's
-  int threads = 1;                      ///< -t/--threads: model::DecoderOptions::threads
   /// --decode-activations: model::DecoderOptions::decode_activations (kvevict's decoder only)
   std::string decode_activations = "f32";
 };
 
-/// Names of the policies, comma-separated, for messages and --help.
-[[nodiscard]] std::string policy_list();
+/// -t/--threads of kvevict's decoder (model::DecoderOptions::threads, set by the commands on the
+/// setup's decoder options): an error naming the option unless in [1, 1024].
+void check_threads(int threads);
 
 /// The parameters as given: the --budget mapping, then --sinks, then every --param (untyped:
 /// PolicySpec::resolve types them). With a tokenizer, AnLLM's anchor_ids default to the
@@ -99,9 +101,19 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
 /// "streaming_llm (recent=28 sinks=4), positions cache_index, granularity token, keys post_rope,
 /// chunk 64" (and describe_kv_type's ", kv q8_0", and ", decode activations q8_0" when not f32).
 [[nodiscard]] std::string describe_policy(const PolicySetup& setup, const model::Decoder& decoder);
+/// What one keep-set covers at `granularity`: "one keep-set per KV head", "per layer", "for the
+/// whole model, per token", "... in blocks of B tokens".
+[[nodiscard]] std::string keep_set_text(Granularity granularity);
+
+/// The stream report's granularity line for kvevict's decoder: the granularity, what a keep-set
+/// covers and where it came from (--granularity, or the policy's default, with how kvevict-llama,
+/// whose cells are per token, decides by default).
+[[nodiscard]] std::string describe_granularity(const PolicySetup& setup,
+                                               const model::Decoder& decoder);
+
 /// {"name", "params", "positions", "granularity", "keys", "kv_type", "decode_activations", "chunk",
 /// "catalyst_tokens" (when it has one)}.
 [[nodiscard]] nlohmann::ordered_json policy_json(const PolicySetup& setup,
                                                  const model::Decoder& decoder);
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -1,21 +1,26 @@
-// CLI11 registration of the options shared by the decoder subcommands (generate, stream, eval).
-// Header-only on purpose: only the `kvevict` executable links CLI11, the tools library does not.
+// CLI11 registration of the options the front ends share (`kvevict` and `kvevict-llama`: generate,
+// stream, compare, eval). The programs' own glue: the harness (src/harness) does not link CLI11.
+// Header-only, included by both executables.
 #pragma once
 
 #include <CLI/CLI.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <string>
 
-#include "cli_common/policy_setup.hpp"
-#include "cli_common/sampling.hpp"
+#include "eval/grid.hpp"
+#include "harness/policy_setup.hpp"
+#include "harness/sampling.hpp"
+#include "harness/text_stream.hpp"
 
 namespace kvevict::cli {
 
-/// --model PATH (required).
+/// The model (required): a positional path, as `replay FILE` and `eval CONFIG` take theirs, or
+/// -m/--model PATH.
 inline void add_model_option(CLI::App& app, std::string& path) {
-  app.add_option("-m,--model", path,
-                 "model file: GGUF, .safetensors (config.json beside it) or a directory holding "
-                 "model.safetensors + config.json, or a llama2.c checkpoint")
+  app.add_option("model,-m,--model", path,
+                 "model file (positional, or -m/--model): GGUF, .safetensors (config.json beside "
+                 "it) or a directory holding model.safetensors + config.json, or a llama2.c "
+                 "checkpoint")
       ->required();
 }
 
@@ -24,7 +29,8 @@ inline std::string budget_mapping_help() {
   std::string help = "at --budget 64:";
   for (const PolicySpec* spec : policy_specs()) {
     if (spec->budget == nullptr) continue;
-    help += " " + std::string(spec->name) + " " + spec->budget(64, kDefaultSinks).to_string() + ";";
+    help += " " + std::string(spec->name) + " " +
+            spec->budget(64, harness::kDefaultSinks).to_string() + ";";
   }
   help.pop_back();
   return help;
@@ -37,6 +43,25 @@ inline void add_threads_option(CLI::App& app, int& threads) {
                  "threads of each forward (products split by rows, attention by KV heads: the "
                  "same logits for any number)")
       ->group("Decoder")
+      ->capture_default_str();
+}
+
+/// -i/--input (required), --turn-separator, --limit-bytes: the text `kvevict stream`, `kvevict
+/// compare` and `kvevict-llama stream` stream (the default limit is the options' own).
+inline void add_stream_input_options(CLI::App& app, harness::StreamInputOptions& options) {
+  app.add_option("-i,--input", options.input, "text file to stream (\"-\" = stdin)")->required();
+  app.add_option("--turn-separator", options.turn_separator,
+                 "split the text after each occurrence of this string and feed each piece as a "
+                 "new turn (SirLLM, RandomLLM and IntervalLLM evict before turns); \\n, \\t, "
+                 "\\r and \\\\ are unescaped");
+  app.add_option("--limit-bytes", options.limit_bytes,
+                 "read only the first N bytes of the input (0 = all)")
+      ->capture_default_str();
+}
+
+/// -w/--window of `kvevict stream` and `kvevict-llama stream`.
+inline void add_window_option(CLI::App& app, int& window) {
+  app.add_option("-w,--window", window, "report the loss per window of this many positions")
       ->capture_default_str();
 }
 
@@ -53,7 +78,7 @@ inline void add_decode_activations_option(CLI::App& app, std::string& activation
 /// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --kv-type, --chunk,
 /// --catalyst
 /// (group "Policy" in --help).
-inline void add_policy_options(CLI::App& app, PolicyOptions& options) {
+inline void add_policy_options(CLI::App& app, harness::PolicyOptions& options) {
   const std::string group = "Policy";
   app.add_option("--policy", options.policy, "eviction policy: " + policy_list())
       ->group(group)
@@ -122,7 +147,7 @@ inline void add_insert_anchors_option(CLI::App& app, bool& insert, const std::st
 
 /// --temp (alias --temperature), --top-k, --top-p, --seed (group "Sampling"), spelt as llama.cpp
 /// spells them.
-inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
+inline void add_sampling_options(CLI::App& app, harness::SamplingOptions& options) {
   const std::string group = "Sampling";
   app.add_option("--temp,--temperature", options.temperature,
                  "softmax temperature; 0 = greedy (always the most likely token)")
@@ -141,6 +166,43 @@ inline void add_sampling_options(CLI::App& app, SamplingOptions& options) {
                  "random seed (std::mt19937_64): same seed, same output on every platform")
       ->group(group)
       ->capture_default_str();
+}
+
+/// -o/--out DIR and --committed of `eval` and `eval merge`: a user's results go to the build tree
+/// by default (eval::output_directory), the committed eval/results/<name> only when asked.
+template <typename Path>
+void add_output_options(CLI::App& app, Path& out, bool& committed, const std::string& what) {
+  app.add_option("-o,--out", out,
+                 "output directory (default: " + eval::default_output_root().string() +
+                     "/<config name>, in the build tree, so the checkout's committed results "
+                     "stay as they are); " +
+                     what);
+  app.add_flag("--committed", committed,
+               "write to eval/results/<config name>, the committed results (run from the "
+               "checkout's root to reproduce or update them); not with --out");
+}
+
+/// The command-line options of a grid run that `kvevict eval` and `kvevict-llama eval` share.
+/// Each executable adds its own: the model (optional for kvevict, a GGUF for kvevict-llama),
+/// threads, the K/V type, llama.cpp's options.
+/// config (positional), -o/--out, --committed, -j/--jobs, --shard, --fresh, --list, --text.
+/// Returns the config option: `kvevict eval` leaves it optional (its `merge` subcommand takes
+/// none).
+inline CLI::Option* add_grid_options(CLI::App& app, eval::EvalCommand& command) {
+  CLI::Option* config =
+      app.add_option("config", command.config, "grid config (JSON; see docs/eval.md)");
+  add_output_options(app, command.out, command.committed,
+                     "cells/<id>.json holds each finished cell");
+  app.add_option("-j,--jobs", command.jobs, "cells run at once, each in its own process")
+      ->capture_default_str();
+  app.add_option("--shard", command.shard,
+                 "run only shard I of N (1 <= I <= N): the cells at positions I-1, I-1+N, ... of "
+                 "the grid; combine the shards' outputs with `kvevict eval merge`");
+  app.add_flag("--fresh", command.fresh,
+               "discard the output directory's cells and results and run every cell again");
+  app.add_flag("--list", command.list, "print the grid's cells and exit (nothing is loaded)");
+  app.add_option("--text", command.text, "use this text file instead of the config's \"text\"");
+  return config;
 }
 
 }  // namespace kvevict::cli

@@ -10,7 +10,7 @@
 #include <span>
 #include <vector>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 /// -log2 softmax(logits)[token], the log-sum-exp accumulated in double.
 [[nodiscard]] double surprisal_bits(std::span<const float> logits, std::int32_t token);
@@ -93,4 +93,4 @@ class StreamScorer {
 [[nodiscard]] std::vector<std::uint32_t> token_byte_counts(const model::Tokenizer& tokenizer,
                                                            int vocab_size);
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

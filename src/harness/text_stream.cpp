@@ -1,4 +1,4 @@
-#include "cli_common/text_stream.hpp"
+#include "harness/text_stream.hpp"
 
 #include <fmt/format.h>
 
@@ -13,11 +13,11 @@
 #include <utility>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/report.hpp"
-#include "cli_common/text_pieces.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/report.hpp"
+#include "harness/text_pieces.hpp"
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -199,6 +199,15 @@ std::string unescape(std::string_view text) {
   return out;
 }
 
+TextStreamOptions text_stream_options(const StreamInputOptions& input) {
+  if (input.limit_bytes < 0) {
+    throw Error(fmt::format("--limit-bytes must be >= 0 (0 = all), got {}", input.limit_bytes));
+  }
+  return TextStreamOptions{.input = input.input,
+                           .turn_separator = unescape(input.turn_separator),
+                           .limit_bytes = static_cast<std::uint64_t>(input.limit_bytes)};
+}
+
 namespace {
 
 // A JSON number, or null for NaN (no bytes or tokens to divide by).
@@ -221,6 +230,9 @@ void print_text_report(const StreamReportHeader& header, const WindowedLoss& los
   std::string out;
   out += fmt::format("input          {} ({} bytes)\n", header.input, streamed.input_bytes);
   out += fmt::format("policy         {}\n", header.policy_description);
+  if (!header.granularity.empty()) {
+    out += fmt::format("granularity    {}\n", header.granularity);
+  }
   if (header.turns) out += fmt::format("turns          {}\n", streamed.turns);
   if (header.insert_anchors) {
     out += fmt::format("anchors        {} inserted (fed, not scored)\n", streamed.anchors);
@@ -271,4 +283,4 @@ void print_stream_report(bool json_output, const StreamReportHeader& header,
   if (!std::cout) throw Error("error while writing to stdout");
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

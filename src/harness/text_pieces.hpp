@@ -24,7 +24,7 @@
 #include <string>
 #include <string_view>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 struct TextPiecesOptions {
   std::size_t block_bytes = 64 * 1024;
@@ -80,4 +80,4 @@ class TextPieces {
   bool next_space_cut_ = false;
 };
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

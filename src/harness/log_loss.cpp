@@ -1,4 +1,4 @@
-#include "cli_common/log_loss.hpp"
+#include "harness/log_loss.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 double surprisal_bits(std::span<const float> logits, std::int32_t token) {
   KVEVICT_REQUIRE(token >= 0 && static_cast<std::size_t>(token) < logits.size(),
@@ -96,4 +96,4 @@ std::vector<std::uint32_t> token_byte_counts(const model::Tokenizer& tokenizer, 
   return bytes;
 }
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -21,7 +21,7 @@
 #include <span>
 #include <vector>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 class AnchorInserter {
  public:
@@ -64,4 +64,4 @@ class AnchorInserter {
   std::int64_t inserted_ = 0;
 };
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

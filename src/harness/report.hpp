@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 /// What a decoder run cost: the final line of generate, part of stream's report.
 struct CacheReport {
@@ -55,4 +55,4 @@ void warn(const std::string& message);
 /// Whether stderr is a terminal (progress lines are only drawn there).
 [[nodiscard]] bool stderr_is_terminal();
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness

@@ -14,11 +14,11 @@
 #include <string_view>
 #include <vector>
 
-#include "cli_common/anchor_inserter.hpp"
-#include "cli_common/log_loss.hpp"
-#include "cli_common/report.hpp"
+#include "harness/anchor_inserter.hpp"
+#include "harness/log_loss.hpp"
+#include "harness/report.hpp"
 
-namespace kvevict::cli {
+namespace kvevict::harness {
 
 struct TextStreamOptions {
   std::string input;              ///< a file, or "-" for stdin
@@ -34,6 +34,18 @@ struct TextStreamResult {
   std::int64_t anchors = 0;  ///< anchors inserted
   double seconds = 0;        ///< wall time of the stream
 };
+
+/// The input options of `kvevict stream`, `kvevict compare` and `kvevict-llama stream`, as given
+/// (src/cli/options.hpp registers them once for the three).
+struct StreamInputOptions {
+  std::string input;             ///< -i/--input: a file, or "-" for stdin
+  std::string turn_separator;    ///< --turn-separator, escaped as given (see unescape)
+  std::int64_t limit_bytes = 0;  ///< --limit-bytes: 0 = all
+};
+
+/// What `input` asks of stream_text: the separator unescaped, the limit checked (an error naming
+/// --limit-bytes when negative). Anchors and progress are left to the command.
+[[nodiscard]] TextStreamOptions text_stream_options(const StreamInputOptions& input);
 
 /// Streams `options.input` through `scorer` (tokenized with `tokenizer`, fed `chunk` tokens at a
 /// time). Throws kvevict::Error for an empty input or one that holds a single token.
@@ -67,6 +79,7 @@ struct StreamReportHeader {
   bool turns = false;  ///< a turn separator was given: report the turns
   bool insert_anchors = false;
   std::string policy_description;  ///< the text report's policy line
+  std::string granularity;         ///< the text report's granularity line (describe_granularity)
   nlohmann::ordered_json policy;   ///< the JSON report's "policy"
 };
 
@@ -74,4 +87,4 @@ struct StreamReportHeader {
 void print_stream_report(bool json, const StreamReportHeader& header, const WindowedLoss& loss,
                          const TextStreamResult& streamed, const CacheReport& report);
 
-}  // namespace kvevict::cli
+}  // namespace kvevict::harness
