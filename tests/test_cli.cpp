@@ -106,7 +106,9 @@ TEST(PolicyOptions, BudgetErrors) {
     (void)budget("streaming_llm", 4, 4);
     FAIL() << "no error for a budget that holds only the sinks";
   } catch (const Error& error) {
-    EXPECT_STREQ(error.what(), "budget 4 is smaller than the protected set (sinks 4)");
+    EXPECT_STREQ(error.what(),
+                 "budget 4 leaves no room beside the 4 protected sinks: the budget must be larger "
+                 "than the sinks (at least 5)");
   }
 }
 

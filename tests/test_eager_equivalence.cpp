@@ -9,6 +9,12 @@
 // implementation's own slots. Decisions are compared as the kept original positions of every
 // (layer, KV head) after every forward; attention outputs of a random query per head every few
 // steps, within 1e-5.
+//
+// The oracle shares the production headers it had copied verbatim (RoPE, signals, positions,
+// shape); its own is the eviction core: slot table, pipeline, compaction, policies. It is retired
+// at the first change of what the core decides (a new position mode, a changed tie-break or
+// keep rule): from then on the two are meant to differ, and the replay fixtures (the authors' code)
+// and the property tests remain the contract.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -160,8 +160,10 @@ inline constexpr double kMaxSlotsParam = double(std::int64_t{1} << 28);
 [[nodiscard]] inline int budget_after_sinks(int budget, int sinks) {
   KVEVICT_REQUIRE(sinks >= 0, "sinks must be >= 0, got " + std::to_string(sinks));
   KVEVICT_REQUIRE(budget > sinks, "budget " + std::to_string(budget) +
-                                      " is smaller than the protected set (sinks " +
-                                      std::to_string(sinks) + ")");
+                                      " leaves no room beside the " + std::to_string(sinks) +
+                                      " protected sinks: the budget must be larger than the sinks "
+                                      "(at least " +
+                                      std::to_string(sinks + 1) + ")");
   return budget - sinks;
 }
 

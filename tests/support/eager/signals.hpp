@@ -1,121 +1,15 @@
-// What a policy may observe (signals) and when it may evict (triggers).
+// The eager oracle's signals, triggers, slot flags and attention rows are the production ones
+// (kvevict/signals.hpp), of which it had an older copy (no last_query(), data() or row_stride()).
 #pragma once
 
-#include <cstddef>
-#include <cstdint>
-#include <initializer_list>
-#include <kvevict/error.hpp>
-#include <span>
-#include <string>
+#include <kvevict/signals.hpp>
 
 namespace kvevict::eager {
-
-/// Inputs a policy may consume. A policy declares the set it needs; an engine computes only those
-/// (attention probabilities in particular cost memory traffic and are skipped when nobody asks).
-enum class Signal : std::uint32_t {
-  token_ids = 1u << 0,           ///< ids of the tokens fed (AnLLM anchors are recognised by id)
-  surprisal = 1u << 1,           ///< -log p(x_i | context) per token (SirLLM, InfiniPot NuC)
-  attention_rows = 1u << 2,      ///< softmax rows of every query of the forward (H2O)
-  last_attention_row = 1u << 3,  ///< softmax row of the forward's last query only (TOVA)
-  turn_boundaries = 1u << 4,     ///< the engine says where a turn starts (SirLLM)
-  catalyst_attention = 1u << 5,  ///< attention of a catalyst prompt run and rolled back (InfiniPot)
-};
-
-/// When a policy may evict. Each trigger calls Policy::select with the trigger named.
-enum class Trigger : std::uint8_t {
-  after_forward,  ///< after every forward, once its signals were observed (Window, H2O, TOVA)
-  before_turn,    ///< before a turn is fed, knowing its size (SirLLM)
-  pot_full,  ///< the cache reached the policy's pot size; catalyst attention is ready (InfiniPot)
-  anchor,    ///< after a forward whose input held an anchor token (AnLLM)
-};
-
-/// A small bit set over an enum whose values are distinct bits (Signal) or bit indices (Trigger).
-template <class Enum, bool values_are_bits>
-class FlagSet {
- public:
-  constexpr FlagSet() = default;
-  constexpr FlagSet(std::initializer_list<Enum> flags) {
-    for (Enum flag : flags) bits_ |= bit(flag);
-  }
-  [[nodiscard]] constexpr bool contains(Enum flag) const { return (bits_ & bit(flag)) != 0; }
-  [[nodiscard]] constexpr bool empty() const { return bits_ == 0; }
-  constexpr FlagSet& operator|=(FlagSet other) {
-    bits_ |= other.bits_;
-    return *this;
-  }
-  [[nodiscard]] constexpr std::uint32_t bits() const { return bits_; }
-
- private:
-  static constexpr std::uint32_t bit(Enum flag) {
-    if constexpr (values_are_bits) {
-      return static_cast<std::uint32_t>(flag);
-    } else {
-      return 1u << static_cast<std::uint32_t>(flag);
-    }
-  }
-  std::uint32_t bits_ = 0;
-};
-
-using SignalSet = FlagSet<Signal, true>;
-using TriggerSet = FlagSet<Trigger, false>;
-
-/// Per-slot flags stored beside every cached token.
-namespace slot_flag {
-inline constexpr std::uint8_t sink = 1u << 0;      ///< protected as an attention sink
-inline constexpr std::uint8_t anchor = 1u << 1;    ///< an anchor token (AnLLM)
-inline constexpr std::uint8_t catalyst = 1u << 2;  ///< part of a catalyst prompt, rolled back later
-}  // namespace slot_flag
-
-/// Attention probabilities of one layer's newest queries, as an engine hands them to a policy.
-///
-/// Layout: `[q_heads][queries][row_stride]`, float. The row of query head `h` covers the slots
-/// `[0, keys(h))` of the cache of KV head `h / group_size` in this layer, in slot order, as they
-/// stood during the forward (new tokens appended, nothing evicted yet). Entries past `keys(h)` and
-/// causally masked entries (a query's later chunk-mates) are zero.
-class AttentionRows {
- public:
-  AttentionRows(const float* data, int q_heads, int group_size, int queries,
-                std::ptrdiff_t row_stride, std::span<const int> keys_per_kv_head,
-                std::int64_t first_query_position)
-      : data_(data),
-        q_heads_(q_heads),
-        group_size_(group_size),
-        queries_(queries),
-        row_stride_(row_stride),
-        keys_per_kv_head_(keys_per_kv_head),
-        first_query_position_(first_query_position) {
-    KVEVICT_REQUIRE(q_heads > 0 && group_size > 0 && q_heads % group_size == 0,
-                    "AttentionRows: q_heads must be a positive multiple of group_size");
-    KVEVICT_REQUIRE(static_cast<int>(keys_per_kv_head.size()) == q_heads / group_size,
-                    "AttentionRows: need one key count per KV head");
-    KVEVICT_REQUIRE(queries >= 0, "AttentionRows: negative query count");
-  }
-
-  [[nodiscard]] int q_heads() const { return q_heads_; }
-  [[nodiscard]] int kv_heads() const { return q_heads_ / group_size_; }
-  [[nodiscard]] int group_size() const { return group_size_; }
-  /// Number of query rows per head (the forward's queries, or 1 for last_attention_row).
-  [[nodiscard]] int queries() const { return queries_; }
-  /// Original position of query row 0.
-  [[nodiscard]] std::int64_t first_query_position() const { return first_query_position_; }
-  /// Slots covered by the rows of query head `q_head`.
-  [[nodiscard]] int keys(int q_head) const {
-    return keys_per_kv_head_[static_cast<std::size_t>(q_head / group_size_)];
-  }
-  /// The softmax row of query `query` of query head `q_head`, one probability per slot.
-  [[nodiscard]] std::span<const float> row(int q_head, int query) const {
-    return {data_ + (static_cast<std::ptrdiff_t>(q_head) * queries_ + query) * row_stride_,
-            static_cast<std::size_t>(keys(q_head))};
-  }
-
- private:
-  const float* data_;
-  int q_heads_;
-  int group_size_;
-  int queries_;
-  std::ptrdiff_t row_stride_;
-  std::span<const int> keys_per_kv_head_;
-  std::int64_t first_query_position_;
-};
-
+using kvevict::AttentionRows;
+using kvevict::FlagSet;
+using kvevict::Signal;
+using kvevict::SignalSet;
+using kvevict::Trigger;
+using kvevict::TriggerSet;
+namespace slot_flag = kvevict::slot_flag;
 }  // namespace kvevict::eager
