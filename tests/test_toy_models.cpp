@@ -12,7 +12,9 @@
 //
 // The test iterates over the files that exist: with no file it checks nothing and says so. More
 // directories of such files (smoke runs whose models are not committed) can be named in
-// KVEVICT_TOY_LOGITS_DIR, separated by ':'.
+// KVEVICT_TOY_LOGITS_DIR, separated by ':'. The committed models (toy-base and toy-anchor at
+// context 256, toy-long and toy-long-anchor at 1,024: docs/models.md) are registered below, and
+// every trained model under models/ must have its file, so that none goes unchecked.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -134,6 +136,35 @@ TEST(ToyModels, DecoderReproducesPyTorchLogits) {
                 << ")\n";
       EXPECT_LE(worst, tolerance);
     }
+  }
+}
+
+// The committed toy models; each must be in models/ with its expected logits.
+constexpr const char* kCommittedModels[] = {"toy-anchor", "toy-base", "toy-long",
+                                            "toy-long-anchor"};
+
+TEST(ToyModels, EveryCommittedModelHasExpectedLogits) {
+  const fs::path data = fs::path(KVEVICT_TEST_DATA_DIR) / "models";
+  const fs::path models = fs::path(KVEVICT_TEST_DATA_DIR).parent_path().parent_path() / "models";
+  for (const char* name : kCommittedModels) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(fs::exists(models / name / "model.safetensors"));
+    EXPECT_TRUE(fs::exists(data / (std::string(name) + "_expected_logits.json")));
+  }
+  // Any other model train_toy.py exported (its config.json has a "kvevict_model" object) needs
+  // its file too.
+  ASSERT_TRUE(fs::is_directory(models));
+  for (const fs::directory_entry& entry : fs::directory_iterator(models)) {
+    const fs::path config = entry.path() / "config.json";
+    if (!entry.is_directory() || !fs::exists(config) ||
+        !fs::exists(entry.path() / "model.safetensors") ||
+        !read_json(config).contains("kvevict_model")) {
+      continue;
+    }
+    const std::string name = entry.path().filename().string();
+    EXPECT_TRUE(fs::exists(data / (name + "_expected_logits.json")))
+        << "models/" << name << " was exported by tools/train_toy.py but has no "
+        << "tests/data/models/" << name << "_expected_logits.json";
   }
 }
 
