@@ -163,7 +163,7 @@ inline constexpr double kMaxSlotsParam = double(std::int64_t{1} << 28);
                                       " leaves no room beside the " + std::to_string(sinks) +
                                       " protected sinks: the budget must be larger than the sinks "
                                       "(at least " +
-                                      std::to_string(sinks + 1) + ")");
+                                      std::to_string(std::int64_t{sinks} + 1) + ")");
   return budget - sinks;
 }
 
