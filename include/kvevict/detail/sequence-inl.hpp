@@ -143,17 +143,14 @@ class SequenceCore {
 
   /// Tokens of the current chunk (or catalyst prompt); 0 between forwards.
   [[nodiscard]] int chunk_size() const { return state_ == State::idle ? 0 : chunk_size_; }
-  /// The current chunk (valid between begin_chunk and end_forward).
-  [[nodiscard]] const ChunkInfo& chunk() const { return chunk_; }
 
   void observe_attention(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_attention: no forward is open (call begin_chunk first)");
     check_layer_unobserved(layer, "observe_attention");
-    const int wanted = wants(Signal::attention_rows) ? chunk_size_ : 1;
-    const AttentionRows rows =
-        attention_rows(layer, data, queries, row_stride, wanted, "observe_attention");
+    const AttentionRows rows = attention_rows(layer, data, queries, row_stride,
+                                              wants(Signal::attention_rows), "observe_attention");
     {
       const StageScope scope(observer_, Stage::policy);
       if (wants(Signal::attention_rows)) {
@@ -259,8 +256,8 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
     check_layer_unobserved(layer, "observe_catalyst");
-    const AttentionRows rows =
-        attention_rows(layer, data, queries, row_stride, catalyst_size_, "observe_catalyst");
+    const AttentionRows rows = attention_rows(
+        layer, data, queries, row_stride, wants(Signal::catalyst_attention), "observe_catalyst");
     {
       const StageScope scope(observer_, Stage::policy);
       if (wants(Signal::catalyst_attention)) {
@@ -342,14 +339,16 @@ class SequenceCore {
   }
   // The rows of one layer as the policy reads them: the shape is the sequence's own (query heads,
   // each KV head's slot limit); only the data, the query count and the stride are the engine's.
+  // `every_query`: the policy reads a row per query of the chunk (H2O, a catalyst); else any of
+  // the chunk's newest queries, at least the last.
   AttentionRows attention_rows(int layer, const float* data, int queries, std::ptrdiff_t row_stride,
-                               int wanted, const char* call) {
+                               bool every_query, const char* call) {
     KVEVICT_REQUIRE(data != nullptr, std::string(call) + ": attention rows are null");
     KVEVICT_REQUIRE(
-        queries == wanted ||
-            (!wants_rows_of_every_query(call) && queries >= 1 && queries <= chunk_size_),
+        every_query ? queries == chunk_size_ : queries >= 1 && queries <= chunk_size_,
         std::string(call) + ": policy '" + std::string(policy_->name()) + "' reads " +
-            std::to_string(wanted) + " query rows per query head, got " + std::to_string(queries));
+            (every_query ? std::to_string(chunk_size_) : "1 to " + std::to_string(chunk_size_)) +
+            " query rows per query head, got " + std::to_string(queries));
     for (int g = 0; g < config_.kv_heads; ++g) {
       const int limit = slots_.slot_limit(layout_.unit_of(layer, g));
       KVEVICT_REQUIRE(row_stride >= limit, std::string(call) + ": row_stride (" +
@@ -362,11 +361,6 @@ class SequenceCore {
         state_ == State::catalyst ? stats_.tokens_fed + catalyst_size_ : stats_.tokens_fed;
     return {data,        config_.q_heads, config_.q_heads / config_.kv_heads, queries, row_stride,
             layer_keys_, next - queries};
-  }
-  // Whether `call`'s policy reads a row per query (H2O, a catalyst) rather than the last only.
-  bool wants_rows_of_every_query(const char* call) const {
-    return std::string_view(call) == "observe_catalyst" ? wants(Signal::catalyst_attention)
-                                                        : wants(Signal::attention_rows);
   }
 
   void require_attention_views(const char* call) const {
