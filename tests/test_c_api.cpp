@@ -548,8 +548,7 @@ TEST(CApi, KnormReadsTheKeysOfEveryLayer) {
   EXPECT_EQ(kvevict_sequence_observe_keys(s.get(), 0, bad, 2), KVEVICT_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvevict_last_error()).find("inf is not finite"), std::string::npos)
       << kvevict_last_error();
-  ASSERT_EQ(kvevict_sequence_observe_keys(s.get(), 0, keys, 2), KVEVICT_OK)
-      << kvevict_last_error();
+  ASSERT_EQ(kvevict_sequence_observe_keys(s.get(), 0, keys, 2), KVEVICT_OK) << kvevict_last_error();
   EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_INVALID_ARGUMENT);  // layer 1 missing
   EXPECT_NE(std::string(kvevict_last_error()).find("needs the keys of every layer"),
             std::string::npos);

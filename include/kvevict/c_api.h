@@ -66,7 +66,8 @@ typedef struct kvevict_config {
    * lowest free slot, as an allocator that scans from the lowest freed cell (llama.cpp's), so that
    * kvevict's slot i can be the engine's cell i */
   const char* slot_reuse;
-  int head_dim; /* length of a key vector; needed by policies that read keys (KVEVICT_SIGNAL_KEYS) */
+  /* length of a key vector; needed by policies that read keys (KVEVICT_SIGNAL_KEYS) */
+  int head_dim;
 } kvevict_config;
 
 /* Fills `config` with the defaults (everything 0 / NULL but post_rope_keys = 1, max_chunk = 1,
