@@ -27,6 +27,10 @@ constexpr std::string_view kLayer0KeysName = "cache_k_l0";
 // (permuted)", "... (copy)" when llama.cpp casts f32 cells to f16 for it).
 constexpr std::string_view kKeysName = "cache_k_l";
 
+// -inf in f16 (the KQ mask's masked cells).
+constexpr ggml_fp16_t kMaskedHalf = 0xFC00;
+static_assert(sizeof(ggml_fp16_t) == 2);
+
 // The layer whose K cache `keys` views, or -1 when its name is not "cache_k_l<layer>...".
 int layer_of_keys(const ggml_tensor& keys) {
   const std::string_view name(keys.name);
@@ -102,7 +106,13 @@ struct LlamaSequence::GraphTap {
   std::vector<std::uint8_t> seen;  // [layers]
   bool flash_seen = false;
   std::vector<std::byte> query;  // one query row in the K cells' dot-product type
-  std::vector<float> logits;     // [slot limit]
+  struct OpenSlot {
+    std::int32_t slot;
+    std::int32_t cell;
+    float bias;  // the mask's value (0 unless ALiBi, which is refused)
+  };
+  std::vector<OpenSlot> open;  // the slots one query attends
+  std::vector<float> logits;   // [open slots]
   std::vector<std::byte> scratch_keys;
   std::vector<std::byte> scratch_mask;
 
@@ -293,7 +303,7 @@ struct LlamaSequence::GraphTap {
                     where + ": its queries are not f32 rows");
     KVEVICT_REQUIRE(q->ne[2] == q_heads && k->ne[2] == kv_heads && q->ne[3] == 1 && k->ne[3] == 1 &&
                         q->ne[0] == k->ne[0] && mask->ne[0] >= k->ne[1] &&
-                        mask->ne[1] >= q->ne[1] && q_heads % mask->ne[2] == 0,
+                        mask->ne[1] >= q->ne[1] && mask->ne[2] == 1,
                     where + " has an unexpected shape (q " + shape(*q) + ", K " + shape(*k) +
                         ", mask " + shape(*mask) + ")");
     const ggml_type_traits_cpu* k_traits = ggml_get_type_traits_cpu(k->type);
@@ -326,18 +336,27 @@ struct LlamaSequence::GraphTap {
     const auto* mask_data = host_data<char>(mask, scratch_mask);
     const std::size_t dot_bytes = ggml_row_size(dot_type, dim);
     query.resize(dot_bytes);
-    logits.resize(static_cast<std::size_t>(limit));
     rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
     const int group = q_heads / kv_heads;
     constexpr float kMasked = -std::numeric_limits<float>::infinity();
-    for (int h = 0; h < q_heads; ++h) {
-      const char* keys = k_data + static_cast<std::size_t>(h / group) * k->nb[2];
-      for (int i = 0; i < queries; ++i) {
-        const int token = first + i;
-        const auto* mask_row = reinterpret_cast<const ggml_fp16_t*>(
-            mask_data + static_cast<std::size_t>(token) * mask->nb[1] +
-            static_cast<std::size_t>(h % mask->ne[2]) * mask->nb[2]);
-        if (h == 0) check_mask(where, mask_row, mask->ne[0], token);
+    std::fill(rows.begin(), rows.end(), 0.0f);  // free and masked slots
+    for (int i = 0; i < queries; ++i) {
+      const int token = first + i;
+      const auto* mask_row = reinterpret_cast<const ggml_fp16_t*>(
+          mask_data + static_cast<std::size_t>(token) * mask->nb[1]);
+      // The slots this query attends and their mask values, shared by every head.
+      open.clear();
+      for (std::ptrdiff_t s = 0; s < limit; ++s) {
+        const std::int32_t cell = gather[static_cast<std::size_t>(s)];
+        if (cell < 0 || mask_row[cell] == kMaskedHalf) continue;
+        open.push_back({static_cast<std::int32_t>(s), cell, ggml_fp16_to_fp32(mask_row[cell])});
+      }
+      check_mask(where, mask_row, mask->ne[0], token);
+      KVEVICT_REQUIRE(!open.empty(), where + ": query " + std::to_string(token) +
+                                         " attends to none of the sequence's cells");
+      logits.resize(open.size());
+      for (int h = 0; h < q_heads; ++h) {
+        const char* keys = k_data + static_cast<std::size_t>(h / group) * k->nb[2];
         const auto* q_row =
             reinterpret_cast<const float*>(q_data + static_cast<std::size_t>(token) * q->nb[1] +
                                            static_cast<std::size_t>(h) * q->nb[2]);
@@ -347,33 +366,23 @@ struct LlamaSequence::GraphTap {
           dot_traits->from_float(q_row, query.data(), dim);
         }
         float max = kMasked;
-        for (std::ptrdiff_t s = 0; s < limit; ++s) {
-          const std::int32_t cell = gather[static_cast<std::size_t>(s)];
-          const float bias = cell >= 0 ? ggml_fp16_to_fp32(mask_row[cell]) : kMasked;
-          if (bias == kMasked) {
-            logits[static_cast<std::size_t>(s)] = kMasked;
-            continue;
-          }
+        for (std::size_t j = 0; j < open.size(); ++j) {
           float dot = 0.0f;
           k_traits->vec_dot(static_cast<int>(dim), &dot, 0,
-                            keys + static_cast<std::size_t>(cell) * k->nb[1], 0, query.data(), 0,
-                            1);
-          const float logit = dot * scale + bias;
-          logits[static_cast<std::size_t>(s)] = logit;
-          max = std::max(max, logit);
+                            keys + static_cast<std::size_t>(open[j].cell) * k->nb[1], 0,
+                            query.data(), 0, 1);
+          logits[j] = dot * scale + open[j].bias;
+          max = std::max(max, logits[j]);
         }
         float* out = rows.data() + (static_cast<std::ptrdiff_t>(h) * queries + i) * limit;
-        KVEVICT_REQUIRE(max != kMasked, where + ": query " + std::to_string(token) +
-                                            " attends to none of the sequence's cells");
         double sum = 0.0;
-        for (std::ptrdiff_t s = 0; s < limit; ++s) {
-          const float logit = logits[static_cast<std::size_t>(s)];
-          const float value = logit == kMasked ? 0.0f : std::exp(logit - max);
-          out[s] = value;
+        for (std::size_t j = 0; j < open.size(); ++j) {
+          const float value = std::exp(logits[j] - max);
+          out[open[j].slot] = value;
           sum += value;
         }
         const auto inverse = static_cast<float>(1.0 / sum);
-        for (std::ptrdiff_t s = 0; s < limit; ++s) out[s] *= inverse;
+        for (const OpenSlot& slot : open) out[slot.slot] *= inverse;
       }
     }
     ++stats->flash_layers;
@@ -382,21 +391,17 @@ struct LlamaSequence::GraphTap {
 
   // The softmax kvevict computes sums over the sequence's cells only: every cell the mask lets
   // `token` attend must be one of them (a single sequence; n_kv is padded with masked cells).
+  // Masked cells hold exactly -inf (llama.cpp writes -INFINITY), compared by its f16 bits.
   void check_mask(const std::string& where, const ggml_fp16_t* mask_row, std::int64_t n_kv,
                   int token) const {
-    std::int64_t open = 0;
+    std::int64_t open_cells = 0;
     for (std::int64_t c = 0; c < n_kv; ++c) {
-      open += static_cast<std::int64_t>(!std::isinf(ggml_fp16_to_fp32(mask_row[c])));
+      open_cells += static_cast<std::int64_t>(mask_row[c] != kMaskedHalf);
     }
-    std::int64_t held = 0;
-    for (const std::int32_t cell : gather) {
-      held +=
-          static_cast<std::int64_t>(cell >= 0 && !std::isinf(ggml_fp16_to_fp32(mask_row[cell])));
-    }
-    KVEVICT_REQUIRE(open == held, where + ": query " + std::to_string(token) + " attends " +
-                                      std::to_string(open) + " cells, " + std::to_string(held) +
-                                      " of them the sequence's: its KV cache holds cells kvevict "
-                                      "does not map");
+    KVEVICT_REQUIRE(open_cells == static_cast<std::int64_t>(open.size()),
+                    where + ": query " + std::to_string(token) + " attends " +
+                        std::to_string(open_cells) + " cells, " + std::to_string(open.size()) +
+                        " of them the sequence's: its KV cache holds cells kvevict does not map");
   }
 
   static std::string shape(const ggml_tensor& t) {
