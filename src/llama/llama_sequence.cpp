@@ -105,7 +105,9 @@ struct LlamaSequence::GraphTap {
   // rows kvevict computes (observe_flash).
   std::vector<std::uint8_t> seen;  // [layers]
   bool flash_seen = false;
-  std::vector<std::byte> query;  // one query row in the K cells' dot-product type
+  std::vector<std::byte> queries_buffer;  // a KV head's query rows in the dot product's type
+  std::vector<float> query_floats;        // ... widened to f32
+  std::vector<float> key_floats;          // one K row widened to f32
   struct OpenSlot {
     std::int32_t slot;
     std::int32_t cell;
@@ -335,10 +337,18 @@ struct LlamaSequence::GraphTap {
     const auto* k_data = host_data<char>(k, scratch_keys);
     const auto* mask_data = host_data<char>(mask, scratch_mask);
     const std::size_t dot_bytes = ggml_row_size(dot_type, dim);
-    query.resize(dot_bytes);
-    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
     const int group = q_heads / kv_heads;
-    constexpr float kMasked = -std::numeric_limits<float>::infinity();
+    // f32, f16 and bf16 cells: each K row is widened to f32 once and dotted with the group's
+    // queries (rounded to f16 / bf16 as ggml's matrix product rounds them, then widened: exact)
+    // by ggml's f32 dot product: the same products, read once per KV head instead of once per
+    // query head. Quantized cells: ggml's dot product of the cell type, per query head.
+    const bool widen_keys =
+        k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
+    const ggml_vec_dot_t f32_dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
+    queries_buffer.resize(static_cast<std::size_t>(group) * dot_bytes);
+    query_floats.resize(static_cast<std::size_t>(group * dim));
+    key_floats.resize(static_cast<std::size_t>(dim));
+    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
     std::fill(rows.begin(), rows.end(), 0.0f);  // free and masked slots
     for (int i = 0; i < queries; ++i) {
       const int token = first + i;
@@ -354,35 +364,58 @@ struct LlamaSequence::GraphTap {
       check_mask(where, mask_row, mask->ne[0], token);
       KVEVICT_REQUIRE(!open.empty(), where + ": query " + std::to_string(token) +
                                          " attends to none of the sequence's cells");
-      logits.resize(open.size());
-      for (int h = 0; h < q_heads; ++h) {
-        const char* keys = k_data + static_cast<std::size_t>(h / group) * k->nb[2];
-        const auto* q_row =
-            reinterpret_cast<const float*>(q_data + static_cast<std::size_t>(token) * q->nb[1] +
-                                           static_cast<std::size_t>(h) * q->nb[2]);
-        if (dot_type == GGML_TYPE_F32) {
-          std::memcpy(query.data(), q_row, dot_bytes);
-        } else {
-          dot_traits->from_float(q_row, query.data(), dim);
+      const auto n_open = open.size();
+      logits.resize(static_cast<std::size_t>(group) * n_open);
+      for (int g = 0; g < kv_heads; ++g) {
+        const char* keys = k_data + static_cast<std::size_t>(g) * k->nb[2];
+        // The group's queries, rounded to the dot product's type (widened back to f32 when
+        // widen_keys: exact, f16 and bf16 values are floats).
+        for (int m = 0; m < group; ++m) {
+          const auto* q_row =
+              reinterpret_cast<const float*>(q_data + static_cast<std::size_t>(token) * q->nb[1] +
+                                             static_cast<std::size_t>(g * group + m) * q->nb[2]);
+          std::byte* rounded = queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes;
+          float* widened = query_floats.data() + static_cast<std::size_t>(m * dim);
+          if (dot_type == GGML_TYPE_F32) {
+            std::memcpy(rounded, q_row, dot_bytes);
+          } else {
+            dot_traits->from_float(q_row, rounded, dim);
+          }
+          if (widen_keys) widen(dot_type, rounded, widened, dim);
         }
-        float max = kMasked;
-        for (std::size_t j = 0; j < open.size(); ++j) {
-          float dot = 0.0f;
-          k_traits->vec_dot(static_cast<int>(dim), &dot, 0,
-                            keys + static_cast<std::size_t>(open[j].cell) * k->nb[1], 0,
-                            query.data(), 0, 1);
-          logits[j] = dot * scale + open[j].bias;
-          max = std::max(max, logits[j]);
+        for (std::size_t j = 0; j < n_open; ++j) {
+          const char* key = keys + static_cast<std::size_t>(open[j].cell) * k->nb[1];
+          if (widen_keys && k->type != GGML_TYPE_F32) {
+            widen(k->type, key, key_floats.data(), dim);
+            key = reinterpret_cast<const char*>(key_floats.data());
+          }
+          for (int m = 0; m < group; ++m) {
+            float dot = 0.0f;
+            if (widen_keys) {
+              f32_dot(static_cast<int>(dim), &dot, 0, key, 0,
+                      query_floats.data() + static_cast<std::size_t>(m * dim), 0, 1);
+            } else {
+              k_traits->vec_dot(static_cast<int>(dim), &dot, 0, key, 0,
+                                queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes, 0,
+                                1);
+            }
+            logits[static_cast<std::size_t>(m) * n_open + j] = dot * scale + open[j].bias;
+          }
         }
-        float* out = rows.data() + (static_cast<std::ptrdiff_t>(h) * queries + i) * limit;
-        double sum = 0.0;
-        for (std::size_t j = 0; j < open.size(); ++j) {
-          const float value = std::exp(logits[j] - max);
-          out[open[j].slot] = value;
-          sum += value;
+        for (int m = 0; m < group; ++m) {
+          const float* head_logits = logits.data() + static_cast<std::size_t>(m) * n_open;
+          const float max = *std::max_element(head_logits, head_logits + n_open);
+          float* out =
+              rows.data() + (static_cast<std::ptrdiff_t>(g * group + m) * queries + i) * limit;
+          double sum = 0.0;
+          for (std::size_t j = 0; j < n_open; ++j) {
+            const float value = std::exp(head_logits[j] - max);
+            out[open[j].slot] = value;
+            sum += value;
+          }
+          const auto inverse = static_cast<float>(1.0 / sum);
+          for (const OpenSlot& slot : open) out[slot.slot] *= inverse;
         }
-        const auto inverse = static_cast<float>(1.0 / sum);
-        for (const OpenSlot& slot : open) out[slot.slot] *= inverse;
       }
     }
     ++stats->flash_layers;
@@ -402,6 +435,17 @@ struct LlamaSequence::GraphTap {
                     where + ": query " + std::to_string(token) + " attends " +
                         std::to_string(open_cells) + " cells, " + std::to_string(open.size()) +
                         " of them the sequence's: its KV cache holds cells kvevict does not map");
+  }
+
+  // f16 / bf16 / f32 values to f32 (ggml's CPU conversions: exact).
+  static void widen(ggml_type type, const void* in, float* out, std::int64_t n) {
+    if (type == GGML_TYPE_F16) {
+      ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t*>(in), out, n);
+    } else if (type == GGML_TYPE_BF16) {
+      ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t*>(in), out, n);
+    } else {
+      std::memcpy(out, in, static_cast<std::size_t>(n) * sizeof(float));
+    }
   }
 
   static std::string shape(const ggml_tensor& t) {
