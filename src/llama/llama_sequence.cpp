@@ -107,14 +107,15 @@ struct LlamaSequence::GraphTap {
   bool flash_seen = false;
   std::vector<std::byte> queries_buffer;  // a KV head's query rows in the dot product's type
   std::vector<float> query_floats;        // ... widened to f32
-  std::vector<float> key_floats;          // one K row widened to f32
+  std::vector<float> key_floats;          // [slot limit, head_dim] a KV head's K rows in f32
   struct OpenSlot {
     std::int32_t slot;
     std::int32_t cell;
     float bias;  // the mask's value (0 unless ALiBi, which is refused)
   };
-  std::vector<OpenSlot> open;  // the slots one query attends
-  std::vector<float> logits;   // [open slots]
+  std::vector<OpenSlot> open;           // the slots each query attends, query after query
+  std::vector<std::size_t> open_begin;  // [queries + 1] where each query's start in `open`
+  std::vector<float> logits;            // [open slots]
   std::vector<std::byte> scratch_keys;
   std::vector<std::byte> scratch_mask;
 
@@ -338,36 +339,57 @@ struct LlamaSequence::GraphTap {
     const auto* mask_data = host_data<char>(mask, scratch_mask);
     const std::size_t dot_bytes = ggml_row_size(dot_type, dim);
     const int group = q_heads / kv_heads;
-    // f32, f16 and bf16 cells: each K row is widened to f32 once and dotted with the group's
-    // queries (rounded to f16 / bf16 as ggml's matrix product rounds them, then widened: exact)
-    // by ggml's f32 dot product: the same products, read once per KV head instead of once per
-    // query head. Quantized cells: ggml's dot product of the cell type, per query head.
+    // f32, f16 and bf16 cells: each K row is widened to f32 once per KV head and dotted with the
+    // group's queries (rounded to f16 / bf16 as ggml's matrix product rounds them, then widened:
+    // exact) by ggml's f32 dot product: the same products, read once per KV head instead of once
+    // per query head. Quantized cells: ggml's dot product of the cell type, per query head.
     const bool widen_keys =
         k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
     const ggml_vec_dot_t f32_dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
     queries_buffer.resize(static_cast<std::size_t>(group) * dot_bytes);
     query_floats.resize(static_cast<std::size_t>(group * dim));
-    key_floats.resize(static_cast<std::size_t>(dim));
     rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
     std::fill(rows.begin(), rows.end(), 0.0f);  // free and masked slots
+    // The slots each query attends and their mask values, shared by every head: query i's are
+    // open[open_begin[i], open_begin[i + 1]).
+    open.clear();
+    open_begin.assign(1, 0);
     for (int i = 0; i < queries; ++i) {
       const int token = first + i;
       const auto* mask_row = reinterpret_cast<const ggml_fp16_t*>(
           mask_data + static_cast<std::size_t>(token) * mask->nb[1]);
-      // The slots this query attends and their mask values, shared by every head.
-      open.clear();
       for (std::ptrdiff_t s = 0; s < limit; ++s) {
         const std::int32_t cell = gather[static_cast<std::size_t>(s)];
         if (cell < 0 || mask_row[cell] == kMaskedHalf) continue;
         open.push_back({static_cast<std::int32_t>(s), cell, ggml_fp16_to_fp32(mask_row[cell])});
       }
-      check_mask(where, mask_row, mask->ne[0], token);
-      KVEVICT_REQUIRE(!open.empty(), where + ": query " + std::to_string(token) +
-                                         " attends to none of the sequence's cells");
-      const auto n_open = open.size();
-      logits.resize(static_cast<std::size_t>(group) * n_open);
-      for (int g = 0; g < kv_heads; ++g) {
-        const char* keys = k_data + static_cast<std::size_t>(g) * k->nb[2];
+      open_begin.push_back(open.size());
+      const std::size_t attended =
+          open_begin[static_cast<std::size_t>(i) + 1] - open_begin[static_cast<std::size_t>(i)];
+      check_mask(where, mask_row, mask->ne[0], token, attended);
+      KVEVICT_REQUIRE(attended > 0, where + ": query " + std::to_string(token) +
+                                        " attends to none of the sequence's cells");
+    }
+    const bool widen_cells = widen_keys && k->type != GGML_TYPE_F32;
+    if (widen_cells) key_floats.resize(static_cast<std::size_t>(limit * dim));
+    for (int g = 0; g < kv_heads; ++g) {
+      const char* keys = k_data + static_cast<std::size_t>(g) * k->nb[2];
+      // f16 / bf16 cells: every live slot's K row widened to f32 once for all the queries.
+      if (widen_cells) {
+        for (std::ptrdiff_t s = 0; s < limit; ++s) {
+          const std::int32_t cell = gather[static_cast<std::size_t>(s)];
+          if (cell < 0) continue;
+          widen(k->type, keys + static_cast<std::size_t>(cell) * k->nb[1],
+                key_floats.data() + static_cast<std::size_t>(s * dim), dim);
+        }
+      }
+      for (int i = 0; i < queries; ++i) {
+        const int token = first + i;
+        const std::span<const OpenSlot> attended(
+            open.data() + open_begin[static_cast<std::size_t>(i)],
+            open_begin[static_cast<std::size_t>(i) + 1] - open_begin[static_cast<std::size_t>(i)]);
+        const std::size_t n_open = attended.size();
+        logits.resize(static_cast<std::size_t>(group) * n_open);
         // The group's queries, rounded to the dot product's type (widened back to f32 when
         // widen_keys: exact, f16 and bf16 values are floats).
         for (int m = 0; m < group; ++m) {
@@ -375,20 +397,21 @@ struct LlamaSequence::GraphTap {
               reinterpret_cast<const float*>(q_data + static_cast<std::size_t>(token) * q->nb[1] +
                                              static_cast<std::size_t>(g * group + m) * q->nb[2]);
           std::byte* rounded = queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes;
-          float* widened = query_floats.data() + static_cast<std::size_t>(m * dim);
           if (dot_type == GGML_TYPE_F32) {
             std::memcpy(rounded, q_row, dot_bytes);
           } else {
             dot_traits->from_float(q_row, rounded, dim);
           }
-          if (widen_keys) widen(dot_type, rounded, widened, dim);
+          if (widen_keys) {
+            widen(dot_type, rounded, query_floats.data() + static_cast<std::size_t>(m * dim), dim);
+          }
         }
         for (std::size_t j = 0; j < n_open; ++j) {
-          const char* key = keys + static_cast<std::size_t>(open[j].cell) * k->nb[1];
-          if (widen_keys && k->type != GGML_TYPE_F32) {
-            widen(k->type, key, key_floats.data(), dim);
-            key = reinterpret_cast<const char*>(key_floats.data());
-          }
+          const OpenSlot& slot = attended[j];
+          const char* key = widen_cells
+                                ? reinterpret_cast<const char*>(
+                                      key_floats.data() + static_cast<std::size_t>(slot.slot * dim))
+                                : keys + static_cast<std::size_t>(slot.cell) * k->nb[1];
           for (int m = 0; m < group; ++m) {
             float dot = 0.0f;
             if (widen_keys) {
@@ -399,7 +422,7 @@ struct LlamaSequence::GraphTap {
                                 queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes, 0,
                                 1);
             }
-            logits[static_cast<std::size_t>(m) * n_open + j] = dot * scale + open[j].bias;
+            logits[static_cast<std::size_t>(m) * n_open + j] = dot * scale + slot.bias;
           }
         }
         for (int m = 0; m < group; ++m) {
@@ -410,11 +433,11 @@ struct LlamaSequence::GraphTap {
           double sum = 0.0;
           for (std::size_t j = 0; j < n_open; ++j) {
             const float value = std::exp(head_logits[j] - max);
-            out[open[j].slot] = value;
+            out[attended[j].slot] = value;
             sum += value;
           }
           const auto inverse = static_cast<float>(1.0 / sum);
-          for (const OpenSlot& slot : open) out[slot.slot] *= inverse;
+          for (const OpenSlot& slot : attended) out[slot.slot] *= inverse;
         }
       }
     }
@@ -425,15 +448,15 @@ struct LlamaSequence::GraphTap {
   // The softmax kvevict computes sums over the sequence's cells only: every cell the mask lets
   // `token` attend must be one of them (a single sequence; n_kv is padded with masked cells).
   // Masked cells hold exactly -inf (llama.cpp writes -INFINITY), compared by its f16 bits.
-  void check_mask(const std::string& where, const ggml_fp16_t* mask_row, std::int64_t n_kv,
-                  int token) const {
+  static void check_mask(const std::string& where, const ggml_fp16_t* mask_row, std::int64_t n_kv,
+                         int token, std::size_t held) {
     std::int64_t open_cells = 0;
     for (std::int64_t c = 0; c < n_kv; ++c) {
       open_cells += static_cast<std::int64_t>(mask_row[c] != kMaskedHalf);
     }
-    KVEVICT_REQUIRE(open_cells == static_cast<std::int64_t>(open.size()),
+    KVEVICT_REQUIRE(open_cells == static_cast<std::int64_t>(held),
                     where + ": query " + std::to_string(token) + " attends " +
-                        std::to_string(open_cells) + " cells, " + std::to_string(open.size()) +
+                        std::to_string(open_cells) + " cells, " + std::to_string(held) +
                         " of them the sequence's: its KV cache holds cells kvevict does not map");
   }
 
