@@ -264,9 +264,9 @@ struct LlamaSequence::GraphTap {
   // where a query may not attend); scale from op_params. The row of query head h over slot s is
   // softmax(scale * q.k + mask) over the sequence's cells, k the cell of slot s in KV head
   // h / (q_heads / kv_heads); q is rounded to the type ggml's CPU matrix product rounds it to
-  // against these cells (f16 for f16 cells) and the dot product is ggml's CPU one, as kq is formed
-  // with flash attention off; exp and the double sum as ggml's CPU soft_max. So the rows are the
-  // softmax path's up to float summation order.
+  // against these cells (f16 for f16 cells), as kq is formed with flash attention off, and the
+  // dot products are ggml's CPU ones (below); exp and the double sum as ggml's CPU soft_max. So
+  // the rows are the softmax path's up to float summation order.
   // Cost: one q.K pass, no V and no output, for the rows the policy reads only: the last query
   // (TOVA), every query of the chunk (H2O) or of the catalyst (InfiniPot, once per pot), times
   // q_heads x live cells x head_dim multiply-adds per layer, on the thread that runs the graph
