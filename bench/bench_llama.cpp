@@ -28,8 +28,10 @@
 //    and the K-shift it triggers in the next decode), the mean step and the amortised share
 //    (policy time over step time, each summed over the steps).
 //    InfiniPot's catalyst steps are reported apart (the catalyst's forward and distillation).
-//    Flash attention is off for every run, plain included: the policies that read attention
-//    need it off, and one attention kernel for all keeps the steps comparable.
+//    Flash attention (--fa off, the default, or on) is the same for every run, plain included:
+//    one attention kernel for all keeps the steps comparable. With it on, the policies that read
+//    attention get their rows computed by kvevict from each layer's flash-attention node (one
+//    q.K pass for the queries they read), timed as the policy stage.
 //
 // 2. Memory over a long stream (--memory-tokens T): one policy (--memory-policy, budget
 //    --memory-budget) streamed for T tokens in chunks of 64, printing at checkpoints the cells
@@ -93,8 +95,15 @@ struct Options {
   std::int64_t memory_tokens = 0;
   std::string memory_policy = "streaming_llm";
   int memory_budget = 1024;
-  int memory_context = 0;  // 0: the budget plus a chunk and the catalyst
+  int memory_context = 0;               // 0: the budget plus a chunk and the catalyst
+  std::string flash_attention = "off";  // on or off, every decode-step run
 };
+
+llama_flash_attn_type flash_type(const std::string& flash) {
+  if (flash == "on") return LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  if (flash == "off") return LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  throw kvevict::Error("--fa must be on or off, got '" + flash + "'");
+}
 
 // Token `index` of bench_decode_step's stream: a byte from an LCG, or the anchor every 16th.
 std::int32_t stream_token(std::int64_t index) {
@@ -201,7 +210,7 @@ double mean(const std::vector<double>& values) {
   return values.empty() ? 0.0 : sum / static_cast<double>(values.size());
 }
 
-llama_context_params context_params(int n_ctx, int threads) {
+llama_context_params context_params(int n_ctx, int threads, const std::string& flash) {
   llama_context_params params = llama_context_default_params();
   params.n_ctx = static_cast<std::uint32_t>(n_ctx);
   params.n_batch = kChunk;
@@ -210,14 +219,15 @@ llama_context_params context_params(int n_ctx, int threads) {
   params.n_threads_batch = threads;
   params.n_seq_max = 1;
   params.no_perf = true;
-  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  params.flash_attn_type = flash_type(flash);
   return params;
 }
 
 // Plain llama.cpp: N - steps/2 tokens, then `steps` single-token decodes.
 Row run_plain(llama_model* model, int budget, const Options& options) {
   llama_context* context = llama_init_from_model(
-      model, context_params(budget + options.steps + kChunk, options.threads));
+      model,
+      context_params(budget + options.steps + kChunk, options.threads, options.flash_attention));
   KVEVICT_REQUIRE(context != nullptr, "llama_init_from_model failed");
   llama_batch batch = llama_batch_init(kChunk, 0, 1);
   std::int64_t position = 0;
@@ -273,11 +283,11 @@ kvevict::harness::PolicySetup setup_for(const std::string& policy, int budget, c
 
 std::unique_ptr<kvevict::llama::LlamaSequence> open_sequence(
     const kvevict::llama_cli::LlamaModel& model, kvevict::harness::PolicySetup& setup, int n_ctx,
-    int threads, StageClock& clock) {
+    int threads, const std::string& flash, StageClock& clock) {
   kvevict::llama_cli::LlamaOptions llama;
   llama.threads = threads;
   llama.context = n_ctx;
-  llama.flash_attention = "off";
+  llama.flash_attention = flash;
   return kvevict::llama_cli::make_llama_sequence(model, llama, setup, &clock);
 }
 
@@ -290,8 +300,9 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
   kvevict::harness::PolicySetup setup = setup_for(policy, budget, options, model);
   const int catalyst = setup.catalyst ? static_cast<int>(setup.catalyst->size()) : 0;
   StageClock clock;
-  const std::unique_ptr<kvevict::llama::LlamaSequence> sequence = open_sequence(
-      model, setup, budget + options.steps + kChunk + catalyst, options.threads, clock);
+  const std::unique_ptr<kvevict::llama::LlamaSequence> sequence =
+      open_sequence(model, setup, budget + options.steps + kChunk + catalyst, options.threads,
+                    options.flash_attention, clock);
   const kvevict::Sequence& kv = sequence->sequence();
   const bool turns = kv.policy().triggers().contains(kvevict::Trigger::before_turn);
 
@@ -414,7 +425,7 @@ void run_memory(const kvevict::llama_cli::LlamaModel& model, const Options& opti
                                                : options.memory_budget + kChunk + catalyst;
   StageClock clock;
   const std::unique_ptr<kvevict::llama::LlamaSequence> sequence =
-      open_sequence(model, setup, n_ctx, options.threads, clock);
+      open_sequence(model, setup, n_ctx, options.threads, options.flash_attention, clock);
   const bool turns =
       sequence->sequence().policy().triggers().contains(kvevict::Trigger::before_turn);
   const std::int64_t rss_before = resident_bytes().first;
@@ -469,6 +480,10 @@ int main(int argc, char** argv) {
   app.add_option("--steps", options.steps, "timed single-token steps per run")
       ->check(CLI::Range(2, 1 << 20))
       ->capture_default_str();
+  app.add_option("--fa,--flash-attn", options.flash_attention,
+                 "flash attention of every decode-step run, plain included: on or off")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   app.add_option("-t,--threads", options.threads, "llama.cpp threads")
       ->check(CLI::Range(1, 1024))
       ->capture_default_str();
@@ -495,9 +510,9 @@ int main(int argc, char** argv) {
       return value;
     }();
     std::cout << fmt::format(
-        "model {}, {} thread(s), load average {:.2f} at start\n",
+        "model {}, {} thread(s), flash attention {}, load average {:.2f} at start\n",
         options.model.empty() ? "bench_decode_step's random Llama" : options.model, options.threads,
-        load);
+        options.flash_attention, load);
     if (options.memory_tokens > 0) {
       run_memory(model, options);
     } else {

@@ -21,6 +21,8 @@
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policies/infinipot.hpp>
 #include <kvevict/policy_registry.hpp>
+#include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -82,11 +84,13 @@ class LlamaModels : public ::testing::Environment {
     config.vocab_size = 259;
     config.context_length = 256;
     random = make_file(kvevict::model::make_random_model(config, 11), "random");
+    config.layers = 1;
+    one_layer = make_file(kvevict::model::make_random_model(config, 12), "one_layer");
     toy = make_file(kvevict::model::load_model(fs::path(KVEVICT_SOURCE_DIR) / "models/toy-base"),
                     "toy_base");
   }
   void TearDown() override {
-    for (const auto* file : {random.get(), toy.get()}) {
+    for (const auto* file : {random.get(), one_layer.get(), toy.get()}) {
       if (file == nullptr) continue;
       llama_model_free(file->llama);
       std::error_code ignored;
@@ -94,6 +98,7 @@ class LlamaModels : public ::testing::Environment {
     }
   }
   static inline std::unique_ptr<ModelFile> random;
+  static inline std::unique_ptr<ModelFile> one_layer;  // random weights, one layer
   static inline std::unique_ptr<ModelFile> toy;
 };
 
@@ -131,6 +136,13 @@ std::string describe(const Case& c) {
 std::unique_ptr<kvevict::Policy> make(const Case& c) {
   return kvevict::make_policy(
       c.policy, c.budget ? kvevict::budget_params(c.policy, *c.budget) : kvevict::PolicyParams{});
+}
+
+bool reads_attention(const Case& c) {
+  const kvevict::SignalSet signals = make(c)->signals();
+  return signals.contains(kvevict::Signal::attention_rows) ||
+         signals.contains(kvevict::Signal::last_attention_row) ||
+         signals.contains(kvevict::Signal::catalyst_attention);
 }
 
 // Original positions the sequence keeps, oldest first.
@@ -171,6 +183,9 @@ int expect_same(const ModelFile& file, const Case& c) {
   // about 1e-4 relative on 1,000 tokens of full attention.
   params.type_k = GGML_TYPE_F32;
   params.type_v = GGML_TYPE_F32;
+  // The softmax path for policies that read attention: flash attention rounds f32 cells to f16
+  // for its kernel (LlamaFlashAttention below compares it with this path).
+  if (reads_attention(c)) params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
   kvevict::llama::LlamaSequenceOptions llama_options;
   llama_options.position_mode = c.positions;
   llama_options.granularity = c.granularity;
@@ -356,6 +371,201 @@ TEST(LlamaEquivalence, TokenByTokenDecodeKeepsTheSameTokens) {
             500);
 }
 
+// --- flash attention -----------------------------------------------------------------------
+//
+// With flash attention on, kvevict computes the rows a policy reads from each layer's
+// flash-attention node (q, K cells, mask); off, it reads llama.cpp's softmax. Both sequences
+// stream the same tokens in lockstep; after every chunk they must keep the same tokens, except
+// where the two computations round a near-tie differently.
+//
+// The tolerance, derived: a score is a sum of softmax probabilities, each exp(scale * q.k + mask
+// - max) / sum. Both paths form q.k from the same products over the same K cells (f16: q rounded
+// to f16 first, as ggml's matrix product does; f16 x f16 products are exact in float), and differ
+// in summation order and in the exp kernel (ggml's vectorised expf vs std::exp), a few float ulps:
+// |d logit| <= ~1e-6 for the logits here (|scale * q.k| < 30), so a probability, and any sum of
+// them, moves by a relative ~1e-6, as long as q is the same in both runs. It is with one layer
+// (layer 0's q and K depend only on the tokens and positions, not on an attention output) and f16
+// cells (the same K in both kernels): there the keep-sets must be identical and the scores agree
+// within 1e-5 relative. With more layers, flash attention's output differs from the softmax path's
+// (it rounds K and V to f16 for its kernel when the cells are f32, and accumulates V in f16: a
+// relative ~2^-11 = 4.9e-4 per layer), which moves the next layer's q and so its logits by up to
+// |logit| x ~1e-3; over the 3 later layers of toy-base a score moves by a relative few 1e-3.
+// Keep-sets may then part only where the scores the two runs ranked differently lie within
+// kNearTie (2e-2, several times that) relative of each other; the runs' caches differ from that
+// point, so the comparison of keep-sets stops there. Bits per byte within 1e-3 relative throughout
+// (flash attention's f16 rounding alone moves them by ~1e-4 here).
+constexpr double kSameInputs = 1e-5;
+constexpr double kNearTie = 2e-2;
+
+struct FlashOutcome {
+  int checked_chunks = 0;     // chunks whose keep-sets were compared (identical)
+  int evicting_chunks = 0;    // ... of which the policy evicted in
+  bool parted = false;        // the keep-sets parted at a near-tie (then no longer compared)
+  double max_score_diff = 0;  // largest relative score difference over the compared chunks
+  std::int64_t flash_layers = 0;
+};
+
+// Score column of the policy's ranking: H2O's and TOVA's column 0, InfiniPot's CaP (1).
+int score_column(const std::string& policy) { return policy == "infinipot" ? 1 : 0; }
+
+FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells) {
+  SCOPED_TRACE(describe(c) + " flash attention on vs off, " + ggml_type_name(cells) +
+               " cells, on " + file.path.filename().string());
+  const std::vector<std::int32_t> tokens = stream_tokens(file.model, c.tokens);
+  const std::vector<std::uint32_t> bytes =
+      kvevict::harness::token_byte_counts(file.model.tokenizer, file.model.config.vocab_size);
+  std::optional<std::vector<std::int32_t>> catalyst;
+  if (c.catalyst) {
+    catalyst = file.model.tokenizer.encode(kvevict::kInfiniPotGeneralCatalystPrompt, false);
+  }
+  const auto open_run = [&](llama_flash_attn_type flash) {
+    llama_context_params params = llama_context_default_params();
+    params.n_ctx = static_cast<std::uint32_t>(c.n_ctx);
+    params.n_threads = 1;
+    params.n_threads_batch = 1;
+    params.type_k = cells;
+    params.type_v = cells;
+    params.flash_attn_type = flash;
+    kvevict::llama::LlamaSequenceOptions options;
+    options.position_mode = c.positions;
+    options.granularity = c.granularity;
+    options.max_chunk = c.chunk;
+    options.catalyst = catalyst;
+    return std::make_unique<kvevict::llama::LlamaSequence>(file.llama, params, make(c), options);
+  };
+  const auto on = open_run(LLAMA_FLASH_ATTN_TYPE_ENABLED);
+  const auto off = open_run(LLAMA_FLASH_ATTN_TYPE_DISABLED);
+  const auto scorer = [&bytes](kvevict::llama::LlamaSequence& sequence) {
+    return kvevict::harness::StreamScorer(
+        [&sequence](std::span<const std::int32_t> chunk, bool turn_start) {
+          return sequence.feed(chunk, turn_start, /*all_logits=*/true).values;
+        },
+        sequence.vocab(), 1 << 30, bytes, -1);
+  };
+  kvevict::harness::StreamScorer on_scorer = scorer(*on);
+  kvevict::harness::StreamScorer off_scorer = scorer(*off);
+  const int column = score_column(c.policy);
+  // Score of every kept token by original position.
+  const auto scores = [column](const kvevict::Sequence& sequence) {
+    std::map<std::int64_t, float> by_position;
+    const kvevict::SlotTable& slots = sequence.slots();
+    for (const std::int32_t slot : slots.stream_order(0)) {
+      const auto s = static_cast<std::size_t>(slot);
+      by_position[slots.original_positions(0)[s]] = slots.scores(0, column)[s];
+    }
+    return by_position;
+  };
+
+  FlashOutcome outcome;
+  std::int64_t evicted_before = 0;
+  for (std::size_t offset = 0; offset < tokens.size();
+       offset += static_cast<std::size_t>(c.chunk)) {
+    const std::span<const std::int32_t> chunk = std::span<const std::int32_t>(tokens).subspan(
+        offset, std::min<std::size_t>(static_cast<std::size_t>(c.chunk), tokens.size() - offset));
+    on_scorer.feed(chunk, false);
+    off_scorer.feed(chunk, false);
+    if (outcome.parted) continue;
+    const std::map<std::int64_t, float> on_scores = scores(on->sequence());
+    const std::map<std::int64_t, float> off_scores = scores(off->sequence());
+    if (kept(on->sequence()) == kept(off->sequence())) {
+      ++outcome.checked_chunks;
+      const std::int64_t evicted = on->sequence().stats().evicted_slots;
+      if (evicted > evicted_before) ++outcome.evicting_chunks;
+      evicted_before = evicted;
+      float largest = 0.0f;
+      for (const auto& [position, score] : off_scores) largest = std::max(largest, std::abs(score));
+      for (const auto& [position, score] : off_scores) {
+        outcome.max_score_diff =
+            std::max(outcome.max_score_diff,
+                     std::abs(static_cast<double>(on_scores.at(position)) - score) / largest);
+      }
+      continue;
+    }
+    if (c.policy == "infinipot") {
+      outcome.parted = true;  // judged by the caller
+      continue;
+    }
+    // Parted: the tokens one run kept and the other evicted must have been a near-tie, their
+    // scores (each in the run that kept it) within kNearTie of each other, relative to the
+    // largest score.
+    outcome.parted = true;
+    float largest = 0.0f;
+    for (const auto& [position, score] : off_scores) largest = std::max(largest, std::abs(score));
+    float low = std::numeric_limits<float>::max();
+    float high = std::numeric_limits<float>::lowest();
+    for (const auto* run : {&on_scores, &off_scores}) {
+      const auto& other = run == &on_scores ? off_scores : on_scores;
+      for (const auto& [position, score] : *run) {
+        if (other.contains(position)) continue;
+        low = std::min(low, score);
+        high = std::max(high, score);
+      }
+    }
+    EXPECT_LE(high - low, kNearTie * largest)
+        << "the keep-sets part after the chunk at token " << offset
+        << " over scores that are no near-tie: " << low << " to " << high << ", largest "
+        << largest;
+  }
+  outcome.flash_layers = on->stats().flash_layers;
+  EXPECT_EQ(off->stats().flash_layers, 0);
+  EXPECT_EQ(on->stats().catalyst_runs, off->stats().catalyst_runs);
+  const double on_bpb = on_scorer.loss().overall().bits_per_byte();
+  const double off_bpb = off_scorer.loss().overall().bits_per_byte();
+  EXPECT_NEAR(on_bpb, off_bpb, 1e-3 * off_bpb)
+      << "bits/byte: flash attention on " << on_bpb << ", off " << off_bpb;
+  std::printf(
+      "[ flash    ] %s on %s, %s cells: %d chunks compared (%d evicting)%s, score diff "
+      "%.3g, bits/byte on %.6f off %.6f\n",
+      describe(c).c_str(), file.path.filename().string().c_str(), ggml_type_name(cells),
+      outcome.checked_chunks, outcome.evicting_chunks,
+      outcome.parted ? ", then parted at a near-tie" : "", outcome.max_score_diff, on_bpb, off_bpb);
+  return outcome;
+}
+
+// One layer, f16 cells: the same q and K in both runs, so the same keep-sets all the way.
+TEST(LlamaFlashAttention, OneLayerKeepsTheSameTokens) {
+  const ModelFile& file = *LlamaModels::one_layer;
+  ASSERT_NE(file.llama, nullptr);
+  const std::vector<Case> cases = {
+      Case{.policy = "h2o", .budget = 64, .tokens = 2000},
+      Case{.policy = "tova", .budget = 64, .positions = PositionMode::cache_index, .tokens = 2000},
+      Case{.policy = "h2o", .budget = 32, .tokens = 300, .chunk = 1}};
+  // (InfiniPot also ranks by surprisal, from the logits, which flash attention's output moves even
+  // with one layer: the random model's nearly uniform predictions tie and part at the 10th chunk.
+  // It is compared on toy-base below.)
+  for (const Case& c : cases) {
+    const FlashOutcome outcome = compare_flash(file, c, GGML_TYPE_F16);
+    EXPECT_FALSE(outcome.parted);
+    EXPECT_GT(outcome.evicting_chunks, 20);
+    EXPECT_LE(outcome.max_score_diff, kSameInputs);
+    EXPECT_GT(outcome.flash_layers, 0);
+  }
+}
+
+// toy-base, four layers, f32 cells (kvevict-llama's default): the same keep-sets until a near-tie.
+TEST(LlamaFlashAttention, ToyBaseKeepsTheSameTokensUpToNearTies) {
+  const ModelFile& file = *LlamaModels::toy;
+  const std::vector<Case> cases = {
+      Case{.policy = "h2o", .budget = 64, .tokens = 2000},
+      Case{.policy = "tova", .budget = 64, .positions = PositionMode::cache_index, .tokens = 2000},
+      Case{.policy = "infinipot",
+           .budget = 64,
+           .positions = PositionMode::reset_on_compact,
+           .tokens = 2000,
+           .catalyst = true}};
+  for (const Case& c : cases) {
+    const FlashOutcome outcome = compare_flash(file, c, GGML_TYPE_F32);
+    EXPECT_GT(outcome.checked_chunks, 10);
+    EXPECT_GT(outcome.flash_layers, 0);
+    // InfiniPot's ranking mixes surprisal and catalyst attention, whose score column is spent by
+    // the distillation, so a parting could not be judged a near-tie: its keep-sets must not part
+    // (they do not over these 2,000 tokens: 61 distillations).
+    if (c.policy == "infinipot") {
+      EXPECT_FALSE(outcome.parted);
+    }
+  }
+}
+
 // --- errors before the run ------------------------------------------------------------------
 
 kvevict::llama::LlamaSequence open(const std::string& policy, llama_context_params params,
@@ -374,14 +584,36 @@ std::string error_of(const std::function<void()>& run) {
   return "no error";
 }
 
-TEST(LlamaErrors, AttentionPolicyWithFlashAttentionForcedOn) {
+// Every policy runs with flash attention forced on, and on q8_0 cells (which need it): kvevict
+// computes the attention rows from q8_0 keys with ggml's q8_0 dot product.
+TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
   llama_context_params params = llama_context_default_params();
   params.n_ctx = 512;
   params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-  EXPECT_NE(error_of([&] { (void)open("h2o", params); }).find("flash attention"),
-            std::string::npos);
-  // A policy that reads no attention runs with it.
-  EXPECT_EQ(error_of([&] { (void)open("streaming_llm", params); }), "no error");
+  params.n_threads = 1;
+  params.n_threads_batch = 1;
+  const std::vector<std::int32_t> tokens = stream_tokens(LlamaModels::toy->model, 200);
+  for (const ggml_type cells : {GGML_TYPE_F16, GGML_TYPE_Q8_0}) {
+    params.type_k = cells;
+    params.type_v = cells;
+    // positions original: llama.cpp's K-shift cannot rotate q8_0 cells (ShiftingPositions...).
+    kvevict::llama::LlamaSequenceOptions options;
+    options.position_mode = PositionMode::original;
+    for (const char* policy : {"h2o", "tova", "streaming_llm"}) {
+      if (std::string_view(policy) == "tova") {
+        options.position_mode =
+            cells == GGML_TYPE_F16 ? PositionMode::cache_index : PositionMode::original;
+      }
+      EXPECT_EQ(error_of([&] {
+                  kvevict::llama::LlamaSequence sequence = open(policy, params, options);
+                  (void)sequence.feed(tokens);
+                  EXPECT_EQ(sequence.stats().flash_layers > 0, sequence.reads_attention());
+                  EXPECT_EQ(sequence.live_cells(), 64);
+                }),
+                "no error")
+          << policy << " on " << ggml_type_name(cells);
+    }
+  }
 }
 
 TEST(LlamaErrors, QuantizedValueCellsWithoutFlashAttention) {
@@ -389,15 +621,17 @@ TEST(LlamaErrors, QuantizedValueCellsWithoutFlashAttention) {
   params.n_ctx = 512;
   params.type_k = GGML_TYPE_Q8_0;
   params.type_v = GGML_TYPE_Q8_0;
-  // An attention policy turns flash attention off, which llama.cpp's quantized V cells need on.
-  EXPECT_NE(error_of([&] { (void)open("h2o", params); }).find("quantized V cells (q8_0)"),
-            std::string::npos);
   params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
-  EXPECT_NE(error_of([&] { (void)open("streaming_llm", params); }).find("(-fa off)"),
-            std::string::npos);
-  // With flash attention on, a policy that reads no attention runs on them.
-  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
-  EXPECT_EQ(error_of([&] { (void)open("streaming_llm", params); }), "no error");
+  kvevict::llama::LlamaSequenceOptions options;
+  options.position_mode = PositionMode::original;  // (q8_0 keys cannot shift)
+  for (const char* policy : {"h2o", "streaming_llm"}) {
+    const std::string error = error_of([&] { (void)open(policy, params, options); });
+    EXPECT_NE(error.find("quantized V cells (q8_0)"), std::string::npos) << error;
+    EXPECT_NE(error.find("(-fa off)"), std::string::npos) << error;
+  }
+  // With flash attention auto (llama.cpp's default, on for the CPU) every policy runs on them.
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_AUTO;
+  EXPECT_EQ(error_of([&] { (void)open("h2o", params, options); }), "no error");
 }
 
 TEST(LlamaErrors, ShiftingPositionsOverCellsTheKShiftCannotRotate) {
@@ -409,6 +643,15 @@ TEST(LlamaErrors, ShiftingPositionsOverCellsTheKShiftCannotRotate) {
   options.position_mode = PositionMode::cache_index;
   EXPECT_NE(error_of([&] { (void)open("window", params, options); }).find("cannot rotate bf16"),
             std::string::npos);
+  // q8_0 keys crash llama.cpp's K-shift (a segmentation fault in build_rope_shift).
+  params.type_k = GGML_TYPE_Q8_0;
+  params.type_v = GGML_TYPE_Q8_0;
+  EXPECT_NE(error_of([&] {
+              (void)open("streaming_llm", params, options);
+            }).find("cannot rotate q8_0 cells (it crashes)"),
+            std::string::npos);
+  params.type_k = GGML_TYPE_BF16;
+  params.type_v = GGML_TYPE_BF16;
   options.position_mode = PositionMode::original;  // nothing to rotate
   EXPECT_EQ(error_of([&] { (void)open("window", params, options); }), "no error");
 }

@@ -1,13 +1,16 @@
 #include "kvevict/llama/llama_sequence.hpp"
 
 #include <ggml-backend.h>
+#include <ggml-cpu.h>
 #include <ggml.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <kvevict/error.hpp>
 #include <kvevict/signals.hpp>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -18,6 +21,26 @@ namespace {
 constexpr std::string_view kSoftmaxName = "kq_soft_max-";  // llama-graph.cpp: cb(kq, ..., il)
 // The K store of layer 0: set_rows(view of cache_k_l0, Kcur, cell indices) (llama-kv-cache.cpp).
 constexpr std::string_view kLayer0KeysName = "cache_k_l0";
+// Every layer's K cache tensor is "cache_k_l<layer>" (llama-kv-cache.cpp); the flash-attention
+// node (llm_graph_context::build_attn_mha, not named by cb()) reads a view of it, so the layer of a
+// GGML_OP_FLASH_ATTN_EXT node is read from the name of its K source ("cache_k_l3 (view)
+// (permuted)", "... (copy)" when llama.cpp casts f32 cells to f16 for it).
+constexpr std::string_view kKeysName = "cache_k_l";
+
+// -inf in f16 (the KQ mask's masked cells).
+constexpr ggml_fp16_t kMaskedHalf = 0xFC00;
+static_assert(sizeof(ggml_fp16_t) == 2);
+
+// The layer whose K cache `keys` views, or -1 when its name is not "cache_k_l<layer>...".
+int layer_of_keys(const ggml_tensor& keys) {
+  const std::string_view name(keys.name);
+  if (!name.starts_with(kKeysName)) return -1;
+  int layer = -1;
+  const char* begin = name.data() + kKeysName.size();
+  const auto [end, status] = std::from_chars(begin, name.data() + name.size(), layer);
+  if (status != std::errc() || end == begin || layer < 0) return -1;
+  return layer;
+}
 
 // -ln softmax(logits)[token], as the reference decoder computes it (float max, double sum).
 float negative_log_softmax(const float* logits, int vocab, std::int32_t token) {
@@ -78,20 +101,75 @@ struct LlamaSequence::GraphTap {
   std::vector<std::int32_t> free_slots;  // free slots below the slot limit
   std::vector<float> rows;               // [q_heads][queries][slot limit]
   std::vector<std::byte> scratch;
+  // Flash attention on: the layers whose rows this forward handed over, and the scratch of the
+  // rows kvevict computes (observe_flash).
+  std::vector<std::uint8_t> seen;  // [layers]
+  bool flash_seen = false;
+  std::vector<std::byte> queries_buffer;  // a KV head's query rows in the dot product's type
+  std::vector<float> query_floats;        // ... widened to f32
+  std::vector<float> key_floats;          // [slot limit, head_dim] a KV head's K rows in f32
+  struct OpenSlot {
+    std::int32_t slot;
+    std::int32_t cell;
+    float bias;  // the mask's value (0 unless ALiBi, which is refused)
+  };
+  std::vector<OpenSlot> open;           // the slots each query attends, query after query
+  std::vector<std::size_t> open_begin;  // [queries + 1] where each query's start in `open`
+  std::vector<float> logits;            // [open slots]
+  std::vector<std::byte> scratch_keys;
+  std::vector<std::byte> scratch_mask;
+
+  // A forward that reads attention starts: no layer handed over yet.
+  void begin_forward() {
+    seen.assign(static_cast<std::size_t>(layers), 0);
+    flash_seen = false;
+  }
+
+  void mark(int layer, const std::string& source) {
+    KVEVICT_REQUIRE(layer >= 0 && layer < layers, source + " is layer " + std::to_string(layer) +
+                                                      ", the model has " + std::to_string(layers));
+    auto& once = seen[static_cast<std::size_t>(layer)];
+    KVEVICT_REQUIRE(once == 0, "llama.cpp's graph computed the attention of layer " +
+                                   std::to_string(layer) + " twice in one forward (" + source +
+                                   "): kvevict maps one attention per layer to its cells");
+    once = 1;
+  }
+
+  // After the forward: every layer's rows went to the policy, else an error naming what the graph
+  // lacked (another architecture's attention, a node named otherwise), never a partial score.
+  void check_every_layer() const {
+    for (int layer = 0; layer < layers; ++layer) {
+      if (seen[static_cast<std::size_t>(layer)] != 0) continue;
+      const std::string l = std::to_string(layer);
+      throw Error("llama.cpp's graph gave kvevict no attention for layer " + l + " of " +
+                  std::to_string(layers) +
+                  (flash_seen ? " with flash attention on: no flash-attention node "
+                                "(GGML_OP_FLASH_ATTN_EXT) reading that layer's K cache (cache_k_l" +
+                                    l + ") was computed"
+                              : ": neither kq_soft_max-" + l +
+                                    " (flash attention off) nor a flash-attention node "
+                                    "(GGML_OP_FLASH_ATTN_EXT) over cache_k_l" +
+                                    l + " (flash attention on) was computed") +
+                  "; kvevict reads attention only where llama.cpp builds it with "
+                  "llm_graph_context::build_attn_mha over its KV cache");
+    }
+  }
 
   static bool callback(ggml_tensor* tensor, bool ask, void* user_data) {
     auto* tap = static_cast<GraphTap*>(user_data);
     if (!tap->read_cells) return !ask;
     const std::string_view name(tensor->name);
     const bool softmax = tap->read_softmax && name.starts_with(kSoftmaxName);
+    const bool flash = tap->read_softmax && tensor->op == GGML_OP_FLASH_ATTN_EXT;
     const bool store =
         tensor->op == GGML_OP_SET_ROWS && tensor->src[1] != nullptr &&
         name.starts_with(kLayer0KeysName) &&
         (name.size() == kLayer0KeysName.size() || name[kLayer0KeysName.size()] == ' ');
-    if (ask) return softmax || store;
+    if (ask) return softmax || flash || store;
     try {
       if (store) tap->note_cells(*tensor->src[1]);
       if (softmax) tap->observe(std::stoi(std::string(name.substr(kSoftmaxName.size()))), *tensor);
+      if (flash) tap->observe_flash(*tensor);
     } catch (...) {
       tap->error = std::current_exception();
       return false;  // stops this split's computation; forward() rethrows
@@ -147,6 +225,7 @@ struct LlamaSequence::GraphTap {
     KVEVICT_REQUIRE(softmax.ne[2] == q_heads && softmax.ne[3] == 1,
                     "kq_soft_max-" + std::to_string(layer) + " has an unexpected shape");
     const StageScope scope(sequence->observer(), Stage::policy);
+    mark(layer, "kq_soft_max-" + std::to_string(layer));
     if (!gather_ready) build_gather();
     const int tokens = static_cast<int>(softmax.ne[1]);
     const int first = all_queries || catalyst ? 0 : tokens - 1;
@@ -175,6 +254,227 @@ struct LlamaSequence::GraphTap {
       }
     }
     hand_over(layer, rows.data(), queries, limit);
+  }
+
+  // Flash attention on: the kernel (ggml_flash_attn_ext) never forms the softmax, so kvevict
+  // computes the rows the policy reads from the node's own sources once it is computed: q
+  // (src[0], after RoPE: [head_dim, tokens, q_heads]), the layer's K cells (src[1]: [head_dim,
+  // n_kv cells, kv_heads]; where llama.cpp casts f32 cells to f16 for the kernel, the f32 cells
+  // themselves, as the softmax path reads them) and the KQ mask (src[3], f16 [n_kv, tokens], -inf
+  // where a query may not attend); scale from op_params. The row of query head h over slot s is
+  // softmax(scale * q.k + mask) over the sequence's cells, k the cell of slot s in KV head
+  // h / (q_heads / kv_heads); q is rounded to the type ggml's CPU matrix product rounds it to
+  // against these cells (f16 for f16 cells), as kq is formed with flash attention off, and the
+  // dot products are ggml's CPU ones (below); exp and the double sum as ggml's CPU soft_max. So
+  // the rows are the softmax path's up to float summation order.
+  // Cost: one q.K pass, no V and no output, for the rows the policy reads only: the last query
+  // (TOVA), every query of the chunk (H2O) or of the catalyst (InfiniPot, once per pot), times
+  // q_heads x live cells x head_dim multiply-adds per layer, on the thread that runs the graph
+  // callback (timed as the policy stage).
+  void observe_flash(const ggml_tensor& node) {
+    const std::string node_name = "flash-attention node '" + std::string(node.name) + "'";
+    const ggml_tensor* q = node.src[0];
+    const ggml_tensor* k = node.src[1];
+    const ggml_tensor* mask = node.src[3];
+    KVEVICT_REQUIRE(q != nullptr && k != nullptr, node_name + " has no q or K source");
+    if (k->op == GGML_OP_CPY && k->src[0] != nullptr && k->src[0]->type == GGML_TYPE_F32 &&
+        ggml_are_same_shape(k, k->src[0])) {
+      k = k->src[0];  // the f32 cells llama.cpp cast to f16 for the kernel
+    }
+    const int layer = layer_of_keys(*k);
+    KVEVICT_REQUIRE(layer >= 0, node_name + " reads its keys from '" + std::string(k->name) +
+                                    "', not a layer's K cache (cache_k_l<layer>): kvevict cannot "
+                                    "tell which layer's cells it attends over (use --fa off)");
+    flash_seen = true;
+    const std::string where = "layer " + std::to_string(layer) + "'s flash attention";
+    float params[3] = {};
+    std::memcpy(params, node.op_params, sizeof params);
+    const float scale = params[0];
+    KVEVICT_REQUIRE(params[1] == 0.0f, where + " applies ALiBi (max_bias " +
+                                           std::to_string(params[1]) +
+                                           "), which kvevict does not compute: use --fa off");
+    KVEVICT_REQUIRE(params[2] == 0.0f, where + " caps its logits (softcap " +
+                                           std::to_string(params[2]) +
+                                           "), which kvevict does not compute: use --fa off");
+    KVEVICT_REQUIRE(node.src[4] == nullptr,
+                    where + " has attention sinks, which kvevict does not compute: use --fa off");
+    KVEVICT_REQUIRE(mask != nullptr && mask->type == GGML_TYPE_F16,
+                    where +
+                        " has no f16 KQ mask: kvevict needs it to know which cells a query "
+                        "attends");
+    KVEVICT_REQUIRE(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float),
+                    where + ": its queries are not f32 rows");
+    KVEVICT_REQUIRE(q->ne[2] == q_heads && k->ne[2] == kv_heads && q->ne[3] == 1 && k->ne[3] == 1 &&
+                        q->ne[0] == k->ne[0] && mask->ne[0] >= k->ne[1] &&
+                        mask->ne[1] >= q->ne[1] && mask->ne[2] == 1,
+                    where + " has an unexpected shape (q " + shape(*q) + ", K " + shape(*k) +
+                        ", mask " + shape(*mask) + ")");
+    const ggml_type_traits_cpu* k_traits = ggml_get_type_traits_cpu(k->type);
+    const ggml_type dot_type = k_traits != nullptr ? k_traits->vec_dot_type : GGML_TYPE_COUNT;
+    const ggml_type_traits_cpu* dot_traits =
+        dot_type != GGML_TYPE_COUNT ? ggml_get_type_traits_cpu(dot_type) : nullptr;
+    const std::int64_t dim = q->ne[0];
+    KVEVICT_REQUIRE(k_traits != nullptr && k_traits->vec_dot != nullptr && dot_traits != nullptr &&
+                        (dot_type == GGML_TYPE_F32 || dot_traits->from_float != nullptr) &&
+                        k->nb[0] == ggml_type_size(k->type) && dim % ggml_blck_size(k->type) == 0 &&
+                        dim % ggml_blck_size(dot_type) == 0,
+                    where + ": ggml's CPU backend has no dot product for its " +
+                        ggml_type_name(k->type) + " K cells");
+
+    const StageScope scope(sequence->observer(), Stage::policy);
+    mark(layer, where);
+    if (!gather_ready) build_gather();
+    const int tokens = static_cast<int>(q->ne[1]);
+    const int first = all_queries || catalyst ? 0 : tokens - 1;
+    const int queries = tokens - first;
+    const auto limit = static_cast<std::ptrdiff_t>(gather.size());
+    const std::int64_t n_kv = k->ne[1];
+    for (const std::int32_t cell : gather) {
+      KVEVICT_REQUIRE(cell < n_kv, where + " covers " + std::to_string(n_kv) +
+                                       " cells, and the sequence holds cell " +
+                                       std::to_string(cell));
+    }
+    const auto* q_data = host_data<char>(q, scratch);
+    const auto* k_data = host_data<char>(k, scratch_keys);
+    const auto* mask_data = host_data<char>(mask, scratch_mask);
+    const std::size_t dot_bytes = ggml_row_size(dot_type, dim);
+    const int group = q_heads / kv_heads;
+    // f32, f16 and bf16 cells: each K row is widened to f32 once per KV head and dotted with the
+    // group's queries (rounded to f16 / bf16 as ggml's matrix product rounds them, then widened:
+    // exact) by ggml's f32 dot product: the same products, read once per KV head instead of once
+    // per query head. Quantized cells: ggml's dot product of the cell type, per query head.
+    const bool widen_keys =
+        k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
+    const ggml_vec_dot_t f32_dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
+    queries_buffer.resize(static_cast<std::size_t>(group) * dot_bytes);
+    query_floats.resize(static_cast<std::size_t>(group * dim));
+    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
+    std::fill(rows.begin(), rows.end(), 0.0f);  // free and masked slots
+    // The slots each query attends and their mask values, shared by every head: query i's are
+    // open[open_begin[i], open_begin[i + 1]).
+    open.clear();
+    open_begin.assign(1, 0);
+    for (int i = 0; i < queries; ++i) {
+      const int token = first + i;
+      const auto* mask_row = reinterpret_cast<const ggml_fp16_t*>(
+          mask_data + static_cast<std::size_t>(token) * mask->nb[1]);
+      for (std::ptrdiff_t s = 0; s < limit; ++s) {
+        const std::int32_t cell = gather[static_cast<std::size_t>(s)];
+        if (cell < 0 || mask_row[cell] == kMaskedHalf) continue;
+        open.push_back({static_cast<std::int32_t>(s), cell, ggml_fp16_to_fp32(mask_row[cell])});
+      }
+      open_begin.push_back(open.size());
+      const std::size_t attended =
+          open_begin[static_cast<std::size_t>(i) + 1] - open_begin[static_cast<std::size_t>(i)];
+      check_mask(where, mask_row, mask->ne[0], token, attended);
+      KVEVICT_REQUIRE(attended > 0, where + ": query " + std::to_string(token) +
+                                        " attends to none of the sequence's cells");
+    }
+    const bool widen_cells = widen_keys && k->type != GGML_TYPE_F32;
+    if (widen_cells) key_floats.resize(static_cast<std::size_t>(limit * dim));
+    for (int g = 0; g < kv_heads; ++g) {
+      const char* keys = k_data + static_cast<std::size_t>(g) * k->nb[2];
+      // f16 / bf16 cells: every live slot's K row widened to f32 once for all the queries.
+      if (widen_cells) {
+        for (std::ptrdiff_t s = 0; s < limit; ++s) {
+          const std::int32_t cell = gather[static_cast<std::size_t>(s)];
+          if (cell < 0) continue;
+          widen(k->type, keys + static_cast<std::size_t>(cell) * k->nb[1],
+                key_floats.data() + static_cast<std::size_t>(s * dim), dim);
+        }
+      }
+      for (int i = 0; i < queries; ++i) {
+        const int token = first + i;
+        const std::span<const OpenSlot> attended(
+            open.data() + open_begin[static_cast<std::size_t>(i)],
+            open_begin[static_cast<std::size_t>(i) + 1] - open_begin[static_cast<std::size_t>(i)]);
+        const std::size_t n_open = attended.size();
+        logits.resize(static_cast<std::size_t>(group) * n_open);
+        // The group's queries, rounded to the dot product's type (widened back to f32 when
+        // widen_keys: exact, f16 and bf16 values are floats).
+        for (int m = 0; m < group; ++m) {
+          const auto* q_row =
+              reinterpret_cast<const float*>(q_data + static_cast<std::size_t>(token) * q->nb[1] +
+                                             static_cast<std::size_t>(g * group + m) * q->nb[2]);
+          std::byte* rounded = queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes;
+          if (dot_type == GGML_TYPE_F32) {
+            std::memcpy(rounded, q_row, dot_bytes);
+          } else {
+            dot_traits->from_float(q_row, rounded, dim);
+          }
+          if (widen_keys) {
+            widen(dot_type, rounded, query_floats.data() + static_cast<std::size_t>(m * dim), dim);
+          }
+        }
+        for (std::size_t j = 0; j < n_open; ++j) {
+          const OpenSlot& slot = attended[j];
+          const char* key = widen_cells
+                                ? reinterpret_cast<const char*>(
+                                      key_floats.data() + static_cast<std::size_t>(slot.slot * dim))
+                                : keys + static_cast<std::size_t>(slot.cell) * k->nb[1];
+          for (int m = 0; m < group; ++m) {
+            float dot = 0.0f;
+            if (widen_keys) {
+              f32_dot(static_cast<int>(dim), &dot, 0, key, 0,
+                      query_floats.data() + static_cast<std::size_t>(m * dim), 0, 1);
+            } else {
+              k_traits->vec_dot(static_cast<int>(dim), &dot, 0, key, 0,
+                                queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes, 0,
+                                1);
+            }
+            logits[static_cast<std::size_t>(m) * n_open + j] = dot * scale + slot.bias;
+          }
+        }
+        for (int m = 0; m < group; ++m) {
+          const float* head_logits = logits.data() + static_cast<std::size_t>(m) * n_open;
+          const float max = *std::max_element(head_logits, head_logits + n_open);
+          float* out =
+              rows.data() + (static_cast<std::ptrdiff_t>(g * group + m) * queries + i) * limit;
+          double sum = 0.0;
+          for (std::size_t j = 0; j < n_open; ++j) {
+            const float value = std::exp(head_logits[j] - max);
+            out[attended[j].slot] = value;
+            sum += value;
+          }
+          const auto inverse = static_cast<float>(1.0 / sum);
+          for (const OpenSlot& slot : attended) out[slot.slot] *= inverse;
+        }
+      }
+    }
+    ++stats->flash_layers;
+    hand_over(layer, rows.data(), queries, limit);
+  }
+
+  // The softmax kvevict computes sums over the sequence's cells only: every cell the mask lets
+  // `token` attend must be one of them (a single sequence; n_kv is padded with masked cells).
+  // Masked cells hold exactly -inf (llama.cpp writes -INFINITY), compared by its f16 bits.
+  static void check_mask(const std::string& where, const ggml_fp16_t* mask_row, std::int64_t n_kv,
+                         int token, std::size_t held) {
+    std::int64_t open_cells = 0;
+    for (std::int64_t c = 0; c < n_kv; ++c) {
+      open_cells += static_cast<std::int64_t>(mask_row[c] != kMaskedHalf);
+    }
+    KVEVICT_REQUIRE(open_cells == static_cast<std::int64_t>(held),
+                    where + ": query " + std::to_string(token) + " attends " +
+                        std::to_string(open_cells) + " cells, " + std::to_string(held) +
+                        " of them the sequence's: its KV cache holds cells kvevict does not map");
+  }
+
+  // f16 / bf16 / f32 values to f32 (ggml's CPU conversions: exact).
+  static void widen(ggml_type type, const void* in, float* out, std::int64_t n) {
+    if (type == GGML_TYPE_F16) {
+      ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t*>(in), out, n);
+    } else if (type == GGML_TYPE_BF16) {
+      ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t*>(in), out, n);
+    } else {
+      std::memcpy(out, in, static_cast<std::size_t>(n) * sizeof(float));
+    }
+  }
+
+  static std::string shape(const ggml_tensor& t) {
+    return std::string(ggml_type_name(t.type)) + " [" + std::to_string(t.ne[0]) + ", " +
+           std::to_string(t.ne[1]) + ", " + std::to_string(t.ne[2]) + ", " +
+           std::to_string(t.ne[3]) + "]";
   }
 
   // The softmax tensor's own rows when they can be handed over as they are: every live slot in
@@ -241,37 +541,33 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
     throw Error("policy '" + policy_name + "' runs a catalyst prompt: give one (may be empty)");
   }
   if (reads_attention_) {
-    if (params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_ENABLED) {
-      throw Error("policy '" + policy_name +
-                  "' reads attention probabilities, which llama.cpp only exposes with flash "
-                  "attention off: do not force flash attention on (-fa on)");
-    }
     KVEVICT_REQUIRE(llama_model_n_swa(model_) == 0,
                     "policy '" + policy_name +
                         "' reads attention, and this model's sliding-window layers keep a second "
                         "KV cache whose cells kvevict does not map");
-    params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    // Flash attention on, off or auto (llama.cpp's choice): the graph callback reads the softmax
+    // (kq_soft_max-<layer>) or computes the rows from the flash-attention node, whichever the
+    // graph has (GraphTap::observe_flash).
     params.cb_eval = &GraphTap::callback;
     params.cb_eval_user_data = tap_.get();
   }
-  // llama.cpp's CPU K-shift ropes f32 and f16 keys in place (quantized ones through an f32 copy);
-  // any other cell type aborts the process at the first shift.
-  const bool shiftable_keys = params.type_k == GGML_TYPE_F32 || params.type_k == GGML_TYPE_F16 ||
-                              ggml_is_quantized(params.type_k);
+  // llama.cpp's CPU K-shift ropes f32 and f16 keys in place. bf16 aborts the process at the first
+  // shift; quantized keys (an f32 copy between two Hadamard rotations, llama_kv_cache::
+  // build_rope_shift) crash it with a segmentation fault in that function at the llama.cpp kvevict
+  // builds against (streaming_llm on q8_0 cells, the first eviction).
+  const bool shiftable_keys = params.type_k == GGML_TYPE_F32 || params.type_k == GGML_TYPE_F16;
   if (mode != PositionMode::original && !shiftable_keys) {
     throw Error("positions " + std::string(to_string(mode)) + " shift kept keys, and llama.cpp's " +
-                "CPU K-shift cannot rotate " + ggml_type_name(params.type_k) +
-                " cells (it aborts): use positions original, or f32, f16 or q8_0 cells");
+                "CPU K-shift cannot rotate " + ggml_type_name(params.type_k) + " cells (it " +
+                (ggml_is_quantized(params.type_k) ? "crashes" : "aborts") +
+                "): use positions original, or f32 or f16 cells");
   }
   // llama.cpp refuses this itself, with only "llama_init_from_model failed" reaching the caller.
   if (ggml_is_quantized(params.type_v) &&
       params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
     throw Error(std::string("llama.cpp's quantized V cells (") + ggml_type_name(params.type_v) +
-                ") need flash attention, which is off " +
-                (reads_attention_
-                     ? "because policy '" + policy_name + "' reads attention probabilities"
-                     : std::string("(-fa off)")) +
-                ": use f32, f16 or bf16 cells");
+                ") need flash attention, which is off (-fa off): use --fa on or auto, or f32, "
+                "f16 or bf16 cells");
   }
   const int catalyst_size = options_.catalyst ? static_cast<int>(options_.catalyst->size()) : 0;
   const int widest = std::max(options_.max_chunk, catalyst_size);
@@ -415,11 +711,13 @@ void LlamaSequence::decode(std::span<const std::int32_t> tokens, bool catalyst, 
   tap_->read_softmax =
       sequence_->wants(catalyst ? Signal::catalyst_attention : Signal::attention_rows) ||
       (!catalyst && sequence_->wants(Signal::last_attention_row));
+  if (tap_->read_softmax) tap_->begin_forward();
   const int status = llama_decode(context_, batch_);
   tap_->read_cells = false;
-  tap_->read_softmax = false;
+  const bool read_softmax = std::exchange(tap_->read_softmax, false);
   if (tap_->error) std::rethrow_exception(tap_->error);
   if (status != 0) throw Error(decode_failure(status, static_cast<int>(llama_n_ctx(context_))));
+  if (read_softmax) tap_->check_every_layer();
   stats_.peak_cells = std::max(stats_.peak_cells, sequence_->slots().live(0));
 }
 

@@ -3,9 +3,11 @@
 // It creates the llama_context itself (so that it can install its graph callback and check the
 // parameters before anything runs) and drives it one forward at a time: kvevict gives the chunk
 // its positions, llama_decode computes it, the policy gets its signals (token ids; surprisal from
-// the logits; the softmax rows of every layer, read from the graph's kq_soft_max-<layer> tensors,
-// when it reads attention) and each decision is applied to llama.cpp's cells with
-// llama_memory_seq_rm, plus llama_memory_seq_add under the shifting position modes.
+// the logits; the softmax rows of every layer when it reads attention: with flash attention off
+// read from the graph's kq_soft_max-<layer> tensors, with it on computed by kvevict from each
+// layer's flash-attention node's q, K cells and mask, for the queries the policy reads only) and
+// each decision is applied to llama.cpp's cells with llama_memory_seq_rm, plus
+// llama_memory_seq_add under the shifting position modes.
 //
 // What maps to what:
 //   - llama.cpp's KV cells are shared by every layer and head, so a decision is one keep-set for
@@ -17,6 +19,12 @@
 //     llama.cpp computed them, without a copy. Should the two ever part, the rows are re-indexed
 //     from cells to slots with the cell each token was written to (the K store's set_rows
 //     indices, read from the same graph callback), counted in stats().reindexed_layers.
+//   - Flash attention (on, or auto where llama.cpp picks it) never forms the softmax: when a
+//     layer's GGML_OP_FLASH_ATTN_EXT node is computed, kvevict computes softmax(scale * q.k +
+//     mask) over the sequence's cells, slot-indexed, from the node's sources (post-RoPE q, the
+//     layer's K cells, the KQ mask) for the rows the policy reads: the last query (TOVA), every
+//     query of the chunk (H2O), the catalyst's (InfiniPot). One q.K pass, no V; counted in
+//     stats().flash_layers. ALiBi, logit soft-capping and attention sinks are refused there.
 //   - Positions: llama.cpp's cell positions are kvevict's positions at all times. `original`
 //     removes cells only; `cache_index` and `reset_on_compact` also lower every newer cell by the
 //     evictions before it (llama_memory_seq_add), which llama.cpp applies to the stored keys as
@@ -25,13 +33,17 @@
 //   - InfiniPot's catalyst is decoded in the same sequence after the pot, its attention read, and
 //     its cells removed with the distillation (one seq_rm of its positions, the newest).
 //
-// Errors before anything runs (kvevict::Error): a granularity other than token or block; a policy
-// that reads attention with flash attention forced on (LLAMA_FLASH_ATTN_TYPE_ENABLED; AUTO is
-// turned off for such policies); a shifting position mode on a model whose memory cannot shift
+// Errors before anything runs (kvevict::Error): a granularity other than token or block; quantized
+// V cells with flash attention off (llama.cpp needs it on for them); a shifting position mode on a
+// model whose memory cannot shift
 // (llama_memory_can_shift false, e.g. M-RoPE); a bounded policy whose budget plus one chunk does
 // not fit in n_ctx; a catalyst-running policy without a catalyst. During the run: a policy that
 // evicts the sequence's newest token under `original` positions (llama.cpp requires a sequence's
-// positions to continue from its last one), and llama_decode failures, each with a message.
+// positions to continue from its last one); a forward of a policy that reads attention in which a
+// layer's attention was not found in the graph (neither kq_soft_max-<layer> nor a flash-attention
+// node over cache_k_l<layer>, e.g. another architecture's attention) or is of a kind kvevict does
+// not compute under flash attention (ALiBi, soft-capping, sinks); and llama_decode failures, each
+// with a message.
 #pragma once
 
 #include <llama.h>
@@ -91,6 +103,8 @@ struct LlamaSequenceStats {
   /// Layers whose softmax rows were copied from cell order to slot order: 0 while every slot is
   /// the cell of the same index (both sides take the lowest free one; see the header comment).
   std::int64_t reindexed_layers = 0;
+  /// Layers whose rows kvevict computed from the flash-attention node (flash attention on).
+  std::int64_t flash_layers = 0;
   int peak_cells = 0;  ///< most cells the sequence held (right after a decode)
 };
 

@@ -106,7 +106,8 @@ class LlamaEvalEngine final : public eval::EvalEngine {
     return llama_cli::make_setup(options, model_);
   }
   // The sequence the cell would build, built and dropped: LlamaSequence's own checks
-  // (granularity, flash attention, position shifts, budget plus a chunk within -c), once.
+  // (granularity, V cells and flash attention, position shifts, budget plus a chunk within
+  // -c), once.
   [[nodiscard]] std::optional<std::int64_t> check(harness::PolicySetup& setup) const override {
     const std::unique_ptr<llama::LlamaSequence> sequence =
         make_llama_sequence(model_, options_, setup, nullptr);
@@ -164,8 +165,9 @@ Command add_eval_command(CLI::App& parent) {
       "The grid, documents, scoring and outputs of `kvevict eval` (docs/eval.md), computed by\n"
       "llama.cpp. Entries without \"granularity\" run at token granularity (llama.cpp's cells are\n"
       "shared by every layer and head); head and layer are refused before the grid runs, as\n"
-      "are policies that read attention under --fa on and budgets that with one chunk exceed\n"
-      "-c. results.json and every cell record \"engine\": \"llama.cpp ...\". passkey and grocery\n"
+      "are budgets that with one chunk exceed -c. Every policy runs under --fa on, off or auto\n"
+      "(with flash attention on, kvevict computes the attention rows a policy reads itself).\n"
+      "results.json and every cell record \"engine\": \"llama.cpp ...\". passkey and grocery\n"
       "need kvevict's byte-level vocabulary; stream_bpb and cost run on any GGUF.\n"
       "\n"
       "Example:\n"

@@ -38,8 +38,10 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
       ->group(group)
       ->capture_default_str();
   app.add_option("--fa,--flash-attn", options.flash_attention,
-                 "flash attention: on, off or auto (policies that read attention need it off; "
-                 "auto turns it off for them)")
+                 "flash attention: on, off or auto (llama.cpp's choice). Every policy runs "
+                 "with it: off reads the attention rows H2O, TOVA and InfiniPot use from "
+                 "llama.cpp's softmax, on has kvevict compute them (one q.K pass over the "
+                 "queries the policy reads)")
       ->group(group)
       ->capture_default_str();
 }
