@@ -519,3 +519,41 @@ TEST(CApi, NoReserveCallbackMeansAFixedCapacity) {
 }
 
 }  // namespace
+
+// K-norm through the C API: the keys of each layer come in through observe_keys (head_dim in the
+// config). Norms 5, 1, 3 with budget 2: tokens 1 and 2 stay (the smallest norms).
+TEST(CApi, KnormReadsTheKeysOfEveryLayer) {
+  Engine engine(2, 1);
+  const kvevict_backend backend = engine.backend();
+  kvevict_config c = config(2, 1, 1, 3);
+  {
+    kvevict_sequence* raw = nullptr;
+    EXPECT_EQ(kvevict_sequence_create("knorm", "budget=2", &c, &backend, &raw),
+              KVEVICT_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(kvevict_last_error()).find("head_dim"), std::string::npos);
+  }
+  c.head_dim = 2;
+  CSequence s = create("knorm", "budget=2", c, &backend);
+  EXPECT_EQ(kvevict_sequence_signals(s.get()), static_cast<uint32_t>(KVEVICT_SIGNAL_KEYS));
+  const std::int32_t ids[] = {7, 8, 9};
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s.get(), ids, 3, 0), KVEVICT_OK);
+  for (int l = 0; l < 2; ++l) {
+    const std::int32_t* slots = nullptr;
+    int count = 0;
+    ASSERT_EQ(kvevict_sequence_chunk_slots(s.get(), l, 0, &slots, &count), KVEVICT_OK);
+    for (int i = 0; i < count; ++i) engine.at(slots[i], l, 0) = i;
+  }
+  const float keys[] = {3, 4, 0, 1, 3, 0};  // [kv_heads = 1][3 tokens][head_dim = 2]
+  const float bad[] = {3, 4, 0, 1, 3, std::numeric_limits<float>::infinity()};
+  EXPECT_EQ(kvevict_sequence_observe_keys(s.get(), 0, bad, 2), KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("inf is not finite"), std::string::npos)
+      << kvevict_last_error();
+  ASSERT_EQ(kvevict_sequence_observe_keys(s.get(), 0, keys, 2), KVEVICT_OK) << kvevict_last_error();
+  EXPECT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_INVALID_ARGUMENT);  // layer 1 missing
+  EXPECT_NE(std::string(kvevict_last_error()).find("needs the keys of every layer"),
+            std::string::npos);
+  ASSERT_EQ(kvevict_sequence_observe_keys(s.get(), 1, keys, 2), KVEVICT_OK);
+  ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK) << kvevict_last_error();
+  for (int l = 0; l < 2; ++l) EXPECT_EQ(held(engine, l, 0), (std::vector<std::int64_t>{1, 2}));
+  EXPECT_EQ(kvevict_sequence_observe_keys(nullptr, 0, keys, 2), KVEVICT_INVALID_ARGUMENT);
+}

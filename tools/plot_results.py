@@ -46,8 +46,10 @@ POLICY_STYLES = {
     "interval_llm": ("tab:olive", "*"),
     "anllm": ("tab:purple", "p"),
     "infinipot": ("tab:brown", "X"),
+    "knorm": ("tab:cyan", "h"),
+    "keydiff": ("darkblue", "<"),
 }
-UNKNOWN_POLICY_STYLE = ("tab:cyan", "d")
+UNKNOWN_POLICY_STYLE = ("gold", "d")
 # Rows of one policy in a figure: line style first, then hollow markers (8 distinct variants).
 VARIANT_LINESTYLES = ["-", "--", ":", "-."]
 

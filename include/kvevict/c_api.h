@@ -40,6 +40,7 @@ typedef enum kvevict_status {
 #define KVEVICT_SIGNAL_LAST_ATTENTION_ROW 0x08u /* the forward's last query only */
 #define KVEVICT_SIGNAL_TURN_BOUNDARIES 0x10u
 #define KVEVICT_SIGNAL_CATALYST_ATTENTION 0x20u
+#define KVEVICT_SIGNAL_KEYS 0x40u /* the chunk's key vectors, per layer (K-norm, KeyDiff) */
 
 /* Message of the last failed call on this thread, "" if none. Valid until the next call. */
 const char* kvevict_last_error(void);
@@ -65,6 +66,8 @@ typedef struct kvevict_config {
    * lowest free slot, as an allocator that scans from the lowest freed cell (llama.cpp's), so that
    * kvevict's slot i can be the engine's cell i */
   const char* slot_reuse;
+  /* length of a key vector; needed by policies that read keys (KVEVICT_SIGNAL_KEYS) */
+  int head_dim;
 } kvevict_config;
 
 /* Fills `config` with the defaults (everything 0 / NULL but post_rope_keys = 1, max_chunk = 1,
@@ -173,6 +176,12 @@ kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, in
                                                   ptrdiff_t row_stride);
 kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
                                                   const float* surprisal, int count);
+/* Keys of the chunk's tokens in one layer, layout [kv_heads][chunk][row_stride], head_dim floats
+ * each, as the cache stores them (post-RoPE keys rotated to their key position). Every layer once
+ * per forward when the policy reads KVEVICT_SIGNAL_KEYS; NaN and infinities fail the call with
+ * KVEVICT_INVALID_ARGUMENT and nothing recorded. */
+kvevict_status kvevict_sequence_observe_keys(kvevict_sequence* sequence, int layer,
+                                             const float* keys, ptrdiff_t row_stride);
 kvevict_status kvevict_sequence_end_forward(kvevict_sequence* sequence);
 
 /* InfiniPot-style pots: feed at most pot_room tokens per forward (-1: no pot); when pending, run

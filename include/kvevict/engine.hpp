@@ -43,6 +43,8 @@ struct SequenceConfig {
   /// post_rope: keys are rotated when written (to key_position), and kvevict may ask to fold
   /// pending rotations into them. pre_rope: keys are rotated at attention; no rotation is asked.
   KeyStorage key_storage = KeyStorage::post_rope;
+  /// Length of a key vector (observe_keys); needed only by policies that read the keys.
+  int head_dim = 0;
   /// Largest chunk (and catalyst prompt) the engine will feed; it sizes the slots.
   int max_chunk = 1;
   /// Slots reserved up front; 0 = the policy's retained limit + max_chunk (256 if unbounded).
@@ -182,6 +184,12 @@ class Sequence {
   /// over slots [0, slot_limit) of KV head h / (q_heads / kv_heads), free and masked slots 0.
   /// `queries` is attention_queries(). The data is read during the call only. Every layer once.
   void observe_attention(int layer, const float* rows, int queries, std::ptrdiff_t row_stride);
+  /// True when the policy reads the keys (K-norm, KeyDiff): hand every layer's to observe_keys.
+  [[nodiscard]] bool wants_keys() const;
+  /// Keys of the chunk's tokens in one layer, [kv_heads][chunk][row_stride] floats, head_dim each,
+  /// as the cache stores them (post_rope: rotated to key_position). Read during the call only.
+  /// Every layer once, NaN and infinities refused.
+  void observe_keys(int layer, const float* keys, std::ptrdiff_t row_stride);
   /// True when the policy reads the surprisal (-log p) of every token of the chunk.
   [[nodiscard]] bool wants_surprisal() const;
   void observe_surprisal(std::span<const float> surprisal);

@@ -107,6 +107,28 @@ class EvictingCache {
     }
   }
 
+  /// Hands the keys write_chunk stored for `layer` (every KV head), read back as stored (rotated
+  /// for post-RoPE storage, rounded to the KV type), to Sequence::observe_keys: for policies that
+  /// read keys (Sequence::wants_keys()).
+  void observe_stored_keys(int layer) {
+    const CacheShape& shape = config_.shape;
+    const auto head_dim = static_cast<std::size_t>(shape.head_dim);
+    const int n = sequence_.chunk_size();
+    stored_keys_.resize(static_cast<std::size_t>(shape.kv_heads) * static_cast<std::size_t>(n) *
+                        head_dim);
+    for (int g = 0; g < shape.kv_heads; ++g) {
+      const std::span<const std::int32_t> slots = sequence_.chunk_slots(layer, g);
+      for (int i = 0; i < n; ++i) {
+        store_.read_key(
+            layer, g, slots[static_cast<std::size_t>(i)],
+            stored_keys_.data() + (static_cast<std::size_t>(g) * static_cast<std::size_t>(n) +
+                                   static_cast<std::size_t>(i)) *
+                                      head_dim);
+      }
+    }
+    sequence_.observe_keys(layer, stored_keys_.data(), static_cast<std::ptrdiff_t>(head_dim));
+  }
+
   /// Stored keys of slots [0, slot_limit) of head (layer, kv_head), f32 storage only (any type:
   /// stored_keys). Post-RoPE: rotated to their key positions (attend per for_each_key_run);
   /// pre-RoPE: unrotated (see rotated_keys).
@@ -191,11 +213,14 @@ class EvictingCache {
     KVEVICT_REQUIRE(
         (config.sequence.layers == 0 || config.sequence.layers == config.shape.layers) &&
             (config.sequence.q_heads == 0 || config.sequence.q_heads == config.shape.q_heads) &&
-            (config.sequence.kv_heads == 0 || config.sequence.kv_heads == config.shape.kv_heads),
-        "EvictingCache: the sequence's layers and heads come from the shape (leave them 0)");
+            (config.sequence.kv_heads == 0 || config.sequence.kv_heads == config.shape.kv_heads) &&
+            (config.sequence.head_dim == 0 || config.sequence.head_dim == config.shape.head_dim),
+        "EvictingCache: the sequence's layers, heads and head_dim come from the shape (leave them "
+        "0)");
     config.sequence.layers = config.shape.layers;
     config.sequence.q_heads = config.shape.q_heads;
     config.sequence.kv_heads = config.shape.kv_heads;
+    config.sequence.head_dim = config.shape.head_dim;
     return config;
   }
   CacheConfig config_;
@@ -203,6 +228,7 @@ class EvictingCache {
   KvStore store_;
   Sequence sequence_;
   std::vector<double> key_scratch_;  // one key on its way to the store
+  std::vector<float> stored_keys_;   // [kv_heads][chunk][head_dim] for observe_stored_keys
 };
 
 }  // namespace kvevict

@@ -79,6 +79,8 @@ class Policy {
   /// Attention rows of one layer for the current forward (attention_rows / last_attention_row).
   virtual void observe_attention(SlotTable& /*slots*/, int /*layer*/,
                                  const AttentionRows& /*rows*/) {}
+  /// Key vectors of one layer's tokens of the current forward (Signal::keys).
+  virtual void observe_keys(SlotTable& /*slots*/, int /*layer*/, const KeyRows& /*keys*/) {}
   /// -log p of each token of the current chunk, index k for original position first + k.
   virtual void observe_surprisal(SlotTable& /*slots*/, const ChunkInfo& /*chunk*/,
                                  std::span<const float> /*surprisal*/) {}

@@ -15,6 +15,7 @@
 #include "kvevict/policies/h2o.hpp"
 #include "kvevict/policies/infinipot.hpp"
 #include "kvevict/policies/interval_llm.hpp"
+#include "kvevict/policies/key_scores.hpp"
 #include "kvevict/policies/random_llm.hpp"
 #include "kvevict/policies/sirllm.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
@@ -27,9 +28,10 @@ namespace kvevict {
 
 /// Every policy, in the order the documentation lists them.
 [[nodiscard]] inline std::span<const PolicySpec* const> policy_specs() {
-  static constexpr std::array<const PolicySpec*, 10> kSpecs{
-      &kFullSpec,   &kWindowSpec,    &kStreamingLlmSpec, &kH2oSpec,   &kTovaSpec,
-      &kSirLlmSpec, &kRandomLlmSpec, &kIntervalLlmSpec,  &kAnLlmSpec, &kInfiniPotSpec};
+  static constexpr std::array<const PolicySpec*, 12> kSpecs{
+      &kFullSpec,  &kWindowSpec,    &kStreamingLlmSpec, &kH2oSpec,
+      &kTovaSpec,  &kSirLlmSpec,    &kRandomLlmSpec,    &kIntervalLlmSpec,
+      &kAnLlmSpec, &kInfiniPotSpec, &kKnormSpec,        &kKeyDiffSpec};
   return kSpecs;
 }
 

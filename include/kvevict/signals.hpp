@@ -20,6 +20,7 @@ enum class Signal : std::uint32_t {
   last_attention_row = 1u << 3,  ///< softmax row of the forward's last query only (TOVA)
   turn_boundaries = 1u << 4,     ///< the engine says where a turn starts (SirLLM)
   catalyst_attention = 1u << 5,  ///< attention of a catalyst prompt run and rolled back (InfiniPot)
+  keys = 1u << 6,                ///< the key vectors of the tokens fed, per layer (K-norm, KeyDiff)
 };
 
 /// When a policy may evict. Each trigger calls Policy::select with the trigger named.
@@ -132,6 +133,50 @@ class AttentionRows {
   std::ptrdiff_t row_stride_;
   std::span<const int> keys_per_kv_head_;
   std::int64_t first_query_position_;
+};
+
+/// The key vectors of one layer's newest tokens (the current chunk), as an engine hands them to a
+/// policy.
+///
+/// Layout: `[kv_heads][tokens][row_stride]`, float; each row holds `head_dim` values, the key as
+/// the cache stores it (post_rope storage: rotated to its key position; pre_rope: unrotated). Token
+/// k of KV head g took slot `slots(g)[k]` of that head's unit (Sequence::chunk_slots).
+class KeyRows {
+ public:
+  KeyRows(const float* data, int tokens, int head_dim, std::ptrdiff_t row_stride,
+          std::span<const std::span<const std::int32_t>> slots_per_kv_head)
+      : data_(data),
+        tokens_(tokens),
+        head_dim_(head_dim),
+        row_stride_(row_stride),
+        slots_(slots_per_kv_head) {
+    KVEVICT_REQUIRE(tokens >= 0 && head_dim > 0 && row_stride >= head_dim,
+                    "KeyRows: need tokens >= 0 and a row stride of at least head_dim");
+    for (const std::span<const std::int32_t> slots : slots_) {
+      KVEVICT_REQUIRE(static_cast<int>(slots.size()) == tokens,
+                      "KeyRows: need one slot per token in every KV head");
+    }
+  }
+
+  [[nodiscard]] int kv_heads() const { return static_cast<int>(slots_.size()); }
+  [[nodiscard]] int tokens() const { return tokens_; }
+  [[nodiscard]] int head_dim() const { return head_dim_; }
+  /// The key of token `token` in KV head `kv_head`: head_dim values.
+  [[nodiscard]] std::span<const float> key(int kv_head, int token) const {
+    return {data_ + (static_cast<std::ptrdiff_t>(kv_head) * tokens_ + token) * row_stride_,
+            static_cast<std::size_t>(head_dim_)};
+  }
+  /// The slot token `token` took in KV head `kv_head`'s unit.
+  [[nodiscard]] std::int32_t slot(int kv_head, int token) const {
+    return slots_[static_cast<std::size_t>(kv_head)][static_cast<std::size_t>(token)];
+  }
+
+ private:
+  const float* data_;
+  int tokens_;
+  int head_dim_;
+  std::ptrdiff_t row_stride_;
+  std::span<const std::span<const std::int32_t>> slots_;
 };
 
 }  // namespace kvevict

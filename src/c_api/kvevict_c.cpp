@@ -26,6 +26,15 @@ static_assert(sizeof(kvevict_evicted) == sizeof(kvevict::EvictedSlot) &&
                   offsetof(kvevict::EvictedSlot, original_position) &&
               offsetof(kvevict_evicted, position) == offsetof(kvevict::EvictedSlot, position));
 
+// kvevict_sequence_signals hands Signal's bits through unchanged.
+static_assert(KVEVICT_SIGNAL_ATTENTION_ROWS ==
+                  static_cast<std::uint32_t>(kvevict::Signal::attention_rows) &&
+              KVEVICT_SIGNAL_LAST_ATTENTION_ROW ==
+                  static_cast<std::uint32_t>(kvevict::Signal::last_attention_row) &&
+              KVEVICT_SIGNAL_CATALYST_ATTENTION ==
+                  static_cast<std::uint32_t>(kvevict::Signal::catalyst_attention) &&
+              KVEVICT_SIGNAL_KEYS == static_cast<std::uint32_t>(kvevict::Signal::keys));
+
 namespace {
 
 thread_local std::string last_error;
@@ -227,6 +236,7 @@ kvevict_status kvevict_sequence_create(const char* policy, const char* params,
     sequence_config.q_heads = config->q_heads;
     sequence_config.kv_heads = config->kv_heads;
     sequence_config.max_chunk = config->max_chunk;
+    sequence_config.head_dim = config->head_dim;
     if (config->position_mode != nullptr) {
       sequence_config.position_mode = kvevict::parse_position_mode(config->position_mode);
     }
@@ -381,6 +391,11 @@ kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
   return guarded([&] {
     checked(sequence).sequence.observe_surprisal(array_argument(surprisal, count, "surprisal"));
   });
+}
+
+kvevict_status kvevict_sequence_observe_keys(kvevict_sequence* sequence, int layer,
+                                             const float* keys, ptrdiff_t row_stride) {
+  return guarded([&] { checked(sequence).sequence.observe_keys(layer, keys, row_stride); });
 }
 
 kvevict_status kvevict_sequence_end_forward(kvevict_sequence* sequence) {

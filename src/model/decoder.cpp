@@ -361,6 +361,8 @@ void Decoder::transformer(std::span<const std::int32_t> tokens, Pass pass) {
       for (int g = 0; g < c.kv_heads; ++g) {
         cache_.write_chunk(l, g, k.middleCols(g * hd, hd), v.middleCols(g * hd, hd));
       }
+      // The stored keys to a policy that scores them (K-norm, KeyDiff).
+      if (pass == Pass::stream && cache_.sequence().wants_keys()) cache_.observe_stored_keys(l);
       // Attention of every query head over its KV head's cache; rows to the policy. // [n, q_dim]
       attention(l, n, pass);
       // Output projection and residual.                                         // [n, dim]

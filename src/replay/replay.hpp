@@ -48,6 +48,7 @@ struct ReplayShape {
   int layers = 0;
   int q_heads = 0;
   int kv_heads = 0;
+  int head_dim = 0;  ///< "head_dim": the key length, 0 when the replay has no keys
   [[nodiscard]] int group_size() const { return q_heads / kv_heads; }
 };
 
@@ -79,6 +80,7 @@ struct Replay {
   std::optional<std::vector<float>> surprisal;         ///< [T]
   std::optional<std::vector<std::int32_t>> token_ids;  ///< [T]
   std::optional<Catalyst> catalyst;
+  std::optional<std::vector<float>> keys;  ///< [L][Hkv][T][head_dim] (K-norm, KeyDiff)
   std::string policy_name;
   PolicyParams policy_params;  ///< every key of "policy" except "name"
   std::optional<ReplayResult> expected;

@@ -185,6 +185,9 @@ ReplayShape read_shape(const json& document) {
   }
   require_product_within("shape", {shape.layers, shape.q_heads}, "layers * q_heads",
                          kMaxLayerHeads);
+  if (const json* head_dim = optional_key(value, "head_dim")) {
+    shape.head_dim = read_int(*head_dim, "shape.head_dim", 1, kMaxLayerHeads);
+  }
   return shape;
 }
 
@@ -284,6 +287,28 @@ Catalyst read_catalyst(const json& value, const ReplayShape& shape, int tokens) 
                {"layers", "q_heads", "catalyst length", "tokens + catalyst length"}, used,
                catalyst.logits);
   return catalyst;
+}
+
+std::vector<float> read_keys(const json& value, const ReplayShape& shape, int tokens) {
+  if (shape.head_dim == 0) fail("keys", "the replay has keys but no shape.head_dim");
+  require_product_within("keys", {shape.layers, shape.kv_heads, tokens, shape.head_dim},
+                         "layers * kv_heads * tokens * head_dim key values", kMaxLogits);
+  std::vector<double> values;
+  read_tensor4(
+      value, "keys",
+      {static_cast<std::size_t>(shape.layers), static_cast<std::size_t>(shape.kv_heads),
+       static_cast<std::size_t>(tokens), static_cast<std::size_t>(shape.head_dim)},
+      {"layers", "kv_heads", "tokens", "head_dim"},
+      [](std::size_t, std::size_t, std::size_t, std::size_t) { return true; }, values);
+  std::vector<float> keys(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    // Policies observe float keys; a value past float range would become infinity.
+    if (std::fabs(values[i]) > std::numeric_limits<float>::max()) {
+      fail("keys", "value " + std::to_string(values[i]) + " does not fit a float");
+    }
+    keys[i] = static_cast<float>(values[i]);
+  }
+  return keys;
 }
 
 // The expected result must describe this replay: one entry per chunk, [layers][kv_heads] lists of
@@ -389,6 +414,9 @@ Replay parse_replay(const json& document) {
   }
   if (const json* value = optional_key(document, "catalyst")) {
     replay.catalyst = read_catalyst(*value, shape, replay.tokens);
+  }
+  if (const json* value = optional_key(document, "keys")) {
+    replay.keys = read_keys(*value, shape, replay.tokens);
   }
   if (const json* value = optional_key(document, "expected")) {
     replay.expected = parse_result(*value, "expected");

@@ -46,6 +46,10 @@ void check_consistent(const Replay& replay) {
         replay.catalyst->length > 0 && replay.catalyst->logits.size() == layer_heads * p * (t + p),
         "replay: catalyst logits do not have [layers][q_heads][P][tokens + P] entries");
   }
+  KVEVICT_REQUIRE(!replay.keys || (shape.head_dim > 0 &&
+                                   replay.keys->size() == static_cast<std::size_t>(shape.layers) *
+                                                              shape.kv_heads * t * shape.head_dim),
+                  "replay: keys do not have [layers][kv_heads][tokens][head_dim] entries");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -90,6 +94,10 @@ class Simulator {
       throw ReplayError("policy '" + policy_name +
                         "' reads token ids, but the replay has no \"token_ids\"");
     }
+    if (sequence_.wants(Signal::keys) && !replay.keys) {
+      throw ReplayError("policy '" + policy_name +
+                        "' reads the keys, but the replay has no \"keys\"");
+    }
     if (sequence_.wants(Signal::catalyst_attention) && !replay.catalyst) {
       throw ReplayError("policy '" + policy_name +
                         "' observes catalyst attention, but the replay has no \"catalyst\"");
@@ -127,6 +135,7 @@ class Simulator {
     config.layers = replay.shape.layers;
     config.q_heads = replay.shape.q_heads;
     config.kv_heads = replay.shape.kv_heads;
+    config.head_dim = replay.shape.head_dim;
     config.max_chunk = replay.tokens + (replay.catalyst ? replay.catalyst->length : 0);
     config.initial_capacity = config.max_chunk + 1;
     return config;
@@ -155,6 +164,25 @@ class Simulator {
       for (int l = 0; l < replay_.shape.layers; ++l) observe_forward_rows(l, begin, end);
     } else if (sequence_.wants(Signal::last_attention_row)) {
       for (int l = 0; l < replay_.shape.layers; ++l) observe_forward_rows(l, end - 1, end);
+    }
+    if (sequence_.wants(Signal::keys)) {
+      // keys[l][g][t]: the chunk's rows of KV head g start at t = begin, a head apart.
+      const ReplayShape& shape = replay_.shape;
+      const auto t = static_cast<std::size_t>(replay_.tokens);
+      const auto d = static_cast<std::size_t>(shape.head_dim);
+      chunk_keys_.resize(static_cast<std::size_t>(shape.kv_heads) * size * d);
+      for (int l = 0; l < shape.layers; ++l) {
+        for (int g = 0; g < shape.kv_heads; ++g) {
+          const float* first =
+              replay_.keys->data() + ((static_cast<std::size_t>(l) * shape.kv_heads + g) * t +
+                                      static_cast<std::size_t>(begin)) *
+                                         d;
+          std::copy_n(first, static_cast<std::size_t>(size) * d,
+                      chunk_keys_.begin() +
+                          static_cast<std::ptrdiff_t>(static_cast<std::size_t>(g) * size * d));
+        }
+        sequence_.observe_keys(l, chunk_keys_.data(), static_cast<std::ptrdiff_t>(d));
+      }
     }
     if (sequence_.wants(Signal::surprisal)) {
       sequence_.observe_surprisal(
@@ -281,6 +309,7 @@ class Simulator {
   const Replay& replay_;
   Sequence sequence_;
   std::vector<std::int32_t> zero_ids_;      // token ids when the replay has none
+  std::vector<float> chunk_keys_;           // [kv_heads][chunk][head_dim] of one layer
   std::vector<std::int32_t> catalyst_ids_;  // dummy ids of the catalyst prompt
   std::vector<float> rows_;                 // [q_heads][queries][stride] of one layer
   std::vector<double> scratch_;             // one row's logits / exponentials

@@ -581,6 +581,17 @@ class Session {
         }
       }
     }
+    if ((signals & KVEVICT_SIGNAL_KEYS) != 0) {
+      // [kv_heads][n][head_dim] finite values from the input, every layer.
+      std::vector<float> keys(static_cast<std::size_t>(config_.kv_heads) * n * config_.head_dim);
+      for (int l = 0; l < config_.layers; ++l) {
+        for (float& value : keys) value = static_cast<float>(in_.byte()) / 16.0f - 8.0f;
+        if (!require_ok(kvevict_sequence_observe_keys(s_, l, keys.data(), config_.head_dim),
+                        "observe_keys")) {
+          return;
+        }
+      }
+    }
     if ((signals & KVEVICT_SIGNAL_SURPRISAL) != 0) {
       std::vector<float> surprisal(static_cast<std::size_t>(n));
       for (float& value : surprisal) value = static_cast<float>(in_.byte()) / 16.0f;
@@ -714,6 +725,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   config.granularity = kUnits[static_cast<std::size_t>(in.below(kUnits.size()))];
   config.post_rope_keys = in.below(2);
   config.max_pending_rotations = in.size(0, 3);
+  // Key length for the policies that read keys; derived, not read, so that the inputs kept before
+  // keys existed still drive the same calls.
+  config.head_dim = 1 + config.max_chunk % 4;
   // Valid configurations this large are requests for memory in proportion (up to the stated
   // limits: 2^20 heads, 2^28 slots), not what this target looks for; the edges beyond are kept.
   const std::int64_t heads = std::int64_t{config.layers} * config.kv_heads;

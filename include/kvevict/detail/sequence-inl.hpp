@@ -41,6 +41,9 @@ class SequenceCore {
         backend_(backend),
         observer_(observer) {
     KVEVICT_REQUIRE(policy_ != nullptr, "Sequence: policy is null");
+    KVEVICT_REQUIRE(!wants(Signal::keys) || config_.head_dim > 0,
+                    "Sequence: policy '" + std::string(policy_->name()) +
+                        "' reads the keys: set SequenceConfig::head_dim to their length");
     position_mode_ = config_.position_mode.value_or(policy_->default_position_mode());
     layout_ = UnitLayout(config_.layers, config_.kv_heads,
                          config_.granularity.value_or(policy_->default_granularity()));
@@ -58,6 +61,8 @@ class SequenceCore {
     chunk_slots_.resize(static_cast<std::size_t>(layout_.units()));
     catalyst_base_.assign(static_cast<std::size_t>(layout_.units()), 0);
     observed_layers_.assign(static_cast<std::size_t>(config_.layers), 0);
+    observed_key_layers_.assign(static_cast<std::size_t>(config_.layers), 0);
+    layer_chunk_slots_.resize(static_cast<std::size_t>(config_.kv_heads));
     key_runs_.resize(static_cast<std::size_t>(layout_.units()));
     live_masks_.resize(static_cast<std::size_t>(layout_.units()));
     layer_keys_.resize(static_cast<std::size_t>(config_.kv_heads));
@@ -135,6 +140,7 @@ class SequenceCore {
     chunk_ = ChunkInfo{stats_.tokens_fed, chunk_ids_, turn_start};
     stats_.tokens_fed += n;
     std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
+    std::fill(observed_key_layers_.begin(), observed_key_layers_.end(), 0);
     surprisal_observed_ = false;
     state_ = State::forward;
     policy_->on_append(slots_, chunk_);
@@ -163,6 +169,35 @@ class SequenceCore {
     mark_observed(layer);  // only once the policy took them: a rejected call may be retried
   }
 
+  void observe_keys(int layer, const float* data, std::ptrdiff_t row_stride) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::forward,
+                    "observe_keys: no forward is open (call begin_chunk first)");
+    KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
+                    "observe_keys: layer " + std::to_string(layer) + " outside [0, " +
+                        std::to_string(config_.layers) + ")");
+    KVEVICT_REQUIRE(
+        observed_key_layers_[static_cast<std::size_t>(layer)] == 0,
+        "observe_keys: layer " + std::to_string(layer) + " was already observed in this forward");
+    KVEVICT_REQUIRE(config_.head_dim > 0,
+                    "observe_keys: SequenceConfig::head_dim is 0 (the length of a key)");
+    KVEVICT_REQUIRE(data != nullptr, "observe_keys: keys are null");
+    KVEVICT_REQUIRE(row_stride >= config_.head_dim,
+                    "observe_keys: row_stride (" + std::to_string(row_stride) +
+                        ") is shorter than head_dim (" + std::to_string(config_.head_dim) + ")");
+    for (int g = 0; g < config_.kv_heads; ++g) {
+      layer_chunk_slots_[static_cast<std::size_t>(g)] =
+          chunk_slots_[static_cast<std::size_t>(layout_.unit_of(layer, g))];
+    }
+    const KeyRows keys(data, chunk_size_, config_.head_dim, row_stride, layer_chunk_slots_);
+    {
+      const StageScope scope(observer_, Stage::policy);
+      if (wants(Signal::keys)) check_keys(layer, keys);
+      policy_->observe_keys(slots_, layer, keys);
+    }
+    observed_key_layers_[static_cast<std::size_t>(layer)] = 1;
+  }
+
   void observe_surprisal(std::span<const float> surprisal) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
@@ -184,8 +219,9 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward, "end_forward: no forward is open");
     if (wants(Signal::attention_rows) || wants(Signal::last_attention_row)) {
-      require_every_layer("attention rows", "observe_attention");
+      require_every_layer(observed_layers_, "attention rows", "observe_attention");
     }
+    if (wants(Signal::keys)) require_every_layer(observed_key_layers_, "keys", "observe_keys");
     KVEVICT_REQUIRE(!wants(Signal::surprisal) || surprisal_observed_,
                     "policy '" + std::string(policy_->name()) +
                         "' needs the surprisal of every token: call observe_surprisal before "
@@ -273,7 +309,7 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "end_catalyst: no catalyst prompt is open");
     if (catalyst_size_ > 0 && wants(Signal::catalyst_attention)) {
-      require_every_layer("catalyst attention rows", "observe_catalyst");
+      require_every_layer(observed_layers_, "catalyst attention rows", "observe_catalyst");
     }
     state_ = State::idle;
     ++stats_.catalyst_runs;
@@ -298,6 +334,7 @@ class SequenceCore {
                         std::to_string(config.max_chunk));
     KVEVICT_REQUIRE(config.initial_capacity >= 0, "Sequence: negative initial_capacity");
     KVEVICT_REQUIRE(config.max_initial_capacity >= 0, "Sequence: negative max_initial_capacity");
+    KVEVICT_REQUIRE(config.head_dim >= 0, "Sequence: negative head_dim");
     KVEVICT_REQUIRE(config.max_pending_rotations >= 0,
                     "Sequence: max_pending_rotations must be >= 0");
     return config;
@@ -454,9 +491,26 @@ class SequenceCore {
               ") is NaN; nothing was recorded");
     }
   }
-  void require_every_layer(const char* signal, const char* call) const {
+  // Keys are vectors of any sign and size, but a NaN or an infinity makes every norm and cosine
+  // over them undefined.
+  static void check_keys(int layer, const KeyRows& keys) {
+    for (int g = 0; g < keys.kv_heads(); ++g) {
+      for (int k = 0; k < keys.tokens(); ++k) {
+        const std::span<const float> key = keys.key(g, k);
+        const auto bad =
+            std::find_if(key.begin(), key.end(), [](float x) { return !std::isfinite(x); });
+        if (bad == key.end()) continue;
+        throw Error("observe_keys: layer " + std::to_string(layer) + ", KV head " +
+                    std::to_string(g) + ", token " + std::to_string(k) + " of the chunk, value " +
+                    std::to_string(bad - key.begin()) + ": " + describe(*bad) +
+                    " is not finite; nothing was recorded");
+      }
+    }
+  }
+  void require_every_layer(const std::vector<std::uint8_t>& observed, const char* signal,
+                           const char* call) const {
     for (int l = 0; l < config_.layers; ++l) {
-      KVEVICT_REQUIRE(observed_layers_[static_cast<std::size_t>(l)] != 0,
+      KVEVICT_REQUIRE(observed[static_cast<std::size_t>(l)] != 0,
                       "policy '" + std::string(policy_->name()) + "' needs the " + signal +
                           " of every layer: layer " + std::to_string(l) +
                           " was not observed (call " + call + " for every layer before " +
@@ -635,11 +689,13 @@ class SequenceCore {
   int catalyst_size_ = 0;
   bool chunk_has_anchor_ = false;
   bool surprisal_observed_ = false;
-  std::vector<std::uint8_t> observed_layers_;           // [layers] this forward / catalyst
-  std::vector<std::vector<std::int32_t>> chunk_slots_;  // [units][chunk]
-  std::vector<int> catalyst_base_;                      // [units] live before the catalyst
-  std::vector<std::vector<EvictedSlot>> rolled_back_;   // [units] catalyst slots removed
-  std::vector<std::uint8_t> seen_;                      // [slot limit] duplicate check
+  std::vector<std::uint8_t> observed_layers_;      // [layers] this forward / catalyst
+  std::vector<std::uint8_t> observed_key_layers_;  // [layers] keys observed this forward
+  std::vector<std::span<const std::int32_t>> layer_chunk_slots_;  // [kv_heads] of observe_keys
+  std::vector<std::vector<std::int32_t>> chunk_slots_;            // [units][chunk]
+  std::vector<int> catalyst_base_;                     // [units] live before the catalyst
+  std::vector<std::vector<EvictedSlot>> rolled_back_;  // [units] catalyst slots removed
+  std::vector<std::uint8_t> seen_;                     // [slot limit] duplicate check
   // Per-chunk scratch, reused.
   std::vector<std::vector<KeyRun>> key_runs_;          // [units] this forward's runs
   std::vector<std::vector<std::uint8_t>> live_masks_;  // [units][slot limit] this forward
@@ -698,6 +754,10 @@ inline int Sequence::attention_queries() const { return core_->attention_queries
 inline void Sequence::observe_attention(int layer, const float* rows, int queries,
                                         std::ptrdiff_t row_stride) {
   core_->observe_attention(layer, rows, queries, row_stride);
+}
+inline bool Sequence::wants_keys() const { return core_->wants(Signal::keys); }
+inline void Sequence::observe_keys(int layer, const float* keys, std::ptrdiff_t row_stride) {
+  core_->observe_keys(layer, keys, row_stride);
 }
 inline bool Sequence::wants_surprisal() const { return core_->wants(Signal::surprisal); }
 inline void Sequence::observe_surprisal(std::span<const float> surprisal) {

@@ -60,6 +60,9 @@ class PolicyDecorator : public Policy {
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
     inner_->observe_attention(slots, layer, rows);
   }
+  void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
+    inner_->observe_keys(slots, layer, keys);
+  }
   void observe_surprisal(SlotTable& slots, const ChunkInfo& chunk,
                          std::span<const float> surprisal) override {
     inner_->observe_surprisal(slots, chunk, surprisal);

@@ -1,0 +1,211 @@
+// K-norm and KeyDiff: keep-sets derived by hand from the papers' scores as kvpress computes them
+// (policies/key_scores.hpp; ../shared/replay-format.md "Key scores"): K-norm keeps the smallest
+// key norms, KeyDiff the keys least similar (cosine) to the mean of the unit-normalised cached
+// keys. Every expected value is worked out in the comments from the keys the test feeds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <kvevict/engine.hpp>
+#include <kvevict/error.hpp>
+#include <kvevict/policies/key_scores.hpp>
+#include <kvevict/policy_registry.hpp>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "support/expect_error.hpp"
+#include "support/policy_harness.hpp"
+
+namespace {
+
+using kvevict::KeyScoreConfig;
+using kvevict::Sequence;
+using kvevict::SequenceConfig;
+using kvevict::test::expect_error;
+using kvevict::test::kept_positions;
+using kvevict::test::Positions;
+
+using Key = std::vector<float>;
+
+// A sequence of `layers` x `kv_heads` heads (one query head per KV head) under `policy`, fed keys
+// of length head_dim: the same keys in every head unless `per_head` is given.
+class KeyHarness {
+ public:
+  KeyHarness(std::unique_ptr<kvevict::Policy> policy, int head_dim, int layers = 1,
+             int kv_heads = 1, std::optional<kvevict::Granularity> granularity = std::nullopt)
+      : head_dim_(head_dim),
+        sequence_(config(layers, kv_heads, head_dim, granularity), std::move(policy)) {}
+
+  // One forward of keys.size() tokens, the same keys in every (layer, KV head).
+  void feed(const std::vector<Key>& keys) {
+    feed_per_head([&](int, int) { return keys; }, static_cast<int>(keys.size()));
+  }
+  // One forward: keys_of(layer, kv_head) gives that head's keys of the chunk.
+  template <class KeysOf>
+  void feed_per_head(KeysOf keys_of, int tokens) {
+    sequence_.begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(tokens), 0));
+    const SequenceConfig& c = sequence_.config();
+    for (int l = 0; l < c.layers; ++l) {
+      std::vector<float> rows;
+      for (int g = 0; g < c.kv_heads; ++g) {
+        for (const Key& key : keys_of(l, g)) rows.insert(rows.end(), key.begin(), key.end());
+      }
+      sequence_.observe_keys(l, rows.data(), head_dim_);
+    }
+    sequence_.end_forward();
+  }
+  [[nodiscard]] Positions kept(int l = 0, int g = 0) const {
+    return kept_positions(sequence_.slots(), sequence_.unit_of(l, g));
+  }
+  [[nodiscard]] Sequence& sequence() { return sequence_; }
+
+ private:
+  static SequenceConfig config(int layers, int kv_heads, int head_dim,
+                               std::optional<kvevict::Granularity> granularity) {
+    SequenceConfig c;
+    c.layers = layers;
+    c.q_heads = kv_heads;
+    c.kv_heads = kv_heads;
+    c.head_dim = head_dim;
+    c.granularity = granularity;
+    c.max_chunk = 16;
+    c.initial_capacity = 32;
+    return c;
+  }
+
+  int head_dim_;
+  Sequence sequence_;
+};
+
+std::unique_ptr<kvevict::Policy> knorm(int budget, int recent = 0) {
+  return kvevict::make_knorm(KeyScoreConfig{budget, recent});
+}
+std::unique_ptr<kvevict::Policy> keydiff(int budget, int recent = 0) {
+  return kvevict::make_keydiff(KeyScoreConfig{budget, recent});
+}
+
+TEST(KnormPolicy, KeepsTheSmallestKeyNormsAndMayDropTheNewestAtOnce) {
+  KeyHarness run(knorm(/*budget=*/2), /*head_dim=*/2);
+  // Norms 5, 1, 3: budget 2 keeps positions 1 (norm 1) and 2 (norm 3).
+  run.feed({{3, 4}, {0, 1}, {3, 0}});
+  EXPECT_EQ(run.kept(), (Positions{1, 2}));
+  // Token 3 has norm 10: the largest, so the token just fed goes.
+  run.feed({{6, 8}});
+  EXPECT_EQ(run.kept(), (Positions{1, 2}));
+  // Token 4 has norm 0.5: position 2 (norm 3) goes.
+  run.feed({{0.3f, 0.4f}});
+  EXPECT_EQ(run.kept(), (Positions{1, 4}));
+  EXPECT_EQ(run.sequence().stats().evicted_slots, 3);
+}
+
+TEST(KnormPolicy, TheRecentWindowIsKeptInsideTheBudget) {
+  // budget 3 = recent 1 + 2 by norm. Norms 2, 1, 3, 9: the newest (9) stays for being recent; of
+  // the others 1 and 2 stay.
+  KeyHarness run(knorm(/*budget=*/3, /*recent=*/1), /*head_dim=*/1);
+  run.feed({{2}, {-1}, {3}, {9}});
+  EXPECT_EQ(run.kept(), (Positions{0, 1, 3}));
+  // Token 4 (norm 0): recent now; 3 (norm 9) competes and loses against 0 and 1.
+  run.feed({{0}});
+  EXPECT_EQ(run.kept(), (Positions{0, 1, 4}));
+}
+
+TEST(KnormPolicy, EqualNormsGoToTheLowerPosition) {
+  // Norms 1, 1, 1 (a rotation of the same vector): budget 2 keeps positions 0 and 1.
+  KeyHarness run(knorm(2), 2);
+  run.feed({{1, 0}, {0, 1}, {0, -1}});
+  EXPECT_EQ(run.kept(), (Positions{0, 1}));
+}
+
+TEST(KnormPolicy, LayerGranularityAveragesTheHeadsNorms) {
+  // Two KV heads, one keep-set per layer: token scores are -(|k_g0| + |k_g1|) / 2.
+  // Head 0 norms 1, 4, 2; head 1 norms 4, 0, 1: means 2.5, 2, 1.5; budget 2 keeps 1 and 2.
+  // (Head 0 alone would keep 0 and 2; head 1 alone 1 and 2.)
+  KeyHarness run(knorm(2), 1, /*layers=*/1, /*kv_heads=*/2, kvevict::Granularity::layer);
+  run.feed_per_head(
+      [](int, int g) {
+        return g == 0 ? std::vector<Key>{{1}, {4}, {2}} : std::vector<Key>{{4}, {0}, {1}};
+      },
+      3);
+  EXPECT_EQ(run.kept(0, 0), (Positions{1, 2}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{1, 2}));
+}
+
+TEST(KeyDiffPolicy, KeepsTheKeysLeastSimilarToTheMeanOfTheNormalisedKeys) {
+  // Keys (2-d): t0 = (10, 0), t1 = (1, 0), t2 = (0, 1). Unit vectors (1,0), (1,0), (0,1): their sum
+  // s = (2, 1). cos with s: t0 and t1 2/sqrt5 = .894, t2 1/sqrt5 = .447. Budget 2: t2 stays (least
+  // similar), and t0 / t1 tie: the lower position (0) stays. Had the anchor been the mean of the
+  // raw keys, (11, 1) / 3, t0 and t1 would still tie; the next step tells the two apart.
+  KeyHarness run(keydiff(/*budget=*/2), /*head_dim=*/2);
+  run.feed({{10, 0}, {1, 0}, {0, 1}});
+  EXPECT_EQ(run.kept(), (Positions{0, 2}));
+  // t3 = (0, 100). Cached unit vectors: (1,0), (0,1), (0,1): s = (1, 2). cos: t0 1/sqrt5 = .447,
+  // t2 and t3 2/sqrt5 = .894: t0 stays with t2 (tie with t3, lower position). The raw-key mean
+  // (10, 101) / 3 would give t0 cos .099 and t2, t3 .995: the same here.
+  run.feed({{0, 100}});
+  EXPECT_EQ(run.kept(), (Positions{0, 2}));
+  // t4 = (-1, 0). Unit vectors (1,0), (0,1), (-1,0): s = (0, 1). cos: t0 0, t2 1, t4 0: t0 and t4
+  // stay (tie at 0, both kept), t2 goes. The raw-key mean (9, 1) / 3 would give t0 .994, t2 .110,
+  // t4 -.994 and keep t4 and t2: the normalisation matters.
+  run.feed({{-1, 0}});
+  EXPECT_EQ(run.kept(), (Positions{0, 4}));
+}
+
+TEST(KeyDiffPolicy, NoEvictionNoScoringAndTheRecentWindowIsProtected) {
+  KeyHarness run(keydiff(/*budget=*/3, /*recent=*/1), 2);
+  run.feed({{1, 0}, {0, 1}});  // 2 <= 3: nothing evicted
+  EXPECT_EQ(run.kept(), (Positions{0, 1}));
+  // t2 = (1, 0), t3 = (1, 0). Sum of unit vectors over t0..t3: (3, 1). Recent t3 stays; of t0, t1,
+  // t2 two stay by lowest cos: t1 (1/sqrt10 = .316) and t0 (3/sqrt10, tie with t2: lower
+  // position).
+  run.feed({{1, 0}, {1, 0}});
+  EXPECT_EQ(run.kept(), (Positions{0, 1, 3}));
+}
+
+TEST(KeyScorePolicies, RegistryNamesParametersAndBudgetMapping) {
+  for (const char* name : {"knorm", "keydiff"}) {
+    const kvevict::PolicyParams params = kvevict::budget_params(name, 64);
+    EXPECT_EQ(params.get_int("budget"), 64) << name;
+    const std::unique_ptr<kvevict::Policy> policy = kvevict::make_policy(name, params);
+    EXPECT_EQ(policy->name(), name);
+    EXPECT_TRUE(policy->signals().contains(kvevict::Signal::keys));
+    EXPECT_EQ(policy->retained_limit(), 64);
+  }
+}
+
+TEST(KeyScorePolicies, BadInputGetsClearErrors) {
+  expect_error([] { (void)knorm(0); }, "budget must be positive");
+  expect_error([] { (void)keydiff(4, 4); }, "not larger than the protected recent window");
+  expect_error([] { (void)knorm(4, -1); }, "recent must be >= 0");
+  // A sequence for a key-reading policy without head_dim.
+  expect_error(
+      [] {
+        SequenceConfig c;
+        c.layers = 1;
+        c.q_heads = 1;
+        c.kv_heads = 1;
+        Sequence sequence(c, knorm(2));
+      },
+      "set SequenceConfig::head_dim");
+
+  KeyHarness run(knorm(2), 2, /*layers=*/2);
+  Sequence& sequence = run.sequence();
+  sequence.begin_chunk(std::vector<std::int32_t>{0});
+  const float nan_key[2] = {1.0f, std::numeric_limits<float>::quiet_NaN()};
+  expect_error([&] { sequence.observe_keys(0, nan_key, 2); }, "NaN is not finite");
+  expect_error([&] { sequence.observe_keys(0, nan_key, 1); }, "shorter than head_dim");
+  expect_error([&] { sequence.observe_keys(0, nullptr, 2); }, "keys are null");
+  expect_error([&] { sequence.observe_keys(2, nan_key, 2); }, "layer 2 outside [0, 2)");
+  const float key[2] = {1.0f, 0.0f};
+  sequence.observe_keys(0, key, 2);  // the refused calls recorded nothing: layer 0 is still open
+  expect_error([&] { sequence.observe_keys(0, key, 2); }, "already observed");
+  // Layer 1's keys are missing.
+  expect_error([&] { sequence.end_forward(); }, "needs the keys of every layer: layer 1");
+  sequence.observe_keys(1, key, 2);
+  sequence.end_forward();
+  expect_error([&] { sequence.observe_keys(0, key, 2); }, "no forward is open");
+}
+
+}  // namespace
