@@ -185,7 +185,11 @@ int expect_same(const ModelFile& file, const Case& c) {
   params.type_v = GGML_TYPE_F32;
   // The softmax path for policies that read attention: flash attention rounds f32 cells to f16
   // for its kernel (LlamaFlashAttention below compares it with this path).
-  if (reads_attention(c)) params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  // K-norm and KeyDiff likewise: flash attention's f16 rounding moves the keys of layer 1 on by
+  // ~1e-4, enough to swap two nearly equal scores.
+  if (reads_attention(c) || make(c)->signals().contains(kvevict::Signal::keys)) {
+    params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  }
   kvevict::llama::LlamaSequenceOptions llama_options;
   llama_options.position_mode = c.positions;
   llama_options.granularity = c.granularity;
@@ -287,6 +291,22 @@ TEST(LlamaEquivalence, H2oTovaKeepTheSameTokensOverALongStream) {
                                       .positions = PositionMode::cache_index,
                                       .tokens = 4000}),
               200);
+  }
+}
+
+// K-norm and KeyDiff read the keys llama.cpp stores (cache_k_l<layer>'s set_rows). Both drop the
+// token just fed when its score is the worst, which llama.cpp allows only under re-numbered
+// positions (as TOVA above); each policy scores the key as written, at the position it was written
+// to, in both engines.
+TEST(LlamaEquivalence, KnormKeydiffReadTheStoredKeys) {
+  for (const ModelFile* file : {LlamaModels::random.get(), LlamaModels::toy.get()}) {
+    for (const char* policy : {"knorm", "keydiff"}) {
+      EXPECT_GT(expect_same(*file, Case{.policy = policy,
+                                        .budget = 64,
+                                        .positions = PositionMode::cache_index,
+                                        .tokens = 2000}),
+                100);
+    }
   }
 }
 
@@ -608,6 +628,39 @@ TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
                   kvevict::llama::LlamaSequence sequence = open(policy, params, options);
                   (void)sequence.feed(tokens);
                   EXPECT_EQ(sequence.stats().flash_layers > 0, sequence.reads_attention());
+                  EXPECT_EQ(sequence.live_cells(), 64);
+                }),
+                "no error")
+          << policy << " on " << ggml_type_name(cells);
+    }
+  }
+}
+
+// K-norm and KeyDiff read no attention: flash attention stays on, over f16 and q8_0 cells (q8_0
+// under original positions with the newest token protected: recent=1, as llama.cpp needs).
+TEST(LlamaErrors, KeyPoliciesRunWithFlashAttentionOn) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = 512;
+  params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+  params.n_threads = 1;
+  params.n_threads_batch = 1;
+  const std::vector<std::int32_t> tokens = stream_tokens(LlamaModels::toy->model, 200);
+  for (const ggml_type cells : {GGML_TYPE_F16, GGML_TYPE_Q8_0}) {
+    params.type_k = cells;
+    params.type_v = cells;
+    kvevict::llama::LlamaSequenceOptions options;
+    options.position_mode =
+        cells == GGML_TYPE_F16 ? PositionMode::cache_index : PositionMode::original;
+    for (const char* policy : {"knorm", "keydiff"}) {
+      EXPECT_EQ(error_of([&] {
+                  kvevict::llama::LlamaSequence sequence(
+                      LlamaModels::toy->llama, params,
+                      kvevict::make_policy(
+                          policy, kvevict::PolicyParams().set("budget", 64).set("recent", 1)),
+                      options);
+                  EXPECT_TRUE(sequence.reads_keys());
+                  EXPECT_FALSE(sequence.reads_attention());
+                  (void)sequence.feed(tokens);
                   EXPECT_EQ(sequence.live_cells(), 64);
                 }),
                 "no error")

@@ -177,9 +177,9 @@ kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, in
 kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
                                                   const float* surprisal, int count);
 /* Keys of the chunk's tokens in one layer, layout [kv_heads][chunk][row_stride], head_dim floats
- * each, as the cache stores them (post-RoPE keys rotated to their key position). Every layer once
- * per forward when the policy reads KVEVICT_SIGNAL_KEYS; NaN and infinities fail the call with
- * KVEVICT_INVALID_ARGUMENT and nothing recorded. */
+ * each, after RoPE at each token's position (as a post-RoPE cache holds them when written). Every
+ * layer once per forward when the policy reads KVEVICT_SIGNAL_KEYS; NaN and infinities fail the
+ * call with KVEVICT_INVALID_ARGUMENT and nothing recorded. */
 kvevict_status kvevict_sequence_observe_keys(kvevict_sequence* sequence, int layer,
                                              const float* keys, ptrdiff_t row_stride);
 kvevict_status kvevict_sequence_end_forward(kvevict_sequence* sequence);

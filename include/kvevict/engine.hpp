@@ -187,8 +187,9 @@ class Sequence {
   /// True when the policy reads the keys (K-norm, KeyDiff): hand every layer's to observe_keys.
   [[nodiscard]] bool wants_keys() const;
   /// Keys of the chunk's tokens in one layer, [kv_heads][chunk][row_stride] floats, head_dim each,
-  /// as the cache stores them (post_rope: rotated to key_position). Read during the call only.
-  /// Every layer once, NaN and infinities refused.
+  /// rotated to each token's position() as a post-RoPE cache holds them when written (whatever
+  /// rotation the engine's own storage defers). Read during the call only. Every layer once, NaN
+  /// and infinities refused.
   void observe_keys(int layer, const float* keys, std::ptrdiff_t row_stride);
   /// True when the policy reads the surprisal (-log p) of every token of the chunk.
   [[nodiscard]] bool wants_surprisal() const;

@@ -107,23 +107,30 @@ class EvictingCache {
     }
   }
 
-  /// Hands the keys write_chunk stored for `layer` (every KV head), read back as stored (rotated
-  /// for post-RoPE storage, rounded to the KV type), to Sequence::observe_keys: for policies that
-  /// read keys (Sequence::wants_keys()).
+  /// Hands the keys write_chunk stored for `layer` (every KV head) to Sequence::observe_keys, for
+  /// policies that read keys (Sequence::wants_keys()): each read back as stored (rounded to the KV
+  /// type) and rotated to its token's position, as a post-RoPE cache holds a key when written,
+  /// whatever rotation kvevict's storage defers (key_position) or applies later (pre_rope).
   void observe_stored_keys(int layer) {
     const CacheShape& shape = config_.shape;
     const auto head_dim = static_cast<std::size_t>(shape.head_dim);
     const int n = sequence_.chunk_size();
+    const bool post_rope = config_.sequence.key_storage == KeyStorage::post_rope;
     stored_keys_.resize(static_cast<std::size_t>(shape.kv_heads) * static_cast<std::size_t>(n) *
                         head_dim);
+    key_scratch_.resize(head_dim);
     for (int g = 0; g < shape.kv_heads; ++g) {
       const std::span<const std::int32_t> slots = sequence_.chunk_slots(layer, g);
       for (int i = 0; i < n; ++i) {
-        store_.read_key(
-            layer, g, slots[static_cast<std::size_t>(i)],
-            stored_keys_.data() + (static_cast<std::size_t>(g) * static_cast<std::size_t>(n) +
-                                   static_cast<std::size_t>(i)) *
-                                      head_dim);
+        const std::int32_t slot = slots[static_cast<std::size_t>(i)];
+        store_.read_key(layer, g, slot, key_scratch_.data());
+        const std::int64_t position = sequence_.position(layer, g, slot);
+        const std::int64_t steps =
+            post_rope ? position - sequence_.key_position(layer, g, slot) : position;
+        if (steps != 0) rope_.rotate(key_scratch_.data(), steps);
+        std::copy(key_scratch_.begin(), key_scratch_.end(),
+                  stored_keys_.begin() + static_cast<std::ptrdiff_t>(
+                                             (static_cast<std::size_t>(g) * n + i) * head_dim));
       }
     }
     sequence_.observe_keys(layer, stored_keys_.data(), static_cast<std::ptrdiff_t>(head_dim));

@@ -138,9 +138,9 @@ class AttentionRows {
 /// The key vectors of one layer's newest tokens (the current chunk), as an engine hands them to a
 /// policy.
 ///
-/// Layout: `[kv_heads][tokens][row_stride]`, float; each row holds `head_dim` values, the key as
-/// the cache stores it (post_rope storage: rotated to its key position; pre_rope: unrotated). Token
-/// k of KV head g took slot `slots(g)[k]` of that head's unit (Sequence::chunk_slots).
+/// Layout: `[kv_heads][tokens][row_stride]`, float; each row holds `head_dim` values, the key after
+/// RoPE at its token's position, as a post-RoPE cache holds it when written. Token k of KV head g
+/// took slot `slots(g)[k]` of that head's unit (Sequence::chunk_slots).
 class KeyRows {
  public:
   KeyRows(const float* data, int tokens, int head_dim, std::ptrdiff_t row_stride,

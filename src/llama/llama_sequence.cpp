@@ -19,8 +19,6 @@ namespace kvevict::llama {
 namespace {
 
 constexpr std::string_view kSoftmaxName = "kq_soft_max-";  // llama-graph.cpp: cb(kq, ..., il)
-// The K store of layer 0: set_rows(view of cache_k_l0, Kcur, cell indices) (llama-kv-cache.cpp).
-constexpr std::string_view kLayer0KeysName = "cache_k_l0";
 // Every layer's K cache tensor is "cache_k_l<layer>" (llama-kv-cache.cpp); the flash-attention
 // node (llm_graph_context::build_attn_mha, not named by cb()) reads a view of it, so the layer of a
 // GGML_OP_FLASH_ATTN_EXT node is read from the name of its K source ("cache_k_l3 (view)
@@ -89,7 +87,11 @@ struct LlamaSequence::GraphTap {
   int kv_heads = 0;
   bool read_cells = false;    // a forward of ours is computing (not a K-shift graph)
   bool read_softmax = false;  // ... and the policy reads its attention
-  bool catalyst = false;      // the forward is the catalyst prompt
+  bool read_keys = false;     // ... or the keys llama.cpp stores (K-norm, KeyDiff)
+  int head_dim = 0;
+  std::vector<std::uint8_t> keys_seen;  // [layers] keys handed over this forward
+  std::vector<float> chunk_keys;        // [kv_heads][tokens][head_dim] of one layer
+  bool catalyst = false;                // the forward is the catalyst prompt
   bool all_queries = false;
   std::exception_ptr error;
   std::vector<std::int32_t> cell_of_slot;  // [capacity] llama.cpp cell holding each live slot
@@ -161,13 +163,16 @@ struct LlamaSequence::GraphTap {
     const std::string_view name(tensor->name);
     const bool softmax = tap->read_softmax && name.starts_with(kSoftmaxName);
     const bool flash = tap->read_softmax && tensor->op == GGML_OP_FLASH_ATTN_EXT;
-    const bool store =
-        tensor->op == GGML_OP_SET_ROWS && tensor->src[1] != nullptr &&
-        name.starts_with(kLayer0KeysName) &&
-        (name.size() == kLayer0KeysName.size() || name[kLayer0KeysName.size()] == ' ');
-    if (ask) return softmax || flash || store;
+    const int key_layer =
+        tensor->op == GGML_OP_SET_ROWS && tensor->src[0] != nullptr && tensor->src[1] != nullptr
+            ? layer_of_keys(*tensor)  // the K store is named after its cache view
+            : -1;
+    const bool store = key_layer == 0;
+    const bool keys = tap->read_keys && key_layer >= 0;
+    if (ask) return softmax || flash || store || keys;
     try {
       if (store) tap->note_cells(*tensor->src[1]);
+      if (keys) tap->observe_keys(key_layer, *tensor->src[0]);
       if (softmax) tap->observe(std::stoi(std::string(name.substr(kSoftmaxName.size()))), *tensor);
       if (flash) tap->observe_flash(*tensor);
     } catch (...) {
@@ -175,6 +180,55 @@ struct LlamaSequence::GraphTap {
       return false;  // stops this split's computation; forward() rethrows
     }
     return true;
+  }
+
+  // The keys llama.cpp writes to layer `layer`'s K cells: Kcur after RoPE (and whatever the
+  // architecture applies before storing), f32, [kv_heads x head_dim, tokens] before the cache's
+  // conversion to its cell type. Handed over as [kv_heads][tokens][head_dim].
+  void observe_keys(int layer, const ggml_tensor& keys) {
+    KVEVICT_REQUIRE(layer < layers, "llama.cpp stored keys of layer " + std::to_string(layer) +
+                                        ", the model has " + std::to_string(layers));
+    KVEVICT_REQUIRE(keys.type == GGML_TYPE_F32,
+                    std::string("llama.cpp's keys for cache_k_l") + std::to_string(layer) +
+                        " are " + ggml_type_name(keys.type) + ", kvevict reads f32");
+    const int tokens = sequence->chunk_size();
+    KVEVICT_REQUIRE(
+        keys.ne[0] == static_cast<std::int64_t>(kv_heads) * head_dim && keys.ne[1] == tokens &&
+            keys.nb[0] == sizeof(float),
+        "llama.cpp's keys for cache_k_l" + std::to_string(layer) + " are [" +
+            std::to_string(keys.ne[0]) + ", " + std::to_string(keys.ne[1]) +
+            "], kvevict expected [kv_heads x head_dim = " + std::to_string(kv_heads * head_dim) +
+            ", tokens = " + std::to_string(tokens) + "] (head_dim = n_embd / n_head)");
+    auto& once = keys_seen[static_cast<std::size_t>(layer)];
+    KVEVICT_REQUIRE(once == 0, "llama.cpp stored the keys of layer " + std::to_string(layer) +
+                                   " twice in one forward");
+    once = 1;
+    const auto* data = host_data<char>(&keys, scratch);
+    const auto row = static_cast<std::size_t>(head_dim);
+    chunk_keys.resize(static_cast<std::size_t>(kv_heads) * static_cast<std::size_t>(tokens) * row);
+    for (int t = 0; t < tokens; ++t) {
+      const auto* token =
+          reinterpret_cast<const float*>(data + static_cast<std::size_t>(t) * keys.nb[1]);
+      for (int g = 0; g < kv_heads; ++g) {
+        std::copy_n(token + static_cast<std::size_t>(g) * row, row,
+                    chunk_keys.begin() + static_cast<std::ptrdiff_t>(
+                                             (static_cast<std::size_t>(g) * tokens + t) * row));
+      }
+    }
+    const StageScope scope(sequence->observer(), Stage::policy);
+    sequence->observe_keys(layer, chunk_keys.data(), head_dim);
+  }
+
+  // After a forward of a key-reading policy: every layer's keys went to the policy, else an error
+  // naming the K store the graph did not compute.
+  void check_every_key_layer() const {
+    for (int layer = 0; layer < layers; ++layer) {
+      KVEVICT_REQUIRE(keys_seen[static_cast<std::size_t>(layer)] != 0,
+                      "llama.cpp's graph stored no keys of layer " + std::to_string(layer) +
+                          " of " + std::to_string(layers) + " (no set_rows into cache_k_l" +
+                          std::to_string(layer) +
+                          "): kvevict reads the keys where llama_kv_cache::cpy_k stores them");
+    }
   }
 
   // The cells llama.cpp wrote the forward's tokens to (layer 0's set_rows indices).
@@ -536,6 +590,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
   reads_attention_ = signals.contains(Signal::attention_rows) ||
                      signals.contains(Signal::last_attention_row) ||
                      signals.contains(Signal::catalyst_attention);
+  reads_keys_ = signals.contains(Signal::keys);
   const bool runs_catalyst = signals.contains(Signal::catalyst_attention);
   if (runs_catalyst && !options_.catalyst) {
     throw Error("policy '" + policy_name + "' runs a catalyst prompt: give one (may be empty)");
@@ -548,6 +603,8 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
     // Flash attention on, off or auto (llama.cpp's choice): the graph callback reads the softmax
     // (kq_soft_max-<layer>) or computes the rows from the flash-attention node, whichever the
     // graph has (GraphTap::observe_flash).
+  }
+  if (reads_attention_ || reads_keys_) {
     params.cb_eval = &GraphTap::callback;
     params.cb_eval_user_data = tap_.get();
   }
@@ -586,6 +643,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
   config.max_chunk = widest;
   config.slot_reuse = options_.slot_reuse;
   config.attention_views = false;  // llama.cpp attends over its own cells
+  config.head_dim = llama_model_n_embd(model_) / config.q_heads;
 
   context_ = llama_init_from_model(model_, params);
   KVEVICT_REQUIRE(context_ != nullptr, "llama_init_from_model failed (see llama.cpp's log)");
@@ -603,7 +661,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
                   " cells: raise the context size (-c) or lower the budget");
     }
     vocab_ = llama_vocab_n_tokens(llama_model_get_vocab(model_));
-    const std::int64_t head_dim = llama_model_n_embd(model_) / config.q_heads;
+    const std::int64_t head_dim = config.head_dim;
     bytes_per_cell_ = static_cast<std::size_t>(config.layers) *
                       (ggml_row_size(params.type_k, config.kv_heads * head_dim) +
                        ggml_row_size(params.type_v, config.kv_heads * head_dim));
@@ -613,6 +671,7 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
     tap_->layers = config.layers;
     tap_->q_heads = config.q_heads;
     tap_->kv_heads = config.kv_heads;
+    tap_->head_dim = config.head_dim;
     tap_->all_queries = sequence_->wants(Signal::attention_rows);
     batch_ = llama_batch_init(widest, 0, 1);
   } catch (...) {
@@ -707,7 +766,9 @@ void LlamaSequence::decode(std::span<const std::int32_t> tokens, bool catalyst, 
   }
   tap_->catalyst = catalyst;
   tap_->error = nullptr;
-  tap_->read_cells = reads_attention_;
+  tap_->read_cells = reads_attention_ || reads_keys_;
+  tap_->read_keys = reads_keys_ && !catalyst;
+  if (tap_->read_keys) tap_->keys_seen.assign(static_cast<std::size_t>(tap_->layers), 0);
   tap_->read_softmax =
       sequence_->wants(catalyst ? Signal::catalyst_attention : Signal::attention_rows) ||
       (!catalyst && sequence_->wants(Signal::last_attention_row));
@@ -715,9 +776,11 @@ void LlamaSequence::decode(std::span<const std::int32_t> tokens, bool catalyst, 
   const int status = llama_decode(context_, batch_);
   tap_->read_cells = false;
   const bool read_softmax = std::exchange(tap_->read_softmax, false);
+  const bool read_keys = std::exchange(tap_->read_keys, false);
   if (tap_->error) std::rethrow_exception(tap_->error);
   if (status != 0) throw Error(decode_failure(status, static_cast<int>(llama_n_ctx(context_))));
   if (read_softmax) tap_->check_every_layer();
+  if (read_keys) tap_->check_every_key_layer();
   stats_.peak_cells = std::max(stats_.peak_cells, sequence_->slots().live(0));
 }
 

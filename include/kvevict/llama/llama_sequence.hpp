@@ -142,6 +142,8 @@ class LlamaSequence final {
   [[nodiscard]] std::size_t bytes_per_cell() const { return bytes_per_cell_; }
   /// Whether the graph callback reads attention (the policy needs it).
   [[nodiscard]] bool reads_attention() const { return reads_attention_; }
+  /// Whether the graph callback reads the keys llama.cpp stores (K-norm, KeyDiff).
+  [[nodiscard]] bool reads_keys() const { return reads_keys_; }
 
  private:
   struct GraphTap;  // the cb_eval state (src/llama/llama_sequence.cpp)
@@ -170,6 +172,7 @@ class LlamaSequence final {
   std::unique_ptr<GraphTap> tap_;
   llama_batch batch_{};
   bool reads_attention_ = false;
+  bool reads_keys_ = false;
   int vocab_ = 0;
   std::size_t bytes_per_cell_ = 0;
   LlamaSequenceStats stats_;

@@ -63,18 +63,51 @@ namespace detail {
 
 }  // namespace detail
 
-/// K-norm's score and keep rule: the `budget` unprotected tokens of smallest key norm.
-class KnormPolicy final : public Policy {
+namespace detail {
+
+// What K-norm and KeyDiff share: the keys signal, one score column, and the keep rule (the top
+// `budget` unprotected tokens by score, after every forward). score_unit() brings a unit's column
+// up to date before its selection, where the score depends on the whole cache (KeyDiff).
+class KeyScoredPolicy : public Policy {
  public:
-  explicit KnormPolicy(int budget) : budget_(budget) {
-    KVEVICT_REQUIRE(budget >= 0, "knorm: budget must be >= 0, got " + std::to_string(budget));
+  KeyScoredPolicy(int budget, std::string_view name) : budget_(budget), name_(name) {
+    KVEVICT_REQUIRE(budget >= 0,
+                    std::string(name) + ": budget must be >= 0, got " + std::to_string(budget));
   }
 
-  [[nodiscard]] std::string_view name() const override { return "knorm"; }
+  [[nodiscard]] std::string_view name() const override { return name_; }
   [[nodiscard]] SignalSet signals() const override { return {Signal::keys}; }
   [[nodiscard]] int score_columns() const override { return 1; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
+
+  void select(const EvictionContext& context, Decision& decision) override {
+    SlotTable& slots = context.slots;
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      if (slots.live(unit) <= budget_) continue;  // nothing to evict: no scores needed
+      score_unit(slots, unit);
+      (void)worst_.evict(slots, unit, context.protection, budget_, slots.scores(unit, kScore),
+                         decision);
+    }
+  }
+
+ protected:
+  static constexpr int kScore = 0;
+
+  virtual void score_unit(SlotTable& /*slots*/, int /*unit*/) {}
+
+ private:
+  int budget_;
+  std::string_view name_;
+  WorstCandidates worst_;
+};
+
+}  // namespace detail
+
+/// K-norm's score and keep rule: the `budget` unprotected tokens of smallest key norm.
+class KnormPolicy final : public detail::KeyScoredPolicy {
+ public:
+  explicit KnormPolicy(int budget) : KeyScoredPolicy(budget, "knorm") {}
 
   // -||k|| of each new token, averaged over the unit's heads (one head per unit: exactly -||k||).
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
@@ -88,34 +121,13 @@ class KnormPolicy final : public Policy {
       }
     }
   }
-
-  void select(const EvictionContext& context, Decision& decision) override {
-    for (int unit = 0; unit < context.slots.units(); ++unit) {
-      (void)worst_.evict(context.slots, unit, context.protection, budget_,
-                         context.slots.scores(unit, kScore), decision);
-    }
-  }
-
- private:
-  static constexpr int kScore = 0;
-
-  int budget_;
-  WorstCandidates worst_;
 };
 
 /// KeyDiff's score and keep rule: the `budget` unprotected tokens least similar to the mean of the
 /// normalised cached keys.
-class KeyDiffPolicy final : public Policy {
+class KeyDiffPolicy final : public detail::KeyScoredPolicy {
  public:
-  explicit KeyDiffPolicy(int budget) : budget_(budget) {
-    KVEVICT_REQUIRE(budget >= 0, "keydiff: budget must be >= 0, got " + std::to_string(budget));
-  }
-
-  [[nodiscard]] std::string_view name() const override { return "keydiff"; }
-  [[nodiscard]] SignalSet signals() const override { return {Signal::keys}; }
-  [[nodiscard]] int score_columns() const override { return 1; }
-  [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
-  [[nodiscard]] bool supports_blocks() const override { return true; }
+  explicit KeyDiffPolicy(int budget) : KeyScoredPolicy(budget, "keydiff") {}
 
   // Keeps each new key's unit vector at [unit][slot][head in unit][head_dim].
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
@@ -144,26 +156,14 @@ class KeyDiffPolicy final : public Policy {
     }
   }
 
-  void select(const EvictionContext& context, Decision& decision) override {
-    SlotTable& slots = context.slots;
-    for (int unit = 0; unit < slots.units(); ++unit) {
-      if (slots.live(unit) <= budget_) continue;  // nothing to evict: no scores needed
-      score_unit(slots, unit);
-      (void)worst_.evict(slots, unit, context.protection, budget_, slots.scores(unit, kScore),
-                         decision);
-    }
-  }
-
  private:
-  static constexpr int kScore = 0;
-
   [[nodiscard]] std::size_t per_slot_floats(const UnitLayout& layout) const {
     return static_cast<std::size_t>(layout.heads_per_unit()) * static_cast<std::size_t>(head_dim_);
   }
 
   // score(t) = -mean over the unit's heads of cos(k_t, a) = -(u_t . s) / ||s||, where u_t is k_t's
   // unit vector and s the sum of the live u (the anchor a = s / n points the same way).
-  void score_unit(SlotTable& slots, int unit) {
+  void score_unit(SlotTable& slots, int unit) override {
     KVEVICT_REQUIRE(!directions_.empty(), "keydiff: no keys were observed");
     const UnitLayout& layout = slots.layout();
     const std::size_t per_slot = per_slot_floats(layout);
@@ -198,12 +198,10 @@ class KeyDiffPolicy final : public Policy {
     }
   }
 
-  int budget_;
   int head_dim_ = 0;
   std::vector<std::vector<float>> directions_;  // [unit][slot][head in unit][head_dim]
   std::vector<double> anchor_;                  // [head in unit][head_dim] sum of unit vectors
   std::vector<double> inverse_norms_;           // [head in unit]
-  WorstCandidates worst_;
 };
 
 struct KeyScoreConfig {
