@@ -154,7 +154,7 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_attention: no forward is open (call begin_chunk first)");
-    check_layer_unobserved(layer, "observe_attention");
+    check_layer_unobserved(observed_layers_, layer, "observe_attention");
     const AttentionRows rows = attention_rows(layer, data, queries, row_stride,
                                               wants(Signal::attention_rows), "observe_attention");
     {
@@ -173,12 +173,7 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_keys: no forward is open (call begin_chunk first)");
-    KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
-                    "observe_keys: layer " + std::to_string(layer) + " outside [0, " +
-                        std::to_string(config_.layers) + ")");
-    KVEVICT_REQUIRE(
-        observed_key_layers_[static_cast<std::size_t>(layer)] == 0,
-        "observe_keys: layer " + std::to_string(layer) + " was already observed in this forward");
+    check_layer_unobserved(observed_key_layers_, layer, "observe_keys");
     KVEVICT_REQUIRE(config_.head_dim > 0,
                     "observe_keys: SequenceConfig::head_dim is 0 (the length of a key)");
     KVEVICT_REQUIRE(data != nullptr, "observe_keys: keys are null");
@@ -291,7 +286,7 @@ class SequenceCore {
   void observe_catalyst(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
-    check_layer_unobserved(layer, "observe_catalyst");
+    check_layer_unobserved(observed_layers_, layer, "observe_catalyst");
     const AttentionRows rows = attention_rows(
         layer, data, queries, row_stride, wants(Signal::catalyst_attention), "observe_catalyst");
     {
@@ -428,11 +423,13 @@ class SequenceCore {
     }
   }
 
-  void check_layer_unobserved(int layer, const char* call) const {
+  // `observed`: observed_layers_ (attention, catalyst) or observed_key_layers_ (keys).
+  void check_layer_unobserved(const std::vector<std::uint8_t>& observed, int layer,
+                              const char* call) const {
     KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
                     std::string(call) + ": layer " + std::to_string(layer) + " outside [0, " +
                         std::to_string(config_.layers) + ")");
-    KVEVICT_REQUIRE(observed_layers_[static_cast<std::size_t>(layer)] == 0,
+    KVEVICT_REQUIRE(observed[static_cast<std::size_t>(layer)] == 0,
                     std::string(call) + ": layer " + std::to_string(layer) +
                         " was already observed in this forward");
   }
