@@ -8,6 +8,7 @@
 #include "kvevict/engine.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/granularity.hpp"
+#include "kvevict/kv_pool.hpp"
 #include "kvevict/policies/protection.hpp"
 #include "kvevict/policy.hpp"
 #include "kvevict/policy_params.hpp"

@@ -66,13 +66,14 @@ struct SequenceConfig {
 
 /// Counters over the life of a sequence. Slot counts are summed over all (layer, KV head).
 struct SequenceStats {
-  std::int64_t tokens_fed = 0;     ///< stream tokens appended (catalyst tokens excluded)
-  std::int64_t decisions = 0;      ///< decisions that evicted something
-  std::int64_t evicted_slots = 0;  ///< slots evicted (rolled-back catalyst slots excluded)
-  std::int64_t rotated_keys = 0;   ///< stored keys re-rotated by folds
-  std::int64_t folds = 0;          ///< unit folds
-  std::int64_t catalyst_runs = 0;  ///< catalyst prompts run
-  std::int64_t turns = 0;          ///< chunks that started a turn
+  std::int64_t tokens_fed = 0;              ///< stream tokens appended (catalyst tokens excluded)
+  std::int64_t decisions = 0;               ///< decisions that evicted something
+  std::int64_t evicted_slots = 0;           ///< slots evicted (rolled-back catalyst slots excluded)
+  std::int64_t rotated_keys = 0;            ///< stored keys re-rotated by folds
+  std::int64_t folds = 0;                   ///< unit folds
+  std::int64_t catalyst_runs = 0;           ///< catalyst prompts run
+  std::int64_t turns = 0;                   ///< chunks that started a turn
+  std::int64_t pressure_evicted_slots = 0;  ///< of evicted_slots, those shrink_to evicted
 };
 
 /// A run of live slots [begin, end) of one head that share one `rotation`. post_rope keys: the
@@ -197,6 +198,11 @@ class Sequence {
   /// Ends the forward: checks that the policy got what it reads, then evicts if it does so now.
   void end_forward();
 
+  /// A KV pool's pressure (kv_pool.hpp): evicts by the policy's own keep rule, now, until no head
+  /// holds more than `max_live` tokens besides those the policy protects (its min_retained()).
+  /// Between forwards; needs policy().supports_pressure().
+  void shrink_to(int max_live);
+
   /// Removes the newest `count` stream tokens (a rejected draft); feeds continue from there. The
   /// engine discards their K/V; the policy's own state is not rolled back.
   void roll_back(int count);
@@ -225,6 +231,9 @@ class Sequence {
   [[nodiscard]] int chunk_size() const;
   /// Live tokens of head (layer, kv_head).
   [[nodiscard]] int live(int layer, int kv_head) const;
+  /// The most live tokens any head holds: the sequence's cells in an engine whose cells are
+  /// shared by every head.
+  [[nodiscard]] int max_live() const;
   /// Which keep-set (decision unit) head (layer, kv_head) belongs to.
   [[nodiscard]] int unit_of(int layer, int kv_head) const;
   [[nodiscard]] const SequenceStats& stats() const;

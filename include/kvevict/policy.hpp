@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -40,6 +41,10 @@ struct EvictionContext {
   int incoming = 0;
   /// Slots the decorators around the policy protect: keep them in addition to the rule's own.
   Protection protection{};
+  /// The most live slots the decision may leave in a unit, protected slots excepted: a KV pool's
+  /// grant (Sequence::shrink_to). Policies whose supports_pressure() is true evict down to it by
+  /// their own ranking; the default leaves the rule's own budget alone.
+  int max_live = std::numeric_limits<int>::max();
 };
 
 class Policy {
@@ -63,6 +68,13 @@ class Policy {
   /// Whether the keep rule has a block form, so that the policy accepts Granularity::block: whole
   /// blocks kept or evicted (selection.hpp, WorstCandidates).
   [[nodiscard]] virtual bool supports_blocks() const { return false; }
+  /// Whether the keep rule honours EvictionContext::max_live (evicts further by its own ranking,
+  /// protected slots kept), so that a KV pool can shrink the sequence below its budget
+  /// (Sequence::shrink_to): the budget rules of Window, StreamingLLM, H2O, TOVA, K-norm, KeyDiff.
+  [[nodiscard]] virtual bool supports_pressure() const { return false; }
+  /// The fewest slots per unit the keep rule leaves however hard it is pressed (what its
+  /// decorators protect: sinks, a recent window). Meaningful when supports_pressure().
+  [[nodiscard]] virtual int min_retained() const { return 0; }
   /// Most slots any unit holds once the policy has evicted (at its steady point), or nullopt when
   /// the policy has no bound (full cache, AnLLM without a cap). Engines size buffers from it.
   [[nodiscard]] virtual std::optional<int> retained_limit() const { return std::nullopt; }

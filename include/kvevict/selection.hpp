@@ -147,14 +147,16 @@ class KeepSet {
 };
 
 /// The budget rule of Window, StreamingLLM, H2O and TOVA for one unit: among the live slots that
-/// `protection` leaves (the candidates), keeps the `keep` best and evicts the rest. Best is the
-/// highest score in `scores` (indexed by slot; ties to the lower original position), or, when
-/// `scores` is empty, the newest. Returns the number evicted. Cost: one pass over the candidates
-/// with scores; O(evicted) by recency.
+/// `protection` leaves (the candidates), keeps the `keep` best and evicts the rest, and more of
+/// the worst while the unit would hold over `max_live` (a KV pool's grant; protected slots are
+/// never evicted for it). Best is the highest score in `scores` (indexed by slot; ties to the
+/// lower original position), or, when `scores` is empty, the newest. Returns the number evicted.
+/// Cost: one pass over the candidates with scores; O(evicted) by recency.
 class WorstCandidates {
  public:
   int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
-            std::span<const float> scores, Decision& decision) {
+            std::span<const float> scores, Decision& decision,
+            int max_live = std::numeric_limits<int>::max()) {
     const std::span<const std::int32_t> order = slots.stream_order(unit);
     const int live = static_cast<int>(order.size());
     const int first = std::min(protection.oldest, live);
@@ -167,7 +169,10 @@ class WorstCandidates {
     if (protection.flags != 0) {
       for (int i = first; i < last; ++i) candidates -= protected_by_flag(order[i]) ? 1 : 0;
     }
-    const int count = candidates - std::max(keep, 0);
+    // Over the grant: the unit keeps live - candidates protected slots, so at most
+    // max_live - that many candidates.
+    const int granted = std::max(max_live, 0) - (live - candidates);
+    const int count = candidates - std::max(std::min(keep, granted), 0);
     if (count <= 0) return 0;
     if (slots.layout().block_tokens() > 1) {
       return evict_blocks(slots, unit, order, first, last, protection.flags != 0, protected_by_flag,

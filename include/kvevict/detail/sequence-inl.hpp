@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -228,6 +229,23 @@ class SequenceCore {
     } else if (triggers.contains(Trigger::after_forward)) {
       decide(Trigger::after_forward, 0);
     }
+  }
+
+  /// A KV pool's pressure (KvPool): evicts by the policy's own keep rule until no unit holds more
+  /// than `max_live` tokens besides what the rule protects. Between forwards only.
+  void shrink_to(int max_live) {
+    require_usable();
+    KVEVICT_REQUIRE(state_ == State::idle, "shrink_to: end the forward (or catalyst) first");
+    KVEVICT_REQUIRE(policy_->supports_pressure(),
+                    "shrink_to: policy '" + std::string(policy_->name()) +
+                        "' has no keep rule that evicts below its own budget (window, "
+                        "streaming_llm, h2o, tova, knorm and keydiff have one)");
+    KVEVICT_REQUIRE(max_live >= 0,
+                    "shrink_to: max_live must be >= 0, got " + std::to_string(max_live));
+    if (slots_.max_live() <= max_live) return;
+    const std::int64_t before = stats_.evicted_slots;
+    decide(Trigger::after_forward, 0, /*roll_back_catalyst=*/false, max_live);
+    stats_.pressure_evicted_slots += stats_.evicted_slots - before;
   }
 
   /// Removes the newest `count` stream tokens from every unit (those a policy has not evicted
@@ -554,13 +572,14 @@ class SequenceCore {
 
   // Runs the policy for `trigger` and applies its decision (with the catalyst rolled back first
   // when asked), reporting everything that left the cache to the backend in one call.
-  void decide(Trigger trigger, int incoming, bool roll_back_catalyst = false) {
+  void decide(Trigger trigger, int incoming, bool roll_back_catalyst = false,
+              int max_live = std::numeric_limits<int>::max()) {
     applied_begin(trigger);
     if (roll_back_catalyst) roll_back();
     {
       const StageScope scope(observer_, Stage::policy);
       decision_.clear();
-      policy_->select(EvictionContext{trigger, slots_, incoming, {}}, decision_);
+      policy_->select(EvictionContext{trigger, slots_, incoming, {}, max_live}, decision_);
     }
     const StageScope scope(observer_, Stage::reposition);
     std::int64_t evicted = 0;
@@ -761,6 +780,7 @@ inline void Sequence::observe_surprisal(std::span<const float> surprisal) {
   core_->observe_surprisal(surprisal);
 }
 inline void Sequence::end_forward() { core_->end_forward(); }
+inline void Sequence::shrink_to(int max_live) { core_->shrink_to(max_live); }
 inline void Sequence::roll_back(int count) { core_->roll_back(count); }
 inline std::optional<int> Sequence::pot_room() const { return core_->pot_room(); }
 inline bool Sequence::catalyst_pending() const { return core_->catalyst_pending(); }
@@ -779,6 +799,7 @@ inline Granularity Sequence::granularity() const { return core_->granularity(); 
 inline int Sequence::capacity() const { return core_->capacity(); }
 inline int Sequence::chunk_size() const { return core_->chunk_size(); }
 inline int Sequence::live(int layer, int kv_head) const { return core_->live(layer, kv_head); }
+inline int Sequence::max_live() const { return core_->slots().max_live(); }
 inline int Sequence::unit_of(int layer, int kv_head) const {
   return core_->unit_of(layer, kv_head);
 }

@@ -52,6 +52,7 @@ class HeavyHitterPolicy final : public Policy {
   [[nodiscard]] int score_columns() const override { return 1; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return heavy_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
+  [[nodiscard]] bool supports_pressure() const override { return true; }
 
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
     check_attention_rows(slots, layer, rows, "h2o");
@@ -71,7 +72,7 @@ class HeavyHitterPolicy final : public Policy {
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
       (void)worst_.evict(context.slots, unit, context.protection, heavy_,
-                         context.slots.scores(unit, kScore), decision);
+                         context.slots.scores(unit, kScore), decision, context.max_live);
     }
   }
 

@@ -82,14 +82,16 @@ class KeyScoredPolicy : public Policy {
   [[nodiscard]] int score_columns() const override { return 1; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
+  [[nodiscard]] bool supports_pressure() const override { return true; }
 
   void select(const EvictionContext& context, Decision& decision) override {
     SlotTable& slots = context.slots;
     for (int unit = 0; unit < slots.units(); ++unit) {
-      if (slots.live(unit) <= budget_) continue;  // nothing to evict: no scores needed
+      // Nothing to evict: no scores needed.
+      if (slots.live(unit) <= std::min(budget_, context.max_live)) continue;
       score_unit(slots, unit);
       (void)worst_.evict(slots, unit, context.protection, budget_, slots.scores(unit, kScore),
-                         decision);
+                         decision, context.max_live);
     }
   }
 

@@ -45,6 +45,8 @@ class PolicyDecorator : public Policy {
     return inner_->default_granularity();
   }
   [[nodiscard]] bool supports_blocks() const override { return inner_->supports_blocks(); }
+  [[nodiscard]] bool supports_pressure() const override { return inner_->supports_pressure(); }
+  [[nodiscard]] int min_retained() const override { return inner_->min_retained(); }
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return inner_->retained_limit();
   }
@@ -95,6 +97,9 @@ class ProtectOldest final : public PolicyDecorator {
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return plus(inner().retained_limit(), count_, name());
   }
+  [[nodiscard]] int min_retained() const override {
+    return *plus(inner().min_retained(), count_, name());
+  }
   void select(const EvictionContext& context, Decision& decision) override {
     EvictionContext protected_context = context;
     protected_context.protection.oldest = std::max(context.protection.oldest, count_);
@@ -125,6 +130,9 @@ class ProtectNewest final : public PolicyDecorator {
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return ProtectOldest::plus(inner().retained_limit(), count_, name());
   }
+  [[nodiscard]] int min_retained() const override {
+    return *ProtectOldest::plus(inner().min_retained(), count_, name());
+  }
   void select(const EvictionContext& context, Decision& decision) override {
     EvictionContext protected_context = context;
     protected_context.protection.newest = std::max(context.protection.newest, count_);
@@ -147,6 +155,8 @@ class ProtectAnchors final : public PolicyDecorator {
     std::sort(anchor_ids_.begin(), anchor_ids_.end());
   }
   [[nodiscard]] std::optional<int> retained_limit() const override { return std::nullopt; }
+  /// Anchors accumulate and are never evicted: no pool can press the sequence below them.
+  [[nodiscard]] bool supports_pressure() const override { return false; }
   [[nodiscard]] std::uint8_t flags_for(std::int32_t token_id) const override {
     const bool anchor = std::binary_search(anchor_ids_.begin(), anchor_ids_.end(), token_id);
     return static_cast<std::uint8_t>(inner().flags_for(token_id) |
@@ -185,6 +195,9 @@ class SlotCap final : public PolicyDecorator {
   [[nodiscard]] std::optional<int> retained_limit() const override {
     const std::optional<int> inner_limit = inner().retained_limit();
     return inner_limit ? std::min(*inner_limit, max_slots_) : max_slots_;
+  }
+  [[nodiscard]] int min_retained() const override {
+    return std::min(inner().min_retained(), max_slots_);
   }
   void select(const EvictionContext& context, Decision& decision) override {
     if (inner().triggers().contains(context.trigger)) inner().select(context, decision);

@@ -55,6 +55,7 @@ class TovaPolicy final : public Policy {
   }
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
+  [[nodiscard]] bool supports_pressure() const override { return true; }
 
   /// The score is this forward's: cleared as the chunk comes in, then summed from every layer.
   void on_append(SlotTable& slots, const ChunkInfo& /*chunk*/) override {
@@ -85,7 +86,7 @@ class TovaPolicy final : public Policy {
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
       (void)worst_.evict(context.slots, unit, context.protection, budget_,
-                         context.slots.scores(unit, kScore), decision);
+                         context.slots.scores(unit, kScore), decision, context.max_live);
     }
   }
 

@@ -39,10 +39,12 @@ class WindowPolicy final : public Policy {
   [[nodiscard]] Granularity default_granularity() const override { return Granularity::token; }
   [[nodiscard]] std::optional<int> retained_limit() const override { return config_.recent; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
+  [[nodiscard]] bool supports_pressure() const override { return true; }
 
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
-      (void)worst_.evict(context.slots, unit, context.protection, config_.recent, {}, decision);
+      (void)worst_.evict(context.slots, unit, context.protection, config_.recent, {}, decision,
+                         context.max_live);
     }
   }
 
