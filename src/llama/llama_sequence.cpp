@@ -8,12 +8,15 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <kvevict/checked.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/signals.hpp>
 #include <limits>
 #include <string>
 #include <string_view>
 #include <utility>
+
+#include "kvevict/llama/llama_sequence_set.hpp"
 
 namespace kvevict::llama {
 namespace {
@@ -76,10 +79,13 @@ std::string decode_failure(int status, int n_ctx) {
 
 }  // namespace
 
-// What the graph callback (cb_eval) needs: the sequence, the layer-0 K store's cell indices and the
-// softmax of every layer, handed to the policy as llama.cpp computed it while kvevict's slots are
-// llama.cpp's cells, else re-indexed from cells to slots.
-struct LlamaSequence::GraphTap {
+namespace detail {
+
+// What the graph callback (cb_eval) needs of one sequence: the sequence, the layer-0 K store's cell
+// indices and the softmax of every layer, handed to the policy as llama.cpp computed it while
+// kvevict's slots are llama.cpp's cells, else re-indexed from cells to slots. The sequence's tokens
+// are [token_offset, token_offset + token_count) of the ubatch's ubatch_tokens.
+struct GraphTap {
   Sequence* sequence = nullptr;
   LlamaSequenceStats* stats = nullptr;
   int layers = 0;
@@ -88,6 +94,9 @@ struct LlamaSequence::GraphTap {
   bool read_cells = false;    // a forward of ours is computing (not a K-shift graph)
   bool read_softmax = false;  // ... and the policy reads its attention
   bool read_keys = false;     // ... or the keys llama.cpp stores (K-norm, KeyDiff)
+  int token_offset = 0;
+  int token_count = 0;
+  int ubatch_tokens = 0;
   int head_dim = 0;
   std::vector<std::uint8_t> keys_seen;  // [layers] keys handed over this forward
   std::vector<float> chunk_keys;        // [kv_heads][tokens][head_dim] of one layer
@@ -157,29 +166,41 @@ struct LlamaSequence::GraphTap {
     }
   }
 
-  static bool callback(ggml_tensor* tensor, bool ask, void* user_data) {
-    auto* tap = static_cast<GraphTap*>(user_data);
-    if (!tap->read_cells) return !ask;
-    const std::string_view name(tensor->name);
-    const bool softmax = tap->read_softmax && name.starts_with(kSoftmaxName);
-    const bool flash = tap->read_softmax && tensor->op == GGML_OP_FLASH_ATTN_EXT;
+  // What this sequence reads of a graph node (the set's graph callback asks every member).
+  struct Reads {
+    bool softmax = false;
+    bool flash = false;
+    bool store = false;  // layer 0's K store: the cells of the ubatch's tokens
+    int key_layer = -1;  // a K store whose keys the policy reads
+    [[nodiscard]] bool any() const { return softmax || flash || store || key_layer >= 0; }
+  };
+  [[nodiscard]] Reads reads(const ggml_tensor& tensor) const {
+    Reads r;
+    if (!read_cells || error) return r;
+    r.softmax = read_softmax && std::string_view(tensor.name).starts_with(kSoftmaxName);
+    r.flash = read_softmax && tensor.op == GGML_OP_FLASH_ATTN_EXT;
     const int key_layer =
-        tensor->op == GGML_OP_SET_ROWS && tensor->src[0] != nullptr && tensor->src[1] != nullptr
-            ? layer_of_keys(*tensor)  // the K store is named after its cache view
+        tensor.op == GGML_OP_SET_ROWS && tensor.src[0] != nullptr && tensor.src[1] != nullptr
+            ? layer_of_keys(tensor)  // the K store is named after its cache view
             : -1;
-    const bool store = key_layer == 0;
-    const bool keys = tap->read_keys && key_layer >= 0;
-    if (ask) return softmax || flash || store || keys;
+    r.store = key_layer == 0;
+    r.key_layer = read_keys ? key_layer : -1;
+    return r;
+  }
+  // Hands the node to the policy; a failure is kept for the step to report (this sequence fails,
+  // the others go on).
+  void take(const ggml_tensor& tensor, const Reads& r) {
     try {
-      if (store) tap->note_cells(*tensor->src[1]);
-      if (keys) tap->observe_keys(key_layer, *tensor->src[0]);
-      if (softmax) tap->observe(std::stoi(std::string(name.substr(kSoftmaxName.size()))), *tensor);
-      if (flash) tap->observe_flash(*tensor);
+      if (r.store) note_cells(*tensor.src[1]);
+      if (r.key_layer >= 0) observe_keys(r.key_layer, *tensor.src[0]);
+      if (r.softmax) {
+        observe(std::stoi(std::string(std::string_view(tensor.name).substr(kSoftmaxName.size()))),
+                tensor);
+      }
+      if (r.flash) observe_flash(tensor);
     } catch (...) {
-      tap->error = std::current_exception();
-      return false;  // stops this split's computation; forward() rethrows
+      error = std::current_exception();
     }
-    return true;
   }
 
   // The keys llama.cpp writes to layer `layer`'s K cells: Kcur after RoPE (and whatever the
@@ -191,14 +212,14 @@ struct LlamaSequence::GraphTap {
     KVEVICT_REQUIRE(keys.type == GGML_TYPE_F32,
                     std::string("llama.cpp's keys for cache_k_l") + std::to_string(layer) +
                         " are " + ggml_type_name(keys.type) + ", kvevict reads f32");
-    const int tokens = sequence->chunk_size();
+    const int tokens = token_count;
     KVEVICT_REQUIRE(
-        keys.ne[0] == static_cast<std::int64_t>(kv_heads) * head_dim && keys.ne[1] == tokens &&
-            keys.nb[0] == sizeof(float),
+        keys.ne[0] == static_cast<std::int64_t>(kv_heads) * head_dim &&
+            keys.ne[1] == ubatch_tokens && keys.nb[0] == sizeof(float),
         "llama.cpp's keys for cache_k_l" + std::to_string(layer) + " are [" +
             std::to_string(keys.ne[0]) + ", " + std::to_string(keys.ne[1]) +
             "], kvevict expected [kv_heads x head_dim = " + std::to_string(kv_heads * head_dim) +
-            ", tokens = " + std::to_string(tokens) + "] (head_dim = n_embd / n_head)");
+            ", tokens = " + std::to_string(ubatch_tokens) + "] (head_dim = n_embd / n_head)");
     auto& once = keys_seen[static_cast<std::size_t>(layer)];
     KVEVICT_REQUIRE(once == 0, "llama.cpp stored the keys of layer " + std::to_string(layer) +
                                    " twice in one forward");
@@ -207,8 +228,8 @@ struct LlamaSequence::GraphTap {
     const auto row = static_cast<std::size_t>(head_dim);
     chunk_keys.resize(static_cast<std::size_t>(kv_heads) * static_cast<std::size_t>(tokens) * row);
     for (int t = 0; t < tokens; ++t) {
-      const auto* token =
-          reinterpret_cast<const float*>(data + static_cast<std::size_t>(t) * keys.nb[1]);
+      const auto* token = reinterpret_cast<const float*>(
+          data + static_cast<std::size_t>(token_offset + t) * keys.nb[1]);
       for (int g = 0; g < kv_heads; ++g) {
         std::copy_n(token + static_cast<std::size_t>(g) * row, row,
                     chunk_keys.begin() + static_cast<std::ptrdiff_t>(
@@ -234,18 +255,19 @@ struct LlamaSequence::GraphTap {
   // The cells llama.cpp wrote the forward's tokens to (layer 0's set_rows indices).
   void note_cells(const ggml_tensor& indices) {
     const std::span<const std::int32_t> slots = sequence->chunk_slots(0, 0);
-    KVEVICT_REQUIRE(ggml_nelements(&indices) == static_cast<std::int64_t>(slots.size()),
+    KVEVICT_REQUIRE(ggml_nelements(&indices) == ubatch_tokens,
                     "llama.cpp wrote " + std::to_string(ggml_nelements(&indices)) +
-                        " tokens in one ubatch, the forward has " + std::to_string(slots.size()) +
-                        " (the context's n_ubatch must hold a whole chunk)");
+                        " tokens in one ubatch, the forward has " + std::to_string(ubatch_tokens) +
+                        " (the context's n_ubatch must hold a whole step)");
     for (std::size_t i = 0; i < slots.size(); ++i) {
+      const std::size_t at = static_cast<std::size_t>(token_offset) + i;
       std::int64_t cell = 0;
       if (indices.type == GGML_TYPE_I64) {
-        cell = host_data<std::int64_t>(&indices, scratch)[i];
+        cell = host_data<std::int64_t>(&indices, scratch)[at];
       } else {
         KVEVICT_REQUIRE(indices.type == GGML_TYPE_I32,
                         "llama.cpp's K store indices are not integers");
-        cell = host_data<std::int32_t>(&indices, scratch)[i];
+        cell = host_data<std::int32_t>(&indices, scratch)[at];
       }
       const auto slot = static_cast<std::size_t>(slots[i]);
       if (slot >= cell_of_slot.size()) cell_of_slot.resize(slot + 1, -1);
@@ -281,9 +303,8 @@ struct LlamaSequence::GraphTap {
     const StageScope scope(sequence->observer(), Stage::policy);
     mark(layer, "kq_soft_max-" + std::to_string(layer));
     if (!gather_ready) build_gather();
-    const int tokens = static_cast<int>(softmax.ne[1]);
-    const int first = all_queries || catalyst ? 0 : tokens - 1;
-    const int queries = tokens - first;
+    const int first = token_offset + (all_queries || catalyst ? 0 : token_count - 1);
+    const int queries = token_offset + token_count - first;
     const auto limit = static_cast<std::ptrdiff_t>(gather.size());
     const auto* data = host_data<char>(&softmax, scratch);
     if (const float* direct = slot_indexed_rows(softmax, data, first, queries)) {
@@ -378,9 +399,8 @@ struct LlamaSequence::GraphTap {
     const StageScope scope(sequence->observer(), Stage::policy);
     mark(layer, where);
     if (!gather_ready) build_gather();
-    const int tokens = static_cast<int>(q->ne[1]);
-    const int first = all_queries || catalyst ? 0 : tokens - 1;
-    const int queries = tokens - first;
+    const int first = token_offset + (all_queries || catalyst ? 0 : token_count - 1);
+    const int queries = token_offset + token_count - first;
     const auto limit = static_cast<std::ptrdiff_t>(gather.size());
     const std::int64_t n_kv = k->ne[1];
     for (const std::int32_t cell : gather) {
@@ -541,9 +561,12 @@ struct LlamaSequence::GraphTap {
     if (!cells_are_slots || limit > softmax.ne[0] || softmax.nb[0] != sizeof(float)) {
       return nullptr;
     }
-    const bool laid_out = queries == 1 ? softmax.nb[2] % sizeof(float) == 0
-                                       : softmax.nb[1] % sizeof(float) == 0 &&
-                                             softmax.nb[2] == softmax.nb[1] * softmax.ne[1];
+    // Several rows: head h's start `queries` rows after head h - 1's, so only when they are all
+    // of the ubatch's rows.
+    const bool laid_out = queries == 1
+                              ? softmax.nb[2] % sizeof(float) == 0
+                              : queries == softmax.ne[1] && softmax.nb[1] % sizeof(float) == 0 &&
+                                    softmax.nb[2] == softmax.nb[1] * softmax.ne[1];
     if (!laid_out) return nullptr;
     for (int h = 0; h < q_heads; ++h) {
       for (int i = first; i < first + queries; ++i) {
@@ -566,36 +589,150 @@ struct LlamaSequence::GraphTap {
   }
 };
 
-LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
-                             std::unique_ptr<Policy> policy, LlamaSequenceOptions options)
-    : model_(model), options_(std::move(options)), tap_(std::make_unique<GraphTap>()) {
-  KVEVICT_REQUIRE(model_ != nullptr, "LlamaSequence: model is null");
-  KVEVICT_REQUIRE(policy != nullptr, "LlamaSequence: policy is null");
-  KVEVICT_REQUIRE(options_.max_chunk > 0, "LlamaSequence: max_chunk must be positive");
+}  // namespace detail
+
+// One sequence of a set: its kvevict Sequence over its own llama.cpp seq_id, the graph tap that
+// hands it its signals, and what its last step returned.
+struct LlamaSequenceSet::Member {
+  // The KvBackend the Sequence applies decisions through: llama.cpp's cells of this seq_id.
+  class Cells final : public KvBackend {
+   public:
+    Cells(LlamaSequenceSet& set, Member& member) : set_(set), member_(member) {}
+    void reserve(int /*capacity*/) override {}  // cells are the context's (n_ctx), not kvevict's
+    void apply(const AppliedDecision& decision) override { set_.apply(member_, decision); }
+
+   private:
+    LlamaSequenceSet& set_;
+    Member& member_;
+  };
+
+  Member(LlamaSequenceSet& set, int id, LlamaSequenceOptions options)
+      : id(id), options(std::move(options)), cells(set, *this) {}
+
+  int id;
+  LlamaSequenceOptions options;
+  Cells cells;
+  std::unique_ptr<Sequence> sequence;
+  detail::GraphTap tap;
+  LlamaSequenceStats stats;
+  bool reads_attention = false;
+  bool reads_keys = false;
+  std::optional<std::string> failed;
+  int pool_member = -1;
+  // The step being decoded: its tokens, [batch_first, batch_first + tokens) of the batch.
+  std::span<const std::int32_t> tokens;
+  int batch_first = 0;
+  bool all_logits = false;    // the caller asked for every token's logits
+  bool all_rows = false;      // ... or the policy reads surprisal: every row is computed
+  std::vector<float> logits;  // [rows, vocab] of the last step
+  int logit_rows = 0;
+  std::vector<float> previous_last;  // [vocab] last row of the previous step (surprisal)
+  bool has_previous = false;
+  std::vector<float> surprisal;       // [chunk]
+  std::vector<std::int64_t> removed;  // scratch: positions evicted by a decision
+};
+
+LlamaSequenceSet::LlamaSequenceSet(llama_model* model, llama_context_params params,
+                                   LlamaSequenceSetOptions options)
+    : model_(model), options_(options) {
+  KVEVICT_REQUIRE(model_ != nullptr, "LlamaSequenceSet: model is null");
+  KVEVICT_REQUIRE(options_.max_sequences >= 1 && static_cast<std::size_t>(options_.max_sequences) <=
+                                                     llama_max_parallel_sequences(),
+                  "LlamaSequenceSet: max_sequences must be in [1, " +
+                      std::to_string(llama_max_parallel_sequences()) + "], got " +
+                      std::to_string(options_.max_sequences));
+  KVEVICT_REQUIRE(options_.max_chunk > 0, "LlamaSequenceSet: max_chunk must be positive, got " +
+                                              std::to_string(options_.max_chunk));
+  KVEVICT_REQUIRE(options_.pool_cells >= 0, "LlamaSequenceSet: pool_cells must be >= 0, got " +
+                                                std::to_string(options_.pool_cells));
   KVEVICT_REQUIRE(params.cb_eval == nullptr,
-                  "LlamaSequence installs its own cb_eval: leave llama_context_params::cb_eval "
+                  "LlamaSequenceSet installs its own cb_eval: leave llama_context_params::cb_eval "
                   "unset");
+  KVEVICT_REQUIRE(!llama_model_is_recurrent(model_) && !llama_model_is_hybrid(model_),
+                  "kvevict drives attention KV caches: recurrent and hybrid models are not "
+                  "supported");
+  // llama.cpp refuses this itself, with only "llama_init_from_model failed" reaching the caller.
+  if (ggml_is_quantized(params.type_v) &&
+      params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
+    throw Error(std::string("llama.cpp's quantized V cells (") + ggml_type_name(params.type_v) +
+                ") need flash attention, which is off (-fa off): use --fa on or auto, or f32, "
+                "f16 or bf16 cells");
+  }
+  // Every step is one ubatch (the graph callback maps one K store per layer to the step's tokens).
+  batch_capacity_ = checked_int(
+      checked_product({options_.max_sequences, options_.max_chunk}, "max_sequences x max_chunk"),
+      "max_sequences x max_chunk");
+  params.n_seq_max = static_cast<std::uint32_t>(options_.max_sequences);
+  params.kv_unified = true;  // one n_ctx of cells for every sequence: what a pool divides
+  params.n_batch =
+      std::max<std::uint32_t>(params.n_batch, static_cast<std::uint32_t>(batch_capacity_));
+  params.n_ubatch =
+      std::max<std::uint32_t>(params.n_ubatch, static_cast<std::uint32_t>(batch_capacity_));
+  params.n_batch = std::max(params.n_batch, params.n_ubatch);
+  params.cb_eval = &LlamaSequenceSet::callback;
+  params.cb_eval_user_data = this;
+  params_ = params;
+  context_ = llama_init_from_model(model_, params);
+  KVEVICT_REQUIRE(context_ != nullptr, "llama_init_from_model failed (see llama.cpp's log)");
+  try {
+    n_ctx_ = static_cast<int>(llama_n_ctx(context_));
+    if (options_.pool_cells > n_ctx_) {
+      throw Error("a KV pool of " + std::to_string(options_.pool_cells) +
+                  " cells does not fit in the context's " + std::to_string(n_ctx_) +
+                  " cells: raise the context size (-c) or lower the pool");
+    }
+    if (options_.pool_cells > 0) pool_.emplace(options_.pool_cells);
+    vocab_ = llama_vocab_n_tokens(llama_model_get_vocab(model_));
+    const std::int64_t kv_width = std::int64_t{llama_model_n_head_kv(model_)} *
+                                  (llama_model_n_embd(model_) / llama_model_n_head(model_));
+    bytes_per_cell_ =
+        static_cast<std::size_t>(llama_model_n_layer(model_)) *
+        (ggml_row_size(params.type_k, kv_width) + ggml_row_size(params.type_v, kv_width));
+    batch_ = llama_batch_init(batch_capacity_, 0, 1);
+    members_.resize(static_cast<std::size_t>(options_.max_sequences));
+  } catch (...) {
+    llama_free(context_);
+    throw;
+  }
+}
+
+LlamaSequenceSet::~LlamaSequenceSet() {
+  if (batch_.token != nullptr) llama_batch_free(batch_);
+  llama_free(context_);
+}
+
+int LlamaSequenceSet::open(std::unique_ptr<Policy> policy, LlamaSequenceOptions options) {
+  KVEVICT_REQUIRE(policy != nullptr, "LlamaSequenceSet::open: policy is null");
+  const auto free_id = std::find(members_.begin(), members_.end(), nullptr);
+  KVEVICT_REQUIRE(free_id != members_.end(),
+                  "LlamaSequenceSet::open: all " + std::to_string(options_.max_sequences) +
+                      " sequences are open (max_sequences): close one first");
+  KVEVICT_REQUIRE(options.max_chunk > 0 && options.max_chunk <= options_.max_chunk,
+                  "LlamaSequenceSet::open: max_chunk must be in [1, " +
+                      std::to_string(options_.max_chunk) + "] (the set's), got " +
+                      std::to_string(options.max_chunk));
   const std::string policy_name(policy->name());
-  const Granularity granularity = options_.granularity.value_or(Granularity::token);
+  const Granularity granularity = options.granularity.value_or(Granularity::token);
   if (!granularity.whole_sequence()) {
     throw Error("granularity " + to_string(granularity) +
                 " is not possible in llama.cpp, whose KV cells are shared by every layer and "
                 "head: use granularity token or block:B");
   }
-  KVEVICT_REQUIRE(!llama_model_is_recurrent(model_) && !llama_model_is_hybrid(model_),
-                  "kvevict drives attention KV caches: recurrent and hybrid models are not "
-                  "supported");
-  const PositionMode mode = options_.position_mode.value_or(policy->default_position_mode());
+  const PositionMode mode = options.position_mode.value_or(policy->default_position_mode());
   const SignalSet signals = policy->signals();
-  reads_attention_ = signals.contains(Signal::attention_rows) ||
-                     signals.contains(Signal::last_attention_row) ||
-                     signals.contains(Signal::catalyst_attention);
-  reads_keys_ = signals.contains(Signal::keys);
+  const bool reads_attention = signals.contains(Signal::attention_rows) ||
+                               signals.contains(Signal::last_attention_row) ||
+                               signals.contains(Signal::catalyst_attention);
   const bool runs_catalyst = signals.contains(Signal::catalyst_attention);
-  if (runs_catalyst && !options_.catalyst) {
+  if (runs_catalyst && !options.catalyst) {
     throw Error("policy '" + policy_name + "' runs a catalyst prompt: give one (may be empty)");
   }
-  if (reads_attention_) {
+  const int catalyst_size = options.catalyst ? static_cast<int>(options.catalyst->size()) : 0;
+  KVEVICT_REQUIRE(catalyst_size <= batch_capacity_,
+                  "policy '" + policy_name + "': its catalyst prompt of " +
+                      std::to_string(catalyst_size) + " tokens exceeds the set's ubatch of " +
+                      std::to_string(batch_capacity_) + " (max_sequences x max_chunk)");
+  if (reads_attention) {
     KVEVICT_REQUIRE(llama_model_n_swa(model_) == 0,
                     "policy '" + policy_name +
                         "' reads attention, and this model's sliding-window layers keep a second "
@@ -604,35 +741,30 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
     // (kq_soft_max-<layer>) or computes the rows from the flash-attention node, whichever the
     // graph has (GraphTap::observe_flash).
   }
-  if (reads_attention_ || reads_keys_) {
-    params.cb_eval = &GraphTap::callback;
-    params.cb_eval_user_data = tap_.get();
-  }
   // llama.cpp's CPU K-shift ropes f32 and f16 keys in place. bf16 aborts the process at the first
   // shift; quantized keys (an f32 copy between two Hadamard rotations, llama_kv_cache::
   // build_rope_shift) crash it with a segmentation fault in that function at the llama.cpp kvevict
   // builds against (streaming_llm on q8_0 cells, the first eviction).
-  const bool shiftable_keys = params.type_k == GGML_TYPE_F32 || params.type_k == GGML_TYPE_F16;
+  const bool shiftable_keys = params_.type_k == GGML_TYPE_F32 || params_.type_k == GGML_TYPE_F16;
   if (mode != PositionMode::original && !shiftable_keys) {
     throw Error("positions " + std::string(to_string(mode)) + " shift kept keys, and llama.cpp's " +
-                "CPU K-shift cannot rotate " + ggml_type_name(params.type_k) + " cells (it " +
-                (ggml_is_quantized(params.type_k) ? "crashes" : "aborts") +
+                "CPU K-shift cannot rotate " + ggml_type_name(params_.type_k) + " cells (it " +
+                (ggml_is_quantized(params_.type_k) ? "crashes" : "aborts") +
                 "): use positions original, or f32 or f16 cells");
   }
-  // llama.cpp refuses this itself, with only "llama_init_from_model failed" reaching the caller.
-  if (ggml_is_quantized(params.type_v) &&
-      params.flash_attn_type == LLAMA_FLASH_ATTN_TYPE_DISABLED) {
-    throw Error(std::string("llama.cpp's quantized V cells (") + ggml_type_name(params.type_v) +
-                ") need flash attention, which is off (-fa off): use --fa on or auto, or f32, "
-                "f16 or bf16 cells");
+  if (mode != PositionMode::original && !llama_memory_can_shift(llama_get_memory(context_))) {
+    throw Error("positions " + std::string(to_string(mode)) +
+                " lower the positions of kept tokens, and this model's KV cache cannot shift "
+                "them (llama_memory_can_shift is false, e.g. M-RoPE): use positions original");
   }
-  const int catalyst_size = options_.catalyst ? static_cast<int>(options_.catalyst->size()) : 0;
-  const int widest = std::max(options_.max_chunk, catalyst_size);
-  params.n_batch = std::max<std::uint32_t>(params.n_batch, static_cast<std::uint32_t>(widest));
-  params.n_ubatch = std::max<std::uint32_t>(params.n_ubatch, static_cast<std::uint32_t>(widest));
-  params.n_batch = std::max(params.n_batch, params.n_ubatch);
-
+  const int widest = std::max(options.max_chunk, catalyst_size);
   const std::optional<int> limit = policy->retained_limit();
+  if (limit && static_cast<std::int64_t>(*limit) + widest > n_ctx_) {
+    throw Error("policy '" + policy_name + "' keeps up to " + std::to_string(*limit) +
+                " tokens plus a chunk of " + std::to_string(widest) + ", more than the context's " +
+                std::to_string(n_ctx_) + " cells: raise the context size (-c) or lower the budget");
+  }
+
   SequenceConfig config;
   config.layers = llama_model_n_layer(model_);
   config.q_heads = llama_model_n_head(model_);
@@ -641,63 +773,352 @@ LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
   config.granularity = granularity;
   config.key_storage = KeyStorage::pre_rope;  // llama.cpp re-rotates keys itself (K-shift)
   config.max_chunk = widest;
-  config.slot_reuse = options_.slot_reuse;
+  config.slot_reuse = options.slot_reuse;
   config.attention_views = false;  // llama.cpp attends over its own cells
   config.head_dim = llama_model_n_embd(model_) / config.q_heads;
 
-  context_ = llama_init_from_model(model_, params);
-  KVEVICT_REQUIRE(context_ != nullptr, "llama_init_from_model failed (see llama.cpp's log)");
-  try {
-    const int n_ctx = static_cast<int>(llama_n_ctx(context_));
-    if (mode != PositionMode::original && !llama_memory_can_shift(llama_get_memory(context_))) {
-      throw Error("positions " + std::string(to_string(mode)) +
-                  " lower the positions of kept tokens, and this model's KV cache cannot shift "
-                  "them (llama_memory_can_shift is false, e.g. M-RoPE): use positions original");
+  const int id = static_cast<int>(free_id - members_.begin());
+  auto member = std::make_unique<Member>(*this, id, std::move(options));
+  member->reads_attention = reads_attention;
+  member->reads_keys = signals.contains(Signal::keys);
+  member->sequence = std::make_unique<Sequence>(config, std::move(policy), &member->cells,
+                                                member->options.observer);
+  if (pool_) member->pool_member = pool_->join(*member->sequence, member->options.pool_minimum);
+  detail::GraphTap& tap = member->tap;
+  tap.sequence = member->sequence.get();
+  tap.stats = &member->stats;
+  tap.layers = config.layers;
+  tap.q_heads = config.q_heads;
+  tap.kv_heads = config.kv_heads;
+  tap.head_dim = config.head_dim;
+  tap.all_queries = member->sequence->wants(Signal::attention_rows);
+  // A closed sequence's cells were freed; a new one starts from none.
+  llama_memory_seq_rm(llama_get_memory(context_), id, -1, -1);
+  *free_id = std::move(member);
+  return id;
+}
+
+void LlamaSequenceSet::close(int id) {
+  Member& m = member(id, "close");
+  if (pool_ && m.pool_member >= 0) pool_->leave(m.pool_member);
+  llama_memory_seq_rm(llama_get_memory(context_), id, -1, -1);
+  members_[static_cast<std::size_t>(id)].reset();
+}
+
+bool LlamaSequenceSet::is_open(int id) const {
+  return id >= 0 && id < static_cast<int>(members_.size()) &&
+         members_[static_cast<std::size_t>(id)] != nullptr;
+}
+
+LlamaSequenceSet::Member& LlamaSequenceSet::member(int id, const char* call) {
+  KVEVICT_REQUIRE(is_open(id), std::string("LlamaSequenceSet::") + call + ": sequence " +
+                                   std::to_string(id) + " is not open (closed, or never opened)");
+  return *members_[static_cast<std::size_t>(id)];
+}
+const LlamaSequenceSet::Member& LlamaSequenceSet::member(int id, const char* call) const {
+  return const_cast<LlamaSequenceSet*>(this)->member(id, call);
+}
+
+const Sequence& LlamaSequenceSet::sequence(int id) const {
+  return *member(id, "sequence").sequence;
+}
+const LlamaSequenceStats& LlamaSequenceSet::stats(int id) const {
+  return member(id, "stats").stats;
+}
+int LlamaSequenceSet::live_cells(int id) const {
+  return member(id, "live_cells").sequence->slots().live(0);
+}
+bool LlamaSequenceSet::reads_attention(int id) const {
+  return member(id, "reads_attention").reads_attention;
+}
+bool LlamaSequenceSet::reads_keys(int id) const { return member(id, "reads_keys").reads_keys; }
+const std::optional<std::string>& LlamaSequenceSet::failed(int id) const {
+  return member(id, "failed").failed;
+}
+
+LlamaLogits LlamaSequenceSet::logits(int id) const {
+  const Member& m = member(id, "logits");
+  LlamaLogits result;
+  result.vocab = vocab_;
+  result.rows = m.logit_rows;
+  result.values = std::span<const float>(m.logits).first(static_cast<std::size_t>(m.logit_rows) *
+                                                         static_cast<std::size_t>(vocab_));
+  return result;
+}
+
+// The graph callback: every node any decoding member reads goes to each member that reads it.
+bool LlamaSequenceSet::callback(ggml_tensor* tensor, bool ask, void* user_data) {
+  auto* set = static_cast<LlamaSequenceSet*>(user_data);
+  bool wanted = false;
+  for (Member* m : set->decoding_) {
+    const detail::GraphTap::Reads reads = m->tap.reads(*tensor);
+    if (!reads.any()) continue;
+    wanted = true;
+    if (!ask) m->tap.take(*tensor, reads);
+  }
+  return ask ? wanted : true;
+}
+
+// Removes the evicted tokens' cells by position and, under cache_index / reset_on_compact, lowers
+// every kept cell by the number of evictions before it, so that llama.cpp's positions stay
+// kvevict's (each kept token's rank). Ranges of consecutive positions go in one call.
+void LlamaSequenceSet::apply(Member& member, const AppliedDecision& decision) {
+  llama_memory_t memory = llama_get_memory(context_);
+  std::vector<std::int64_t>& removed = member.removed;
+  removed.clear();
+  for (const EvictedSlot& slot : decision.evicted(0)) removed.push_back(slot.position);
+  std::sort(removed.begin(), removed.end());
+  const bool shift = decision.position_mode != PositionMode::original;
+  const llama_seq_id seq = member.id;
+  std::size_t i = 0;
+  std::int64_t lowered = 0;
+  while (i < removed.size()) {
+    std::size_t j = i + 1;
+    while (j < removed.size() && removed[j] == removed[j - 1] + 1) ++j;
+    const auto begin = static_cast<llama_pos>(removed[i]);
+    const auto end = static_cast<llama_pos>(removed[j - 1] + 1);
+    KVEVICT_REQUIRE(llama_memory_seq_rm(memory, seq, begin, end),
+                    "llama_memory_seq_rm refused to remove positions [" + std::to_string(begin) +
+                        ", " + std::to_string(end) + ")");
+    ++member.stats.removed_ranges;
+    lowered += end - begin;
+    if (shift) {
+      // Kept cells in [end, next removed) move down by everything removed so far.
+      const llama_pos next = j < removed.size() ? static_cast<llama_pos>(removed[j]) : -1;
+      llama_memory_seq_add(memory, seq, end, next, static_cast<llama_pos>(-lowered));
+      ++member.stats.shifted_ranges;
     }
-    if (limit && static_cast<std::int64_t>(*limit) + widest > n_ctx) {
-      throw Error("policy '" + policy_name + "' keeps up to " + std::to_string(*limit) +
-                  " tokens plus a chunk of " + std::to_string(widest) +
-                  ", more than the context's " + std::to_string(n_ctx) +
-                  " cells: raise the context size (-c) or lower the budget");
+    i = j;
+  }
+  // Inside a forward (begin_chunk's before_turn decision) the chunk is not decoded yet.
+  if (!shift && member.sequence->chunk_size() == 0) {
+    const llama_pos last = llama_memory_seq_pos_max(memory, seq);
+    const std::int64_t next = member.sequence->stats().tokens_fed;
+    if (last >= 0 && last + 1 != next) {
+      throw Error("policy '" + std::string(member.sequence->policy().name()) +
+                  "' evicted the newest token (position " + std::to_string(next - 1) +
+                  ") under positions original; llama.cpp requires a sequence's next position to "
+                  "follow its last kept one: use positions cache_index");
     }
-    vocab_ = llama_vocab_n_tokens(llama_model_get_vocab(model_));
-    const std::int64_t head_dim = config.head_dim;
-    bytes_per_cell_ = static_cast<std::size_t>(config.layers) *
-                      (ggml_row_size(params.type_k, config.kv_heads * head_dim) +
-                       ggml_row_size(params.type_v, config.kv_heads * head_dim));
-    sequence_ = std::make_unique<Sequence>(config, std::move(policy), &cells_, options_.observer);
-    tap_->sequence = sequence_.get();
-    tap_->stats = &stats_;
-    tap_->layers = config.layers;
-    tap_->q_heads = config.q_heads;
-    tap_->kv_heads = config.kv_heads;
-    tap_->head_dim = config.head_dim;
-    tap_->all_queries = sequence_->wants(Signal::attention_rows);
-    batch_ = llama_batch_init(widest, 0, 1);
-  } catch (...) {
-    llama_free(context_);
-    throw;
   }
 }
 
-LlamaSequence::~LlamaSequence() {
-  if (batch_.token != nullptr) llama_batch_free(batch_);
-  llama_free(context_);
+// One llama_decode over the members' current chunks (or one member's catalyst), each member's
+// tokens after the previous member's in the batch.
+void LlamaSequenceSet::decode(std::span<Member* const> members, bool catalyst) {
+  int n = 0;
+  for (Member* m : members) {
+    const std::span<const std::int32_t> slots = m->sequence->chunk_slots(0, 0);
+    m->batch_first = n;
+    for (std::size_t i = 0; i < m->tokens.size(); ++i, ++n) {
+      batch_.token[n] = m->tokens[i];
+      batch_.pos[n] = static_cast<llama_pos>(m->sequence->position(0, 0, slots[i]));
+      batch_.n_seq_id[n] = 1;
+      batch_.seq_id[n][0] = m->id;
+      batch_.logits[n] =
+          static_cast<std::int8_t>(!catalyst && (m->all_rows || i + 1 == m->tokens.size()));
+    }
+  }
+  batch_.n_tokens = n;
+  for (Member* m : members) {
+    detail::GraphTap& tap = m->tap;
+    tap.catalyst = catalyst;
+    tap.error = nullptr;
+    tap.token_offset = m->batch_first;
+    tap.token_count = static_cast<int>(m->tokens.size());
+    tap.ubatch_tokens = n;
+    tap.read_cells = m->reads_attention || m->reads_keys;
+    tap.read_keys = m->reads_keys && !catalyst;
+    if (tap.read_keys) tap.keys_seen.assign(static_cast<std::size_t>(tap.layers), 0);
+    tap.read_softmax =
+        m->sequence->wants(catalyst ? Signal::catalyst_attention : Signal::attention_rows) ||
+        (!catalyst && m->sequence->wants(Signal::last_attention_row));
+    if (tap.read_softmax) tap.begin_forward();
+  }
+  decoding_.assign(members.begin(), members.end());
+  const int status = llama_decode(context_, batch_);
+  decoding_.clear();
+  for (Member* m : members) {
+    detail::GraphTap& tap = m->tap;
+    tap.read_cells = false;
+    const bool read_softmax = std::exchange(tap.read_softmax, false);
+    const bool read_keys = std::exchange(tap.read_keys, false);
+    if (status != 0) continue;
+    try {
+      if (tap.error) std::rethrow_exception(tap.error);
+      if (read_softmax) tap.check_every_layer();
+      if (read_keys) tap.check_every_key_layer();
+    } catch (const std::exception& error) {
+      m->failed = error.what();
+    }
+    m->stats.peak_cells = std::max(m->stats.peak_cells, m->sequence->slots().live(0));
+  }
+  if (status != 0) {
+    // The step's tokens may sit in some cells: the fed sequences cannot go on.
+    const std::string failure = decode_failure(status, n_ctx_);
+    for (Member* m : members) m->failed = failure;
+    throw Error(failure);
+  }
+  int cells = 0;
+  for (const std::unique_ptr<Member>& m : members_) {
+    if (m) cells += m->sequence->slots().live(0);
+  }
+  stats_.peak_cells = std::max(stats_.peak_cells, cells);
 }
 
-int LlamaSequence::live_cells() const { return sequence_->slots().live(0); }
+void LlamaSequenceSet::step(std::span<const LlamaFeed> feeds) {
+  // Every check before anything changes.
+  KVEVICT_REQUIRE(!feeds.empty(), "LlamaSequenceSet::step: no sequence to feed");
+  fed_.clear();
+  pool_feeds_.clear();
+  for (const LlamaFeed& feed : feeds) {
+    Member& m = member(feed.sequence, "step");
+    const std::string who = "LlamaSequenceSet::step: sequence " + std::to_string(feed.sequence);
+    KVEVICT_REQUIRE(!m.failed, who + " failed (" + m.failed.value_or("") + "): close it");
+    KVEVICT_REQUIRE(std::find(fed_.begin(), fed_.end(), &m) == fed_.end(),
+                    who + " is fed twice in one step");
+    const int n = static_cast<int>(feed.tokens.size());
+    KVEVICT_REQUIRE(n > 0 && n <= m.options.max_chunk, who + ": a chunk holds 1 to " +
+                                                           std::to_string(m.options.max_chunk) +
+                                                           " tokens, got " + std::to_string(n));
+    for (const std::int32_t token : feed.tokens) {
+      KVEVICT_REQUIRE(token >= 0 && token < vocab_,
+                      who + ": token " + std::to_string(token) + " is outside the vocabulary");
+    }
+    fed_.push_back(&m);
+    if (pool_) pool_feeds_.push_back({m.pool_member, n});
+  }
+  if (pool_) pool_->make_room(pool_feeds_);
+  for (std::size_t i = 0; i < feeds.size(); ++i) {
+    Member& m = *fed_[i];
+    m.tokens = feeds[i].tokens;
+    m.all_logits = feeds[i].all_logits;
+    m.all_rows = m.all_logits || m.sequence->wants(Signal::surprisal);
+    try {
+      m.sequence->begin_chunk(m.tokens, feeds[i].turn_start);
+    } catch (const std::exception& error) {
+      m.failed = error.what();
+    }
+  }
+  // A sequence that failed to begin its chunk is left out of the batch.
+  std::erase_if(fed_, [](const Member* m) { return m->failed.has_value(); });
+  if (!fed_.empty()) {
+    decode(fed_, /*catalyst=*/false);
+    ++stats_.steps;
+  }
+  for (Member* m : fed_) {
+    if (m->failed) continue;
+    try {
+      finish(*m);
+    } catch (const std::exception& error) {
+      m->failed = error.what();
+    }
+  }
+}
+
+// After the step's decode: the member's logits and surprisal, its decision, its catalyst.
+void LlamaSequenceSet::finish(Member& m) {
+  const int n = static_cast<int>(m.tokens.size());
+  const int rows = m.all_rows ? n : 1;
+  const auto width = static_cast<std::size_t>(vocab_);
+  m.logits.resize(static_cast<std::size_t>(rows) * width);
+  for (int r = 0; r < rows; ++r) {
+    const float* row = llama_get_logits_ith(context_, m.batch_first + (m.all_rows ? r : n - 1));
+    KVEVICT_REQUIRE(row != nullptr, "llama.cpp returned no logits");
+    std::copy(row, row + width, m.logits.begin() + static_cast<std::ptrdiff_t>(r * width));
+  }
+  if (m.sequence->wants(Signal::surprisal)) {
+    // Token k's surprisal: row k - 1 of this step's logits, the previous step's last row for the
+    // first token, 0 for the stream's very first (as the reference decoder).
+    m.surprisal.resize(m.tokens.size());
+    m.surprisal[0] =
+        m.has_previous ? negative_log_softmax(m.previous_last.data(), vocab_, m.tokens[0]) : 0.0f;
+    for (std::size_t k = 1; k < m.tokens.size(); ++k) {
+      m.surprisal[k] = negative_log_softmax(m.logits.data() + (k - 1) * width, vocab_, m.tokens[k]);
+    }
+    m.sequence->observe_surprisal(m.surprisal);
+  }
+  const std::span<const float> last(m.logits.data() + (rows - 1) * width, width);
+  m.previous_last.assign(last.begin(), last.end());
+  m.has_previous = true;
+  // The rows the caller asked for: every token's, or only the last (the front rows when every
+  // row was computed for the surprisal are dropped).
+  if (!m.all_logits && m.all_rows) {
+    std::copy(last.begin(), last.end(), m.logits.begin());
+  }
+  m.logit_rows = m.all_logits ? n : 1;
+  m.sequence->end_forward();
+  ++m.stats.forwards;
+  if (m.sequence->catalyst_pending()) run_catalyst(m);
+}
+
+// The pot is full: the catalyst prompt is decoded after it (positions continuing), alone in its
+// batch, its attention handed to the policy layer by layer, then Sequence::end_catalyst rolls it
+// back and distills, in one decision: apply() removes the catalyst's cells (the newest positions)
+// with the evicted ones. A second sequence (llama_memory_seq_cp) would cost a copy of the pot's
+// cell membership for nothing: the catalyst is always the sequence's newest stretch.
+void LlamaSequenceSet::run_catalyst(Member& m) {
+  const std::vector<std::int32_t>& prompt = *m.options.catalyst;
+  {
+    const StageScope scope(m.options.observer, Stage::catalyst);
+    m.sequence->begin_catalyst(prompt);
+    if (!prompt.empty()) {
+      m.tokens = prompt;
+      Member* const alone[] = {&m};
+      decode(alone, /*catalyst=*/true);
+      if (m.failed) throw Error(*m.failed);
+    }
+  }
+  m.sequence->end_catalyst();
+  ++m.stats.catalyst_runs;
+}
+
+// --- LlamaSequence: a set of one
+// ------------------------------------------------------------------
+
+namespace {
+
+LlamaSequenceSetOptions options_of_one(const LlamaSequenceOptions& options) {
+  LlamaSequenceSetOptions set;
+  set.max_sequences = 1;
+  const int catalyst = options.catalyst ? static_cast<int>(options.catalyst->size()) : 0;
+  set.max_chunk = std::max(options.max_chunk, catalyst);
+  return set;
+}
+
+}  // namespace
+
+LlamaSequence::LlamaSequence(llama_model* model, llama_context_params params,
+                             std::unique_ptr<Policy> policy, LlamaSequenceOptions options)
+    : set_(model, params, options_of_one(options)), max_chunk_(options.max_chunk) {
+  KVEVICT_REQUIRE(options.max_chunk > 0, "LlamaSequence: max_chunk must be positive");
+  KVEVICT_REQUIRE(policy != nullptr, "LlamaSequence: policy is null");
+  (void)set_.open(std::move(policy), std::move(options));
+}
+
+LlamaLogits LlamaSequence::forward(std::span<const std::int32_t> tokens, bool turn_start,
+                                   bool all_logits) {
+  const int n = static_cast<int>(tokens.size());
+  KVEVICT_REQUIRE(n > 0 && n <= max_chunk_, "LlamaSequence::forward: a chunk holds 1 to " +
+                                                std::to_string(max_chunk_) + " tokens, got " +
+                                                std::to_string(n));
+  const LlamaFeed feed{0, tokens, turn_start, all_logits};
+  set_.step(std::span<const LlamaFeed>(&feed, 1));
+  if (const std::optional<std::string>& failure = set_.failed(0)) throw Error(*failure);
+  return set_.logits(0);
+}
 
 LlamaLogits LlamaSequence::feed(std::span<const std::int32_t> tokens, bool turn_start,
                                 bool all_logits) {
   KVEVICT_REQUIRE(!tokens.empty(), "LlamaSequence::feed: no tokens to feed");
-  const auto width = static_cast<std::size_t>(vocab_);
+  const auto width = static_cast<std::size_t>(vocab());
   if (all_logits) feed_logits_.resize(tokens.size() * width);
   LlamaLogits last;
   std::size_t offset = 0;
   while (offset < tokens.size()) {
-    std::size_t n = std::min(static_cast<std::size_t>(options_.max_chunk), tokens.size() - offset);
+    std::size_t n = std::min(static_cast<std::size_t>(max_chunk_), tokens.size() - offset);
     // Never cross a pot boundary: the pot is distilled exactly when it is full.
-    const std::optional<int> room = sequence_->pot_room();
+    const std::optional<int> room = sequence().pot_room();
     if (room && *room > 0) n = std::min(n, static_cast<std::size_t>(*room));
     last = forward(tokens.subspan(offset, n), turn_start && offset == 0, all_logits);
     if (all_logits) {
@@ -711,145 +1132,6 @@ LlamaLogits LlamaSequence::feed(std::span<const std::int32_t> tokens, bool turn_
     last.rows = static_cast<int>(tokens.size());
   }
   return last;
-}
-
-// Removes the evicted tokens' cells by position and, under cache_index / reset_on_compact, lowers
-// every kept cell by the number of evictions before it, so that llama.cpp's positions stay
-// kvevict's (each kept token's rank). Ranges of consecutive positions go in one call.
-void LlamaSequence::apply(const AppliedDecision& decision) {
-  llama_memory_t memory = llama_get_memory(context_);
-  removed_.clear();
-  for (const EvictedSlot& slot : decision.evicted(0)) removed_.push_back(slot.position);
-  std::sort(removed_.begin(), removed_.end());
-  const bool shift = decision.position_mode != PositionMode::original;
-  std::size_t i = 0;
-  std::int64_t lowered = 0;
-  while (i < removed_.size()) {
-    std::size_t j = i + 1;
-    while (j < removed_.size() && removed_[j] == removed_[j - 1] + 1) ++j;
-    const auto begin = static_cast<llama_pos>(removed_[i]);
-    const auto end = static_cast<llama_pos>(removed_[j - 1] + 1);
-    KVEVICT_REQUIRE(llama_memory_seq_rm(memory, 0, begin, end),
-                    "llama_memory_seq_rm refused to remove positions [" + std::to_string(begin) +
-                        ", " + std::to_string(end) + ")");
-    ++stats_.removed_ranges;
-    lowered += end - begin;
-    if (shift) {
-      // Kept cells in [end, next removed) move down by everything removed so far.
-      const llama_pos next = j < removed_.size() ? static_cast<llama_pos>(removed_[j]) : -1;
-      llama_memory_seq_add(memory, 0, end, next, static_cast<llama_pos>(-lowered));
-      ++stats_.shifted_ranges;
-    }
-    i = j;
-  }
-  if (!shift) {
-    const llama_pos last = llama_memory_seq_pos_max(memory, 0);
-    const std::int64_t next = sequence_->stats().tokens_fed;
-    if (last >= 0 && last + 1 != next) {
-      throw Error("policy '" + std::string(sequence_->policy().name()) +
-                  "' evicted the newest token (position " + std::to_string(next - 1) +
-                  ") under positions original; llama.cpp requires a sequence's next position to "
-                  "follow its last kept one: use positions cache_index");
-    }
-  }
-}
-
-void LlamaSequence::decode(std::span<const std::int32_t> tokens, bool catalyst, bool all_logits) {
-  const std::span<const std::int32_t> slots = sequence_->chunk_slots(0, 0);
-  batch_.n_tokens = static_cast<std::int32_t>(tokens.size());
-  for (std::size_t i = 0; i < tokens.size(); ++i) {
-    batch_.token[i] = tokens[i];
-    batch_.pos[i] = static_cast<llama_pos>(sequence_->position(0, 0, slots[i]));
-    batch_.n_seq_id[i] = 1;
-    batch_.seq_id[i][0] = 0;
-    batch_.logits[i] = static_cast<std::int8_t>(all_logits || i + 1 == tokens.size());
-  }
-  tap_->catalyst = catalyst;
-  tap_->error = nullptr;
-  tap_->read_cells = reads_attention_ || reads_keys_;
-  tap_->read_keys = reads_keys_ && !catalyst;
-  if (tap_->read_keys) tap_->keys_seen.assign(static_cast<std::size_t>(tap_->layers), 0);
-  tap_->read_softmax =
-      sequence_->wants(catalyst ? Signal::catalyst_attention : Signal::attention_rows) ||
-      (!catalyst && sequence_->wants(Signal::last_attention_row));
-  if (tap_->read_softmax) tap_->begin_forward();
-  const int status = llama_decode(context_, batch_);
-  tap_->read_cells = false;
-  const bool read_softmax = std::exchange(tap_->read_softmax, false);
-  const bool read_keys = std::exchange(tap_->read_keys, false);
-  if (tap_->error) std::rethrow_exception(tap_->error);
-  if (status != 0) throw Error(decode_failure(status, static_cast<int>(llama_n_ctx(context_))));
-  if (read_softmax) tap_->check_every_layer();
-  if (read_keys) tap_->check_every_key_layer();
-  stats_.peak_cells = std::max(stats_.peak_cells, sequence_->slots().live(0));
-}
-
-LlamaLogits LlamaSequence::forward(std::span<const std::int32_t> tokens, bool turn_start,
-                                   bool all_logits) {
-  const int n = static_cast<int>(tokens.size());
-  KVEVICT_REQUIRE(n > 0 && n <= options_.max_chunk, "LlamaSequence::forward: a chunk holds 1 to " +
-                                                        std::to_string(options_.max_chunk) +
-                                                        " tokens, got " + std::to_string(n));
-  for (const std::int32_t token : tokens) {
-    KVEVICT_REQUIRE(
-        token >= 0 && token < vocab_,
-        "LlamaSequence::forward: token " + std::to_string(token) + " is outside the vocabulary");
-  }
-  const bool wants_surprisal = sequence_->wants(Signal::surprisal);
-  const bool all_rows = all_logits || wants_surprisal;
-  sequence_->begin_chunk(tokens, turn_start);
-  decode(tokens, /*catalyst=*/false, all_rows);
-  const int rows = all_rows ? n : 1;
-  const auto width = static_cast<std::size_t>(vocab_);
-  logits_.resize(static_cast<std::size_t>(rows) * width);
-  for (int r = 0; r < rows; ++r) {
-    const float* row = llama_get_logits_ith(context_, all_rows ? r : n - 1);
-    KVEVICT_REQUIRE(row != nullptr, "llama.cpp returned no logits");
-    std::copy(row, row + width, logits_.begin() + static_cast<std::ptrdiff_t>(r * width));
-  }
-  if (wants_surprisal) observe_surprisal(tokens);
-  const std::span<const float> last(logits_.data() + (rows - 1) * width, width);
-  previous_last_.assign(last.begin(), last.end());
-  has_previous_ = true;
-  sequence_->end_forward();
-  ++stats_.forwards;
-  if (sequence_->catalyst_pending()) run_catalyst();
-  LlamaLogits result;
-  result.vocab = vocab_;
-  result.rows = all_logits ? n : 1;
-  result.values = std::span<const float>(logits_).subspan(
-      all_logits || !all_rows ? 0 : static_cast<std::size_t>(n - 1) * width,
-      static_cast<std::size_t>(result.rows) * width);
-  return result;
-}
-
-// Surprisal of each token: row k - 1 of this forward's logits, the previous forward's last row for
-// the first token, 0 for the stream's very first (as the reference decoder).
-void LlamaSequence::observe_surprisal(std::span<const std::int32_t> tokens) {
-  surprisal_.resize(tokens.size());
-  surprisal_[0] =
-      has_previous_ ? negative_log_softmax(previous_last_.data(), vocab_, tokens[0]) : 0.0f;
-  for (std::size_t k = 1; k < tokens.size(); ++k) {
-    surprisal_[k] = negative_log_softmax(
-        logits_.data() + (k - 1) * static_cast<std::size_t>(vocab_), vocab_, tokens[k]);
-  }
-  sequence_->observe_surprisal(surprisal_);
-}
-
-// The pot is full: the catalyst prompt is decoded after it (positions continuing), its attention
-// handed to the policy layer by layer, then Sequence::end_catalyst rolls it back and distills, in
-// one decision: apply() removes the catalyst's cells (the newest positions) with the evicted ones.
-// A second sequence (llama_memory_seq_cp) would cost a copy of the pot's cell membership and
-// n_seq_max = 2 for nothing: the catalyst is always the sequence's newest stretch.
-void LlamaSequence::run_catalyst() {
-  const std::vector<std::int32_t>& prompt = *options_.catalyst;
-  {
-    const StageScope scope(options_.observer, Stage::catalyst);
-    sequence_->begin_catalyst(prompt);
-    if (!prompt.empty()) decode(prompt, /*catalyst=*/true, /*all_logits=*/false);
-  }
-  sequence_->end_catalyst();
-  ++stats_.catalyst_runs;
 }
 
 }  // namespace kvevict::llama

@@ -1,4 +1,5 @@
-// LlamaSequence: a kvevict policy over one llama.cpp sequence (kvevict::llama, src/llama/).
+// LlamaSequence: a kvevict policy over one llama.cpp sequence (kvevict::llama, src/llama/): a
+// LlamaSequenceSet of one (llama_sequence_set.hpp has many sequences in one context).
 //
 // It creates the llama_context itself (so that it can install its graph callback and check the
 // parameters before anything runs) and drives it one forward at a time: kvevict gives the chunk
@@ -48,65 +49,14 @@
 
 #include <llama.h>
 
-#include <cstddef>
 #include <cstdint>
-#include <exception>
-#include <kvevict/engine.hpp>
-#include <kvevict/granularity.hpp>
+#include <kvevict/llama/llama_sequence_set.hpp>
 #include <kvevict/policy.hpp>
-#include <kvevict/positions.hpp>
-#include <kvevict/timing.hpp>
 #include <memory>
-#include <optional>
 #include <span>
 #include <vector>
 
 namespace kvevict::llama {
-
-struct LlamaSequenceOptions {
-  /// Overrides the policy's position mode.
-  std::optional<PositionMode> position_mode;
-  /// token (the default) or block:B: llama.cpp's cells are shared by every layer and head.
-  std::optional<Granularity> granularity;
-  /// Largest chunk forward() accepts; the context's n_batch and n_ubatch are raised to it (and to
-  /// the catalyst's length) so that every forward is one ubatch.
-  int max_chunk = 64;
-  /// InfiniPot's catalyst prompt (required when the policy runs one; may be empty: no catalyst
-  /// attention, the "w/o CaP" ablation).
-  std::optional<std::vector<std::int32_t>> catalyst;
-  /// Which free slot a new token takes: lowest_first is llama.cpp's order of cells, so that no
-  /// attention row needs re-indexing; newest_freed_first (kvevict's decoder's) exercises the
-  /// re-indexing path.
-  SlotReuse slot_reuse = SlotReuse::lowest_first;
-  /// Stage timing (policy, reposition, catalyst; llama_decode is not split into stages). Must
-  /// outlive the sequence.
-  StageObserver* observer = nullptr;
-};
-
-/// Logits of a forward: [rows, vocab] row-major, valid until the next forward.
-struct LlamaLogits {
-  std::span<const float> values;
-  int rows = 0;
-  int vocab = 0;
-  [[nodiscard]] std::span<const float> row(int i) const {
-    return values.subspan(static_cast<std::size_t>(i) * static_cast<std::size_t>(vocab),
-                          static_cast<std::size_t>(vocab));
-  }
-  [[nodiscard]] std::span<const float> last() const { return row(rows - 1); }
-};
-
-struct LlamaSequenceStats {
-  std::int64_t forwards = 0;        ///< llama_decode calls of the stream (catalysts excluded)
-  std::int64_t catalyst_runs = 0;   ///< catalyst prompts decoded
-  std::int64_t removed_ranges = 0;  ///< llama_memory_seq_rm calls
-  std::int64_t shifted_ranges = 0;  ///< llama_memory_seq_add calls
-  /// Layers whose softmax rows were copied from cell order to slot order: 0 while every slot is
-  /// the cell of the same index (both sides take the lowest free one; see the header comment).
-  std::int64_t reindexed_layers = 0;
-  /// Layers whose rows kvevict computed from the flash-attention node (flash attention on).
-  std::int64_t flash_layers = 0;
-  int peak_cells = 0;  ///< most cells the sequence held (right after a decode)
-};
 
 class LlamaSequence final {
  public:
@@ -114,13 +64,10 @@ class LlamaSequence final {
   /// comment for what is checked. `params.cb_eval` must be unset (this installs its own).
   LlamaSequence(llama_model* model, llama_context_params params, std::unique_ptr<Policy> policy,
                 LlamaSequenceOptions options = {});
-  ~LlamaSequence();
-  LlamaSequence(const LlamaSequence&) = delete;
-  LlamaSequence& operator=(const LlamaSequence&) = delete;
 
   /// One forward over `tokens` (1 to max_chunk), appended to the sequence; then the policy's
   /// decision, and the catalyst when the pot is full. Logits of every token (`all_logits`) or of
-  /// the last one.
+  /// the last one. A failure of the sequence is thrown (kvevict::Error).
   LlamaLogits forward(std::span<const std::int32_t> tokens, bool turn_start = false,
                       bool all_logits = false);
 
@@ -131,57 +78,24 @@ class LlamaSequence final {
   LlamaLogits feed(std::span<const std::int32_t> tokens, bool turn_start = false,
                    bool all_logits = false);
 
-  [[nodiscard]] llama_context* context() { return context_; }
-  [[nodiscard]] const Sequence& sequence() const { return *sequence_; }
-  [[nodiscard]] const LlamaSequenceStats& stats() const { return stats_; }
-  [[nodiscard]] int vocab() const { return vocab_; }
-  [[nodiscard]] int max_chunk() const { return options_.max_chunk; }
+  [[nodiscard]] llama_context* context() { return set_.context(); }
+  [[nodiscard]] const Sequence& sequence() const { return set_.sequence(0); }
+  [[nodiscard]] const LlamaSequenceStats& stats() const { return set_.stats(0); }
+  [[nodiscard]] int vocab() const { return set_.vocab(); }
+  [[nodiscard]] int max_chunk() const { return max_chunk_; }
   /// Cells the sequence holds now.
-  [[nodiscard]] int live_cells() const;
+  [[nodiscard]] int live_cells() const { return set_.live_cells(0); }
   /// K and V bytes of one cell over all layers (the cache's types).
-  [[nodiscard]] std::size_t bytes_per_cell() const { return bytes_per_cell_; }
+  [[nodiscard]] std::size_t bytes_per_cell() const { return set_.bytes_per_cell(); }
   /// Whether the graph callback reads attention (the policy needs it).
-  [[nodiscard]] bool reads_attention() const { return reads_attention_; }
+  [[nodiscard]] bool reads_attention() const { return set_.reads_attention(0); }
   /// Whether the graph callback reads the keys llama.cpp stores (K-norm, KeyDiff).
-  [[nodiscard]] bool reads_keys() const { return reads_keys_; }
+  [[nodiscard]] bool reads_keys() const { return set_.reads_keys(0); }
 
  private:
-  struct GraphTap;  // the cb_eval state (src/llama/llama_sequence.cpp)
-  // The KvBackend kvevict's Sequence applies decisions through: forwards to apply().
-  class Cells final : public KvBackend {
-   public:
-    explicit Cells(LlamaSequence& owner) : owner_(owner) {}
-    void reserve(int /*capacity*/) override {}  // cells are the context's (n_ctx), not kvevict's
-    void apply(const AppliedDecision& decision) override { owner_.apply(decision); }
-
-   private:
-    LlamaSequence& owner_;
-  };
-
-  void apply(const AppliedDecision& decision);
-
-  void decode(std::span<const std::int32_t> tokens, bool catalyst, bool all_logits);
-  void run_catalyst();
-  void observe_surprisal(std::span<const std::int32_t> tokens);
-
-  llama_model* model_;
-  llama_context* context_ = nullptr;
-  LlamaSequenceOptions options_;
-  Cells cells_{*this};
-  std::unique_ptr<Sequence> sequence_;
-  std::unique_ptr<GraphTap> tap_;
-  llama_batch batch_{};
-  bool reads_attention_ = false;
-  bool reads_keys_ = false;
-  int vocab_ = 0;
-  std::size_t bytes_per_cell_ = 0;
-  LlamaSequenceStats stats_;
-  std::vector<float> logits_;         // [rows, vocab] of the last forward
-  std::vector<float> feed_logits_;    // [tokens, vocab] of the last feed (all_logits)
-  std::vector<float> previous_last_;  // [vocab] last row of the previous forward (surprisal)
-  bool has_previous_ = false;
-  std::vector<float> surprisal_;       // [chunk]
-  std::vector<std::int64_t> removed_;  // scratch: positions evicted by a decision
+  LlamaSequenceSet set_;
+  int max_chunk_;
+  std::vector<float> feed_logits_;  // [tokens, vocab] of the last feed (all_logits)
 };
 
 }  // namespace kvevict::llama
