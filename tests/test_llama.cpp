@@ -7,6 +7,7 @@
 #include <llama.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/model/random_model.hpp>
+#include <kvevict/policies/h2o.hpp>
 #include <kvevict/policies/infinipot.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <limits>
@@ -28,6 +30,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "harness/log_loss.hpp"
@@ -886,5 +889,327 @@ TEST(LlamaVocabularies, ByteLevelBpeTextsInPiecesGiveTheWholeTextsTokens) {
   }
 }
 #endif
+
+// --- many sequences in one context (LlamaSequenceSet) -------------------------------------------
+
+// Each sequence of a batched run, fed alone through a LlamaSequence: its keep-set and logits after
+// every forward, to compare with the same sequence batched.
+struct Trace {
+  std::vector<std::vector<std::int64_t>> kept;
+  std::vector<std::vector<float>> last_logits;
+};
+
+llama_context_params batch_params(int n_ctx, bool flash) {
+  llama_context_params params = llama_context_default_params();
+  params.n_ctx = static_cast<std::uint32_t>(n_ctx);
+  params.n_threads = 1;
+  params.n_threads_batch = 1;
+  params.type_k = GGML_TYPE_F32;
+  params.type_v = GGML_TYPE_F32;
+  params.flash_attn_type = flash ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+  return params;
+}
+
+// Three streams (different stretches of the text), each in chunks of its own size: 1 (decode
+// steps), 5 and 16 tokens. The third joins after 6 steps; the first, shortest, leaves when done.
+struct BatchPlan {
+  std::vector<std::vector<std::int32_t>> streams;
+  std::vector<int> chunks{1, 5, 16};
+  std::vector<int> joins{0, 0, 6};
+};
+
+BatchPlan batch_plan(const kvevict::model::Model& model) {
+  const std::vector<std::int32_t> text = stream_tokens(model, 1400);
+  BatchPlan plan;
+  plan.streams.emplace_back(text.begin(), text.begin() + 120);
+  plan.streams.emplace_back(text.begin() + 200, text.begin() + 650);
+  plan.streams.emplace_back(text.begin() + 700, text.begin() + 1400);
+  return plan;
+}
+
+int turn_every(const Case& c) { return c.turn_every > 0 ? c.turn_every : 1 << 30; }
+
+Trace run_alone(const ModelFile& file, const Case& c, const BatchPlan& plan, std::size_t i,
+                bool flash) {
+  kvevict::llama::LlamaSequenceOptions options;
+  options.granularity = c.granularity;
+  options.position_mode = c.positions;
+  options.max_chunk = plan.chunks[i];
+  kvevict::llama::LlamaSequence llama(file.llama, batch_params(c.n_ctx, flash), make(c), options);
+  Trace trace;
+  const std::vector<std::int32_t>& stream = plan.streams[i];
+  const auto chunk = static_cast<std::size_t>(plan.chunks[i]);
+  for (std::size_t offset = 0; offset < stream.size(); offset += chunk) {
+    const auto n = std::min(chunk, stream.size() - offset);
+    const bool turn = offset % static_cast<std::size_t>(turn_every(c)) < chunk;
+    const kvevict::llama::LlamaLogits logits =
+        llama.forward(std::span<const std::int32_t>(stream).subspan(offset, n), turn);
+    trace.kept.push_back(kept(llama.sequence()));
+    trace.last_logits.emplace_back(logits.last().begin(), logits.last().end());
+  }
+  return trace;
+}
+
+// Runs the plan batched and checks every forward of every sequence against its run alone: the
+// same keep-set, logits within `tolerance`. Returns the largest logit difference.
+float expect_batch_equals_alone(const ModelFile& file, const Case& c, bool flash,
+                                std::int64_t pool_cells = 0) {
+  SCOPED_TRACE(describe(c) + (flash ? " flash attention on" : " flash attention off"));
+  const BatchPlan plan = batch_plan(file.model);
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = 3;
+  set_options.max_chunk = 16;
+  set_options.pool_cells = pool_cells;
+  kvevict::llama::LlamaSequenceSet set(file.llama, batch_params(c.n_ctx, flash), set_options);
+  std::vector<Trace> alone;
+  for (std::size_t i = 0; i < plan.streams.size(); ++i) {
+    alone.push_back(run_alone(file, c, plan, i, flash));
+  }
+  std::vector<int> ids(plan.streams.size(), -1);
+  std::vector<std::size_t> forwards(plan.streams.size(), 0);
+  float largest = 0.0f;
+  std::vector<kvevict::llama::LlamaFeed> feeds;
+  for (int step = 0;; ++step) {
+    feeds.clear();
+    std::vector<std::size_t> fed;
+    for (std::size_t i = 0; i < plan.streams.size(); ++i) {
+      const auto chunk = static_cast<std::size_t>(plan.chunks[i]);
+      const std::size_t offset = forwards[i] * chunk;
+      if (step < plan.joins[i]) continue;
+      if (offset >= plan.streams[i].size()) {
+        if (ids[i] >= 0) set.close(std::exchange(ids[i], -2));
+        continue;
+      }
+      if (ids[i] == -1) {
+        kvevict::llama::LlamaSequenceOptions options;
+        options.granularity = c.granularity;
+        options.position_mode = c.positions;
+        options.max_chunk = plan.chunks[i];
+        ids[i] = set.open(make(c), options);
+      }
+      const auto n = std::min(chunk, plan.streams[i].size() - offset);
+      const bool turn = offset % static_cast<std::size_t>(turn_every(c)) < chunk;
+      feeds.push_back(
+          {ids[i], std::span<const std::int32_t>(plan.streams[i]).subspan(offset, n), turn, false});
+      fed.push_back(i);
+    }
+    if (feeds.empty()) break;
+    set.step(feeds);
+    for (const std::size_t i : fed) {
+      const int id = ids[i];
+      EXPECT_FALSE(set.failed(id).has_value()) << *set.failed(id);
+      const std::size_t f = forwards[i]++;
+      if (kept(set.sequence(id)) != alone[i].kept[f]) {
+        ADD_FAILURE() << "sequence " << i << ": the keep-sets differ after forward " << f;
+        return largest;
+      }
+      const std::span<const float> logits = set.logits(id).last();
+      for (std::size_t v = 0; v < logits.size(); ++v) {
+        largest = std::max(largest, std::abs(logits[v] - alone[i].last_logits[f][v]));
+      }
+    }
+  }
+  for (std::size_t i = 0; i < plan.streams.size(); ++i) {
+    EXPECT_EQ(forwards[i], alone[i].kept.size()) << "sequence " << i;
+  }
+  return largest;
+}
+
+// Batched, every sequence keeps exactly the tokens it keeps alone, and its logits agree within
+// llama.cpp's own batch-vs-single tolerance (toy-base, whose logits are of magnitude ~10): flash
+// attention off, the same f32 products summed in another order where a product's batch is wider
+// (1e-4); on, llama.cpp's CPU kernel accumulates the values in f16 in cell order, and a batch
+// places a sequence's cells in another order (2^-11 relative per addition over ~50 cells: 5e-2).
+// Three streams in chunks of 1, 5 and 16 tokens, one joining late and one leaving early.
+TEST(LlamaBatch, EverySequenceBatchedEqualsItselfAlone) {
+  const ModelFile& file = *LlamaModels::toy;
+  std::vector<Case> cases;
+  for (const char* policy : {"window", "streaming_llm", "h2o", "tova"}) {
+    for (const Granularity granularity : {Granularity::token, Granularity::blocks(8)}) {
+      Case c{policy, 48};
+      c.granularity = granularity;
+      // TOVA may evict the newest token: llama.cpp needs positions that continue from the last.
+      if (c.policy == "tova") c.positions = PositionMode::cache_index;
+      cases.push_back(c);
+    }
+  }
+  Case sirllm{"sirllm", 48};
+  sirllm.turn_every = 40;
+  cases.push_back(sirllm);
+  for (const Case& c : cases) {
+    EXPECT_LE(expect_batch_equals_alone(file, c, /*flash=*/false), 1e-4f);
+    // Flash attention: kvevict's q.K pass computes each sequence's rows over its own cells.
+    if (reads_attention(c)) {
+      EXPECT_LE(expect_batch_equals_alone(file, c, /*flash=*/true), 5e-2f);
+    }
+  }
+}
+
+// The set's step is llama.cpp's own batched decode, bit for bit: the same tokens, positions and
+// sequence ids in one batch, the logits of each sequence's last token (the random model, whose
+// flat attention makes any other batching visible).
+TEST(LlamaBatch, AStepIsLlamaCppsBatchedDecode) {
+  const ModelFile& file = *LlamaModels::random;
+  const BatchPlan plan = batch_plan(file.model);
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = 3;
+  set_options.max_chunk = 5;
+  kvevict::llama::LlamaSequenceSet set(file.llama, batch_params(512, false), set_options);
+  kvevict::llama::LlamaSequenceOptions options;
+  options.max_chunk = 5;
+  const int a = set.open(kvevict::make_policy("full"), options);
+  const int b = set.open(kvevict::make_policy("full"), options);
+  llama_context_params params = batch_params(512, false);
+  params.n_seq_max = 3;
+  params.kv_unified = true;
+  llama_context* plain = llama_init_from_model(file.llama, params);
+  ASSERT_NE(plain, nullptr);
+  llama_batch batch = llama_batch_init(16, 0, 1);
+  for (int f = 0; f < 40; ++f) {
+    // a: one token per step; b: five.
+    const std::span<const std::int32_t> ta =
+        std::span<const std::int32_t>(plan.streams[0]).subspan(static_cast<std::size_t>(f), 1);
+    const std::span<const std::int32_t> tb =
+        std::span<const std::int32_t>(plan.streams[1]).subspan(static_cast<std::size_t>(f) * 5, 5);
+    batch.n_tokens = 0;
+    for (const auto& [tokens, seq, first] : {std::tuple{ta, 0, f}, std::tuple{tb, 1, f * 5}}) {
+      for (std::size_t k = 0; k < tokens.size(); ++k) {
+        const int n = batch.n_tokens++;
+        batch.token[n] = tokens[k];
+        batch.pos[n] = first + static_cast<int>(k);
+        batch.n_seq_id[n] = 1;
+        batch.seq_id[n][0] = seq;
+        batch.logits[n] = static_cast<std::int8_t>(k + 1 == tokens.size());
+      }
+    }
+    ASSERT_EQ(llama_decode(plain, batch), 0);
+    const std::vector<kvevict::llama::LlamaFeed> feeds{{a, ta}, {b, tb}};
+    set.step(feeds);
+    const std::span<const float> la = set.logits(a).last();
+    const std::span<const float> lb = set.logits(b).last();
+    ASSERT_TRUE(std::equal(la.begin(), la.end(), llama_get_logits_ith(plain, 0))) << "step " << f;
+    ASSERT_TRUE(std::equal(lb.begin(), lb.end(), llama_get_logits_ith(plain, 5))) << "step " << f;
+  }
+  llama_batch_free(batch);
+  llama_free(plain);
+}
+
+// Sixteen sequences of growing length in a pool that holds four at full length (budget 32 plus a
+// chunk of 4): none fails, none is cut below its minimum, and the cells held plus each step's
+// tokens never exceed the pool.
+TEST(LlamaBatch, SixteenSequencesInAPoolForFour) {
+  const ModelFile& file = *LlamaModels::toy;
+  constexpr int kSequences = 16;
+  constexpr int kChunk = 4;
+  constexpr int kPool = 4 * (32 + kChunk);
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = kSequences;
+  set_options.max_chunk = kChunk;
+  set_options.pool_cells = kPool;
+  kvevict::llama::LlamaSequenceSet set(file.llama, batch_params(256, false), set_options);
+  const std::vector<std::int32_t> text = stream_tokens(file.model, 1200);
+  const char* const policies[] = {"window", "streaming_llm", "tova", "h2o"};  // h2o: below
+  std::vector<int> ids;
+  for (int i = 0; i < kSequences; ++i) {
+    kvevict::llama::LlamaSequenceOptions options;
+    options.max_chunk = kChunk;
+    options.position_mode = PositionMode::cache_index;
+    // Charges (minimum + chunk): window and tova 1 + 4, streaming_llm (4 sinks) 4 + 4, h2o (a
+    // recent window of 8) 8 + 4: 120 of the 144 cells for the sixteen.
+    const char* policy = policies[i % 4];
+    ids.push_back(set.open(i % 4 == 3
+                               ? kvevict::make_h2o({24, 8})
+                               : kvevict::make_policy(policy, kvevict::budget_params(policy, 32)),
+                           options));
+  }
+  ASSERT_NE(set.pool(), nullptr);
+  std::vector<std::size_t> fed(kSequences, 0);
+  std::vector<kvevict::llama::LlamaFeed> feeds;
+  for (int step = 0; step < 60; ++step) {
+    feeds.clear();
+    int incoming = 0;
+    for (int i = 0; i < kSequences; ++i) {
+      // Sequence i starts at step i (they grow one after another) and takes 1 to 4 tokens.
+      if (step < i) continue;
+      const auto n = static_cast<std::size_t>(1 + (step + i) % kChunk);
+      const std::size_t offset = (static_cast<std::size_t>(i) * 61 + fed[i]) % (text.size() - n);
+      feeds.push_back({ids[static_cast<std::size_t>(i)],
+                       std::span<const std::int32_t>(text).subspan(offset, n)});
+      fed[i] += n;
+      incoming += static_cast<int>(n);
+    }
+    set.step(feeds);
+    int held = 0;
+    for (int i = 0; i < kSequences; ++i) {
+      const int id = ids[static_cast<std::size_t>(i)];
+      ASSERT_FALSE(set.failed(id).has_value()) << *set.failed(id);
+      held += set.live_cells(id);
+      if (fed[i] > 0) {
+        EXPECT_GE(
+            static_cast<std::int64_t>(set.live_cells(id)),
+            std::min<std::int64_t>(static_cast<std::int64_t>(fed[i]), set.pool()->minimum(id)));
+      }
+    }
+    EXPECT_LE(held, kPool);
+  }
+  EXPECT_LE(set.pool()->stats().peak_cells, kPool);
+  EXPECT_LE(set.stats().peak_cells, kPool);
+  EXPECT_GT(set.pool()->stats().pressed_steps, 0);
+}
+
+// Bad input to a set: refused before anything changes, the other sequences unaffected.
+TEST(LlamaBatch, BadInputLeavesTheOtherSequencesAlone) {
+  const ModelFile& file = *LlamaModels::random;
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = 2;
+  set_options.max_chunk = 4;
+  set_options.pool_cells = 100;
+  EXPECT_NE(error_of([&] {
+              kvevict::llama::LlamaSequenceSetOptions too_big = set_options;
+              too_big.pool_cells = 100000;
+              kvevict::llama::LlamaSequenceSet set(file.llama, batch_params(256, false), too_big);
+            }).find("does not fit in the context"),
+            std::string::npos);
+  kvevict::llama::LlamaSequenceSet set(file.llama, batch_params(256, false), set_options);
+  kvevict::llama::LlamaSequenceOptions options;
+  options.max_chunk = 4;
+  const int a =
+      set.open(kvevict::make_policy("window", kvevict::budget_params("window", 32)), options);
+  // A budget the pool can never grant, and a pool whose minimums are all taken.
+  EXPECT_NE(error_of([&] {
+              (void)set.open(kvevict::make_policy("window", kvevict::budget_params("window", 200)),
+                             options);
+            }).find("can never grant it"),
+            std::string::npos);
+  const int b = set.open(kvevict::make_policy("h2o", kvevict::budget_params("h2o", 64)), options);
+  EXPECT_NE(error_of([&] {
+              (void)set.open(kvevict::make_policy("window", kvevict::budget_params("window", 8)),
+                             options);
+            }).find("all 2 sequences are open"),
+            std::string::npos);
+  const std::vector<std::int32_t> tokens{1, 40, 41, 42};
+  const std::span<const std::int32_t> two = std::span<const std::int32_t>(tokens).first(2);
+  const std::vector<std::int32_t> outside{1, 100000};
+  using Feed = kvevict::llama::LlamaFeed;
+  const std::vector<std::pair<std::vector<Feed>, std::string>> refused{
+      {{{a, two}, {7, two}}, "sequence 7 is not open"},
+      {{{a, two}, {a, two}}, "fed twice"},
+      {{{b, std::span<const std::int32_t>()}}, "a chunk holds 1 to 4 tokens"},
+      {{{b, outside}}, "outside the vocabulary"},
+  };
+  for (const auto& [feeds, message] : refused) {
+    EXPECT_NE(error_of([&] { set.step(feeds); }).find(message), std::string::npos) << message;
+  }
+  EXPECT_EQ(set.stats().steps, 0);
+  const std::vector<Feed> fine{{a, tokens}, {b, two}};
+  set.step(fine);
+  EXPECT_EQ(set.live_cells(a), 4);
+  EXPECT_EQ(set.live_cells(b), 2);
+  set.close(a);
+  EXPECT_NE(error_of([&] { set.step(fine); }).find("sequence 0 is not open"), std::string::npos);
+  const std::vector<Feed> b_only{{b, two}};
+  set.step(b_only);
+  EXPECT_EQ(set.live_cells(b), 4);
+}
 
 }  // namespace
