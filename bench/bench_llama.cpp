@@ -40,6 +40,20 @@
 //      build/release/bin/bench_llama --model models/toy-base --memory-tokens 100000
 //          --memory-policy streaming_llm --memory-budget 1024   (one command line)
 //
+// 3. Many sequences (--sequences N1,N2,...): for each N and budget, N sequences of one context
+//    decoded together, one token each per step (continuous batching's steady state): plain
+//    llama.cpp (n_seq_max N, one unified cache, no kvevict) against a kvevict::llama::
+//    LlamaSequenceSet with every sequence under the same policy (as in mode 1, chunks of 16 for
+//    the fill):
+//
+//      build/release/bin/bench_llama --threads 1 --steps 64 --budgets 1024 --sequences 1,4,8,16
+//
+//    Each sequence is filled like mode 1's (plain: N - steps/2 tokens; a policy: budget + 128),
+//    every sequence in the same steps. Reported per step (medians): wall time, tokens/s of all
+//    sequences together and its ratio to plain, and kvevict's time (StageClock's policy +
+//    reposition over all sequences: scoring, the rows gathered from cells to each sequence's
+//    slots, selection, llama_memory_seq_rm / seq_add) and its share of the step.
+//
 // Model (--model): a GGUF, or any model kvevict loads (written to a temporary GGUF by kvevict's
 // writer). Default: the random Llama of bench_decode_step (dim 512, 8 layers, 8 query / 2 KV
 // heads, hidden 1536, vocabulary 259, f32, seed 512). Tokens: bench_decode_step's stream (bytes
@@ -58,6 +72,7 @@
 #include <iostream>
 #include <kvevict/error.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
+#include <kvevict/llama/llama_sequence_set.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
@@ -97,6 +112,7 @@ struct Options {
   int memory_budget = 1024;
   int memory_context = 0;               // 0: the budget plus a chunk and the catalyst
   std::string flash_attention = "off";  // on or off, every decode-step run
+  std::vector<int> sequences;           // mode 3: sequences per context
 };
 
 llama_flash_attn_type flash_type(const std::string& flash) {
@@ -459,6 +475,156 @@ void run_memory(const kvevict::llama_cli::LlamaModel& model, const Options& opti
   }
 }
 
+constexpr int kBatchChunk = 16;  // mode 3's fill chunk per sequence
+
+struct BatchRow {
+  std::string name;
+  double step = 0;   // median step, seconds
+  double own = 0;    // median kvevict time per step (policy + reposition), seconds
+  double share = 0;  // median of own / step
+  int cells = 0;     // cells held by all sequences after the steps
+};
+
+// Plain llama.cpp: `n` sequences of one unified cache, each filled with budget - steps/2 tokens,
+// then `steps` decodes of one token per sequence.
+BatchRow run_plain_batch(llama_model* model, int n, int budget, const Options& options) {
+  llama_context_params params = context_params(n * (budget + options.steps + kBatchChunk),
+                                               options.threads, options.flash_attention);
+  params.n_seq_max = static_cast<std::uint32_t>(n);
+  params.kv_unified = true;
+  params.n_batch = params.n_ubatch = static_cast<std::uint32_t>(n * kBatchChunk);
+  llama_context* context = llama_init_from_model(model, params);
+  KVEVICT_REQUIRE(context != nullptr, "llama_init_from_model failed");
+  llama_batch batch = llama_batch_init(n * kBatchChunk, 0, 1);
+  std::vector<std::int64_t> next(static_cast<std::size_t>(n), 0);
+  // Every sequence `count` tokens of its own stream in one decode.
+  const auto decode = [&](int count) {
+    batch.n_tokens = 0;
+    for (int s = 0; s < n; ++s) {
+      std::int64_t& position = next[static_cast<std::size_t>(s)];
+      for (int i = 0; i < count; ++i) {
+        const int k = batch.n_tokens++;
+        batch.token[k] = stream_token(std::int64_t{s} * 1000003 + position);
+        batch.pos[k] = static_cast<llama_pos>(position++);
+        batch.n_seq_id[k] = 1;
+        batch.seq_id[k][0] = s;
+        batch.logits[k] = static_cast<std::int8_t>(i + 1 == count);
+      }
+    }
+    KVEVICT_REQUIRE(llama_decode(context, batch) == 0, "llama_decode failed");
+  };
+  for (int filled = 0; filled < budget - options.steps / 2; filled += kBatchChunk) {
+    decode(std::min(kBatchChunk, budget - options.steps / 2 - filled));
+  }
+  std::vector<double> steps;
+  for (int s = 0; s < options.steps; ++s) {
+    const Clock::time_point start = Clock::now();
+    decode(1);
+    (void)llama_get_logits_ith(context, -1);
+    steps.push_back(seconds_since(start));
+  }
+  BatchRow row;
+  row.name = "plain llama.cpp";
+  row.step = median(steps);
+  for (int s = 0; s < n; ++s) {
+    row.cells += static_cast<int>(llama_memory_seq_pos_max(llama_get_memory(context), s) + 1);
+  }
+  llama_batch_free(batch);
+  llama_free(context);
+  return row;
+}
+
+// The same through a LlamaSequenceSet, every sequence under `policy` at `budget`.
+BatchRow run_policy_batch(const kvevict::llama_cli::LlamaModel& model, const std::string& policy,
+                          int n, int budget, const Options& options) {
+  StageClock clock;
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = n;
+  set_options.max_chunk = kBatchChunk;
+  llama_context_params params =
+      context_params(n * (budget + 2 * kBatchChunk), options.threads, options.flash_attention);
+  kvevict::llama::LlamaSequenceSet set(model.get(), params, set_options);
+  bool turns = false;
+  for (int s = 0; s < n; ++s) {
+    kvevict::harness::PolicySetup setup = setup_for(policy, budget, options, model);
+    KVEVICT_REQUIRE(!setup.catalyst, "--sequences: " + policy +
+                                         " runs a catalyst prompt, which this mode does not time");
+    kvevict::llama::LlamaSequenceOptions sequence;
+    sequence.position_mode = setup.decoder_options.position_mode;
+    sequence.granularity = setup.decoder_options.granularity;
+    sequence.max_chunk = kBatchChunk;
+    sequence.observer = &clock;
+    turns = setup.policy->triggers().contains(kvevict::Trigger::before_turn);
+    KVEVICT_REQUIRE(set.open(std::move(setup.policy), sequence) == s, "unexpected sequence id");
+  }
+  std::vector<std::int64_t> next(static_cast<std::size_t>(n), 0);
+  std::vector<std::vector<std::int32_t>> tokens(static_cast<std::size_t>(n));
+  std::vector<kvevict::llama::LlamaFeed> feeds(static_cast<std::size_t>(n));
+  const auto step = [&](int count) {
+    for (int s = 0; s < n; ++s) {
+      const auto i = static_cast<std::size_t>(s);
+      tokens[i] = stream_tokens(std::int64_t{s} * 1000003 + next[i], count);
+      next[i] += count;
+      feeds[i] = {s, tokens[i], turns, false};
+    }
+    set.step(feeds);
+    for (int s = 0; s < n; ++s) {
+      if (const std::optional<std::string>& failure = set.failed(s)) throw kvevict::Error(*failure);
+    }
+  };
+  for (int filled = 0; filled < budget + 128; filled += kBatchChunk) step(kBatchChunk);
+  std::vector<double> steps;
+  std::vector<double> own;
+  std::vector<double> shares;
+  for (int s = 0; s < options.steps; ++s) {
+    const double before = eviction_seconds(clock);
+    const Clock::time_point start = Clock::now();
+    step(1);
+    steps.push_back(seconds_since(start));
+    own.push_back(eviction_seconds(clock) - before);
+    shares.push_back(own.back() / steps.back());
+  }
+  BatchRow row;
+  row.name = policy;
+  row.step = median(steps);
+  row.own = median(own);
+  row.share = median(shares);
+  for (int s = 0; s < n; ++s) row.cells += set.live_cells(s);
+  return row;
+}
+
+void run_sequences(const kvevict::llama_cli::LlamaModel& model, const Options& options) {
+  std::vector<std::string> policies = options.policies;
+  if (policies.empty()) policies = {"window", "streaming_llm", "h2o", "tova", "sirllm"};
+  for (const int budget : options.budgets) {
+    std::cout << fmt::format(
+        "\n### budget {} per sequence, one token per sequence per step\n\n"
+        "| sequences | run | cells | step ms | tokens/s | vs plain | kvevict µs/step | "
+        "kvevict share |\n|---:|---|---:|---:|---:|---:|---:|---:|\n",
+        budget);
+    for (const int n : options.sequences) {
+      const BatchRow plain = run_plain_batch(model.get(), n, budget, options);
+      const auto print = [&](const BatchRow& row) {
+        std::cout << fmt::format("| {} | {} | {} | {:.3f} | {:.0f} | {:.2f} | {:.1f} | {:.2f}% |\n",
+                                 n, row.name, row.cells, row.step * 1e3, n / row.step,
+                                 plain.step / row.step, row.own * 1e6, row.share * 100);
+      };
+      print(plain);
+      for (const std::string& policy : policies) {
+        try {
+          print(run_policy_batch(model, policy, n, budget, options));
+        } catch (const kvevict::Error& error) {
+          std::cerr << fmt::format("{} sequences, budget {}, {}: {}\n", n, budget, policy,
+                                   error.what());
+        }
+      }
+      BatchRow again = run_plain_batch(model.get(), n, budget, options);
+      again.name = "plain llama.cpp (again)";
+      print(again);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -497,6 +663,11 @@ int main(int argc, char** argv) {
   app.add_option("--memory-context", options.memory_context,
                  "cells of the context (default: budget + 64 + catalyst)")
       ->check(CLI::Range(0, 1 << 30));
+  app.add_option("--sequences", options.sequences,
+                 "many-sequences mode: sequences per context, e.g. 1,4,8,16 (one token each per "
+                 "step)")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 256));
   CLI11_PARSE(app, argc, argv);
   try {
     kvevict::llama_cli::quiet_llama_log();
@@ -515,6 +686,8 @@ int main(int argc, char** argv) {
         options.flash_attention, load);
     if (options.memory_tokens > 0) {
       run_memory(model, options);
+    } else if (!options.sequences.empty()) {
+      run_sequences(model, options);
     } else {
       run_steps(model, options);
     }
