@@ -54,6 +54,16 @@
 //    reposition over all sequences: scoring, the rows gathered from cells to each sequence's
 //    slots, selection, llama_memory_seq_rm / seq_add) and its share of the step.
 //
+// 4. A pool under pressure (--pool-trace FILE): 16 sequences of one LlamaSequenceSet share a
+//    KvPool that holds 4 of them at full length (4 x (budget + 4) cells, budget the first of
+//    --budgets), under window, streaming_llm, h2o and tova in turn (cache_index positions).
+//    Sequence i opens at step 8i; every open sequence is fed 1 to 4 tokens per step, for
+//    --pool-steps steps. Writes every sequence's live cells after every step as CSV (step,
+//    sequence, policy, live_cells, minimum, pool_cells) and prints whether any sequence failed,
+//    was cut below its minimum, or the pool was exceeded (tools/plot_pool.py draws the CSV):
+//
+//      build/release/bin/bench_llama --budgets 128 --pool-trace pool.csv
+//
 // Model (--model): a GGUF, or any model kvevict loads (written to a temporary GGUF by kvevict's
 // writer). Default: the random Llama of bench_decode_step (dim 512, 8 layers, 8 query / 2 KV
 // heads, hidden 1536, vocabulary 259, f32, seed 512). Tokens: bench_decode_step's stream (bytes
@@ -113,6 +123,8 @@ struct Options {
   int memory_context = 0;               // 0: the budget plus a chunk and the catalyst
   std::string flash_attention = "off";  // on or off, every decode-step run
   std::vector<int> sequences;           // mode 3: sequences per context
+  std::string pool_trace;               // mode 4: CSV of every sequence's cells per step
+  int pool_steps = 400;
 };
 
 llama_flash_attn_type flash_type(const std::string& flash) {
@@ -625,6 +637,79 @@ void run_sequences(const kvevict::llama_cli::LlamaModel& model, const Options& o
   }
 }
 
+void run_pool_trace(const kvevict::llama_cli::LlamaModel& model, const Options& options) {
+  constexpr int kSequences = 16;
+  constexpr int kChunk = 4;
+  const int budget = options.budgets.front();
+  const std::int64_t pool = 4 * (std::int64_t{budget} + kChunk);
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = kSequences;
+  set_options.max_chunk = kChunk;
+  set_options.pool_cells = pool;
+  kvevict::llama::LlamaSequenceSet set(
+      model.get(),
+      context_params(static_cast<int>(pool) + kChunk, options.threads, options.flash_attention),
+      set_options);
+  const char* const policies[] = {"window", "streaming_llm", "h2o", "tova"};
+  std::ofstream csv(options.pool_trace);
+  KVEVICT_REQUIRE(csv.good(), "cannot write " + options.pool_trace);
+  csv << "step,sequence,policy,live_cells,minimum,pool_cells\n";
+  std::vector<int> ids(kSequences, -1);
+  std::vector<std::int64_t> fed(kSequences, 0);
+  std::vector<std::vector<std::int32_t>> tokens(kSequences);
+  std::vector<kvevict::llama::LlamaFeed> feeds;
+  int failures = 0;
+  int below_minimum = 0;
+  std::int64_t peak = 0;
+  const Clock::time_point start = Clock::now();
+  for (int step = 0; step < options.pool_steps; ++step) {
+    feeds.clear();
+    for (int i = 0; i < kSequences; ++i) {
+      const auto k = static_cast<std::size_t>(i);
+      if (step < 8 * i) continue;
+      if (ids[k] < 0) {
+        kvevict::harness::PolicyOptions policy_options;
+        policy_options.policy = policies[i % 4];
+        policy_options.kv_type = "f16";
+        policy_options.budget = budget;
+        policy_options.positions = "cache_index";
+        policy_options.chunk = kChunk;
+        kvevict::harness::PolicySetup setup = kvevict::llama_cli::make_setup(policy_options, model);
+        kvevict::llama::LlamaSequenceOptions sequence;
+        sequence.position_mode = setup.decoder_options.position_mode;
+        sequence.max_chunk = kChunk;
+        ids[k] = set.open(std::move(setup.policy), sequence);
+      }
+      const int n = 1 + (step * 7 + i * 3) % kChunk;
+      tokens[k] = stream_tokens(std::int64_t{i} * 1000003 + fed[k], n);
+      fed[k] += n;
+      feeds.push_back({ids[k], tokens[k]});
+    }
+    set.step(feeds);
+    std::int64_t held = 0;
+    for (int i = 0; i < kSequences; ++i) {
+      const int id = ids[static_cast<std::size_t>(i)];
+      if (id < 0) continue;
+      failures += set.failed(id) ? 1 : 0;
+      const int live = set.live_cells(id);
+      const std::int64_t minimum = set.pool()->minimum(id);
+      below_minimum += live < std::min<std::int64_t>(minimum, fed[static_cast<std::size_t>(i)]);
+      held += live;
+      csv << fmt::format("{},{},{},{},{},{}\n", step, i, policies[i % 4], live, minimum, pool);
+    }
+    peak = std::max(peak, held);
+  }
+  const kvevict::PoolStats& stats = set.pool()->stats();
+  std::cout << fmt::format(
+      "{} sequences, budget {}, pool {} cells (4 at full length), {} steps in {:.1f} s: {} failed "
+      "steps, {} cuts below a minimum; cells held plus fed at most {} (pool {}), held after a "
+      "step at most {}; {} steps pressed, {} cuts; CSV in {}\n",
+      kSequences, budget, pool, options.pool_steps, seconds_since(start), failures, below_minimum,
+      stats.peak_cells, pool, peak, stats.pressed_steps, stats.cuts, options.pool_trace);
+  KVEVICT_REQUIRE(failures == 0 && below_minimum == 0 && stats.peak_cells <= pool,
+                  "the pool's rule was broken (see above)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -668,6 +753,12 @@ int main(int argc, char** argv) {
                  "step)")
       ->delimiter(',')
       ->check(CLI::Range(1, 256));
+  app.add_option("--pool-trace", options.pool_trace,
+                 "pool mode: 16 sequences in a pool for 4, every sequence's cells per step to "
+                 "this CSV");
+  app.add_option("--pool-steps", options.pool_steps)
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   try {
     kvevict::llama_cli::quiet_llama_log();
@@ -686,6 +777,8 @@ int main(int argc, char** argv) {
         options.flash_attention, load);
     if (options.memory_tokens > 0) {
       run_memory(model, options);
+    } else if (!options.pool_trace.empty()) {
+      run_pool_trace(model, options);
     } else if (!options.sequences.empty()) {
       run_sequences(model, options);
     } else {
