@@ -105,8 +105,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReplayFixture, ::testing::ValuesIn(fixture_fi
                          fixture_test_name);
 
 TEST(ReplayFixtures, DirectoryHoldsEveryPublishedFixture) {
-  // The 18 conformance files; a missing one must not silently shrink the suite.
-  EXPECT_GE(fixture_files().size(), 18u) << replay_data_dir();
+  // The 24 conformance files; a missing one must not silently shrink the suite.
+  EXPECT_GE(fixture_files().size(), 24u) << replay_data_dir();
 }
 
 TEST(ReplayResultFormat, FormattedResultParsesBackToTheSameLists) {

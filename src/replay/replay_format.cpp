@@ -11,6 +11,7 @@
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
 #include "kvevict/checked.hpp"
+#include "kvevict/policy_registry.hpp"
 #include "replay/replay.hpp"
 
 namespace kvevict::replay {
@@ -221,10 +222,20 @@ void read_policy(const json& document, Replay& replay) {
   const json& value = require_key(document, "", "policy");
   require_object(value, "policy");
   replay.policy_name = read_string(require_key(value, "policy", "name"), "policy.name");
+  const PolicySpec* spec = find_policy_spec(replay.policy_name);
   for (const auto& [key, parameter] : value.items()) {
     if (key == "name") continue;
     const std::string path = member("policy", key);
-    if (parameter.is_number()) {
+    // A word only where the policy takes one: a choice parameter (snapkv's "pooling": "max").
+    const ParamSpec* param = spec != nullptr ? spec->find(key) : nullptr;
+    if (parameter.is_string() && param != nullptr && param->type == ParamType::choice) {
+      const std::string word = parameter.get<std::string>();
+      if (std::find(param->choices.begin(), param->choices.end(), word) == param->choices.end()) {
+        fail(path,
+             "expected one of " + PolicySpec::choices_text(*param) + ", got " + kind_of(parameter));
+      }
+      replay.policy_params.set_word(key, word);
+    } else if (parameter.is_number()) {
       replay.policy_params.set(key, read_finite(parameter, path));
     } else if (parameter.is_array()) {
       std::vector<std::int64_t> list;
@@ -236,7 +247,11 @@ void read_policy(const json& document, Replay& replay) {
       }
       replay.policy_params.set_list(key, std::move(list));
     } else {
-      fail(path, "expected a number or an array of integers, got " + kind_of(parameter));
+      fail(path, "expected a number or an array of integers" +
+                     std::string(param != nullptr && param->type == ParamType::choice
+                                     ? " or one of " + PolicySpec::choices_text(*param)
+                                     : "") +
+                     ", got " + kind_of(parameter));
     }
   }
 }
@@ -312,7 +327,8 @@ std::vector<float> read_keys(const json& value, const ReplayShape& shape, int to
 }
 
 // The expected result must describe this replay: one entry per chunk, [layers][kv_heads] lists of
-// positions in [0, T).
+// positions in [0, T), or [layers][q_heads] for a policy that caches every query head (snapkv,
+// pyramidkv, adakv with gqa = repeat; run_replay's comparison then checks the count it lays out).
 void check_result_matches(const ReplayResult& result, const Replay& replay,
                           const std::string& path) {
   if (result.after_chunk.size() != replay.chunks.size()) {
@@ -328,10 +344,15 @@ void check_result_matches(const ReplayResult& result, const Replay& replay,
                            " entries (layers), got " + std::to_string(kept.size()));
     }
     for (std::size_t l = 0; l < kept.size(); ++l) {
-      if (kept[l].size() != static_cast<std::size_t>(replay.shape.kv_heads)) {
-        fail(indexed(chunk_path, {l}), "expected " + std::to_string(replay.shape.kv_heads) +
-                                           " entries (kv_heads), got " +
-                                           std::to_string(kept[l].size()));
+      if (kept[l].size() != static_cast<std::size_t>(replay.shape.kv_heads) &&
+          kept[l].size() != static_cast<std::size_t>(replay.shape.q_heads)) {
+        fail(indexed(chunk_path, {l}),
+             "expected " + std::to_string(replay.shape.kv_heads) + " entries (kv_heads)" +
+                 (replay.shape.q_heads != replay.shape.kv_heads
+                      ? " or " + std::to_string(replay.shape.q_heads) +
+                            " (q_heads, for a policy that repeats the KV heads)"
+                      : std::string()) +
+                 ", got " + std::to_string(kept[l].size()));
       }
       for (std::size_t g = 0; g < kept[l].size(); ++g) {
         for (std::int64_t position : kept[l][g]) {
