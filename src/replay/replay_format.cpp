@@ -6,7 +6,10 @@
 #include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
 #include <utility>
+#include <variant>
 
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
@@ -326,11 +329,30 @@ std::vector<float> read_keys(const json& value, const ReplayShape& shape, int to
   return keys;
 }
 
+// Lists per layer in a result of `replay`: q_heads when its policy caches every query head (the
+// format's `gqa` parameter of snapkv, pyramidkv and adakv at "repeat", its default), else kv_heads.
+int result_heads(const Replay& replay) {
+  const PolicySpec* spec = find_policy_spec(replay.policy_name);
+  const ParamSpec* gqa = spec != nullptr ? spec->find("gqa") : nullptr;
+  if (gqa == nullptr || gqa->type != ParamType::choice || !gqa->default_value) {
+    return replay.shape.kv_heads;
+  }
+  std::string_view layout = gqa->choices[static_cast<std::size_t>(*gqa->default_value)];
+  const auto given = replay.policy_params.values().find("gqa");
+  if (given != replay.policy_params.values().end()) {
+    const auto* word = std::get_if<std::string>(&given->second);
+    if (word != nullptr) layout = *word;
+  }
+  return layout == "repeat" ? replay.shape.q_heads : replay.shape.kv_heads;
+}
+
 // The expected result must describe this replay: one entry per chunk, [layers][kv_heads] lists of
-// positions in [0, T), or [layers][q_heads] for a policy that caches every query head (snapkv,
-// pyramidkv, adakv with gqa = repeat; run_replay's comparison then checks the count it lays out).
+// positions in [0, T), [layers][q_heads] under gqa = repeat (result_heads).
 void check_result_matches(const ReplayResult& result, const Replay& replay,
                           const std::string& path) {
+  const int heads = result_heads(replay);
+  const std::string heads_meaning =
+      heads == replay.shape.kv_heads ? "kv_heads" : "q_heads: gqa = repeat caches each query head";
   if (result.after_chunk.size() != replay.chunks.size()) {
     fail(member(path, "after_chunk"), "expected " + std::to_string(replay.chunks.size()) +
                                           " entries (one per chunk), got " +
@@ -344,15 +366,10 @@ void check_result_matches(const ReplayResult& result, const Replay& replay,
                            " entries (layers), got " + std::to_string(kept.size()));
     }
     for (std::size_t l = 0; l < kept.size(); ++l) {
-      if (kept[l].size() != static_cast<std::size_t>(replay.shape.kv_heads) &&
-          kept[l].size() != static_cast<std::size_t>(replay.shape.q_heads)) {
-        fail(indexed(chunk_path, {l}),
-             "expected " + std::to_string(replay.shape.kv_heads) + " entries (kv_heads)" +
-                 (replay.shape.q_heads != replay.shape.kv_heads
-                      ? " or " + std::to_string(replay.shape.q_heads) +
-                            " (q_heads, for a policy that repeats the KV heads)"
-                      : std::string()) +
-                 ", got " + std::to_string(kept[l].size()));
+      if (kept[l].size() != static_cast<std::size_t>(heads)) {
+        fail(indexed(chunk_path, {l}), "expected " + std::to_string(heads) + " entries (" +
+                                           heads_meaning + "), got " +
+                                           std::to_string(kept[l].size()));
       }
       for (std::size_t g = 0; g < kept[l].size(); ++g) {
         for (std::int64_t position : kept[l][g]) {
