@@ -125,9 +125,16 @@ TEST(PolicyOptions, ParamsParseNumbersAndLists) {
   const PolicyParams typed =
       kvevict::policy_spec("anllm").resolve(PolicyParams::parse("anchor_ids=258"));
   EXPECT_EQ(kvevict::harness::params_json(typed).dump(), R"({"anchor_ids":[258],"max_slots":0})");
-  for (const char* bad : {"recent", "=3", "recent=", "recent=abc", "recent=1e999", "ids=1,x"}) {
+  for (const char* bad : {"recent", "=3", "recent=", "recent=a-c", "recent=1e999", "ids=1,x"}) {
     EXPECT_THROW(values.parse_pair(bad), Error) << bad;
   }
+  // A word is a value too (a choice parameter's: pooling=max); where the spec wants a number, the
+  // spec refuses it.
+  PolicyParams words;
+  words.parse_pair("pooling=max");
+  EXPECT_EQ(kvevict::harness::params_json(words).dump(), R"({"pooling":"max"})");
+  EXPECT_THROW((void)kvevict::policy_spec("window").resolve(PolicyParams::parse("recent=abc")),
+               Error);
 }
 
 TEST(PolicyOptions, ParamsOverrideTheBudgetAndSinksApply) {

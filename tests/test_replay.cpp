@@ -105,8 +105,43 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReplayFixture, ::testing::ValuesIn(fixture_fi
                          fixture_test_name);
 
 TEST(ReplayFixtures, DirectoryHoldsEveryPublishedFixture) {
-  // The 18 conformance files; a missing one must not silently shrink the suite.
-  EXPECT_GE(fixture_files().size(), 18u) << replay_data_dir();
+  // The 24 conformance files; a missing one must not silently shrink the suite.
+  EXPECT_GE(fixture_files().size(), 24u) << replay_data_dir();
+}
+
+// SnapKV, PyramidKV, Ada-KV: "pooling" and "gqa" are words; under gqa = repeat the cache lays out
+// one head per query head, so a layer's result has q_heads lists.
+TEST(ReplayPromptCompression, ChoiceParametersAndOneListPerQueryHeadUnderRepeat) {
+  const json fixture = json::parse(read_text(replay_data_dir() / "snapkv_gqa_maxpool_chunks.json"));
+  ASSERT_EQ(fixture["shape"]["q_heads"], 4);
+  ASSERT_EQ(fixture["shape"]["kv_heads"], 2);
+  const kvevict::replay::ReplayResult repeat =
+      kvevict::replay::run_replay(kvevict::replay::parse_replay(fixture));
+  EXPECT_EQ(repeat.after_chunk[0].kept[0].size(), 4u);
+  json mean = fixture;
+  mean["policy"]["gqa"] = "mean";
+  mean.erase("expected");
+  const kvevict::replay::ReplayResult per_kv_head =
+      kvevict::replay::run_replay(kvevict::replay::parse_replay(mean));
+  EXPECT_EQ(per_kv_head.after_chunk[0].kept[0].size(), 2u);
+  // Each unit keeps capacity = 20 of the 44-token prompt either way.
+  EXPECT_EQ(per_kv_head.after_chunk[0].kept[0][0].size(), 20u);
+  EXPECT_EQ(repeat.after_chunk[0].kept[0][3].size(), 20u);
+
+  json bad = fixture;
+  bad["policy"]["pooling"] = "median";
+  const std::string unknown_word = replay_error(bad);
+  EXPECT_NE(unknown_word.find("policy.pooling"), std::string::npos) << unknown_word;
+  EXPECT_NE(unknown_word.find("expected one of avg, max"), std::string::npos) << unknown_word;
+  bad["policy"]["pooling"] = 3;
+  const std::string number = replay_error(bad);
+  EXPECT_NE(number.find("parameter 'pooling' must be one of avg, max, got 3"), std::string::npos)
+      << number;
+  bad["policy"]["pooling"] = "max";
+  bad["policy"]["window"] = "6";  // a word where a number goes
+  const std::string word = replay_error(bad);
+  EXPECT_NE(word.find("policy.window"), std::string::npos) << word;
+  EXPECT_NE(word.find("expected a number or an array of integers"), std::string::npos) << word;
 }
 
 TEST(ReplayResultFormat, FormattedResultParsesBackToTheSameLists) {

@@ -22,11 +22,12 @@ namespace kvevict {
 
 class Policy;
 
-/// Numbers and integer lists by name. As given by a user they are untyped (a list of one entry and
-/// a number look alike); PolicySpec::resolve types and checks them.
+/// Numbers, integer lists and words (the value of a choice parameter, e.g. pooling=max) by name. As
+/// given by a user they are untyped (a list of one entry and a number look alike);
+/// PolicySpec::resolve types and checks them.
 class PolicyParams {
  public:
-  using Value = std::variant<double, std::vector<std::int64_t>>;
+  using Value = std::variant<double, std::vector<std::int64_t>, std::string>;
 
   PolicyParams& set(const std::string& key, double value) {
     values_[key] = value;
@@ -34,6 +35,11 @@ class PolicyParams {
   }
   PolicyParams& set_list(const std::string& key, std::vector<std::int64_t> values) {
     values_[key] = std::move(values);
+    return *this;
+  }
+  /// A word, the value of a choice parameter (ParamType::choice).
+  PolicyParams& set_word(const std::string& key, std::string word) {
+    values_[key] = std::move(word);
     return *this;
   }
   [[nodiscard]] bool has(const std::string& key) const { return values_.count(key) != 0; }
@@ -56,6 +62,10 @@ class PolicyParams {
   [[nodiscard]] const std::vector<std::int64_t>& get_list(const std::string& key) const {
     return std::get<std::vector<std::int64_t>>(at(key));
   }
+  /// A choice parameter's word (after resolve: one of its choices).
+  [[nodiscard]] const std::string& get_word(const std::string& key) const {
+    return std::get<std::string>(at(key));
+  }
 
   /// "recent=28 sinks=4" (lists as "anchor_ids=258,259"); "" when empty (numbers as number_text).
   [[nodiscard]] std::string to_string() const {
@@ -65,6 +75,8 @@ class PolicyParams {
       out += key + "=";
       if (const auto* number = std::get_if<double>(&value)) {
         out += number_text(*number);
+      } else if (const auto* word = std::get_if<std::string>(&value)) {
+        out += *word;
       } else {
         const auto& list = std::get<std::vector<std::int64_t>>(value);
         for (std::size_t i = 0; i < list.size(); ++i) {
@@ -76,8 +88,9 @@ class PolicyParams {
     return out;
   }
 
-  /// Parses "key=value key=value ..." (whitespace-separated pairs; a value is a number, or
-  /// integers separated by commas). Types are checked later, by PolicySpec::resolve.
+  /// Parses "key=value key=value ..." (whitespace-separated pairs; a value is a number, integers
+  /// separated by commas, or a word of letters, digits and '_' starting with a letter). Types are
+  /// checked later, by PolicySpec::resolve.
   [[nodiscard]] static PolicyParams parse(std::string_view text) {
     PolicyParams params;
     std::size_t at = 0;
@@ -111,8 +124,13 @@ class PolicyParams {
     };
     if (value.find(',') == std::string_view::npos) {
       const std::optional<double> number = parse_number(value);
-      if (!number) throw malformed();
-      set(key, *number);
+      if (number) {
+        set(key, *number);
+      } else if (is_word(value)) {
+        set_word(key, std::string(value));
+      } else {
+        throw malformed();
+      }
       return;
     }
     std::vector<std::int64_t> list;
@@ -138,6 +156,15 @@ class PolicyParams {
     return it->second;
   }
   static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+  static bool is_letter(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+  // A choice's word: a letter, then letters, digits or '_' (at most 64 characters).
+  static bool is_word(std::string_view text) {
+    if (text.empty() || text.size() > 64 || !is_letter(text.front())) return false;
+    for (const char c : text) {
+      if (!is_letter(c) && !(c >= '0' && c <= '9') && c != '_') return false;
+    }
+    return true;
+  }
   // A finite decimal number, the whole of `text` but surrounding blanks.
   static std::optional<double> parse_number(std::string_view text) {
     while (!text.empty() && is_space(text.front())) text.remove_prefix(1);
@@ -172,6 +199,7 @@ enum class ParamType : std::uint8_t {
   integer,       ///< a whole number in [min, max]
   real,          ///< a finite number in [min, max]
   integer_list,  ///< integers, each in [min, max]; one number is a list of one
+  choice,        ///< one word of `choices`; a default_value is the index of the default choice
 };
 
 /// One parameter of a policy: its name, type, range and default.
@@ -185,6 +213,8 @@ struct ParamSpec {
   double max = std::numeric_limits<std::int32_t>::max();
   /// May be absent with no default (the policy derives it, e.g. InfiniPot's novel = keep / 2).
   bool optional = false;
+  /// ParamType::choice: the words it accepts.
+  std::span<const std::string_view> choices = {};
 };
 
 /// A policy as the registry knows it: name, paper, parameters, what `--budget N` means, and how to
@@ -198,6 +228,16 @@ struct PolicySpec {
   PolicyParams (*budget)(int budget, int sinks) = nullptr;
   /// Builds the policy from parameters resolve() accepted.
   std::unique_ptr<Policy> (*make)(const PolicyParams& params) = nullptr;
+
+  /// "avg, max": the words a choice parameter accepts.
+  [[nodiscard]] static std::string choices_text(const ParamSpec& param) {
+    std::string text;
+    for (const std::string_view choice : param.choices) {
+      if (!text.empty()) text += ", ";
+      text += choice;
+    }
+    return text;
+  }
 
   [[nodiscard]] const ParamSpec* find(std::string_view key) const {
     for (const ParamSpec& param : params) {
@@ -226,6 +266,9 @@ struct PolicySpec {
       if (param.default_value) {
         if (param.type == ParamType::integer_list) {
           resolved.set_list(key, {static_cast<std::int64_t>(*param.default_value)});
+        } else if (param.type == ParamType::choice) {
+          resolved.set_word(
+              key, std::string(param.choices[static_cast<std::size_t>(*param.default_value)]));
         } else {
           resolved.set(key, *param.default_value);
         }
@@ -249,6 +292,29 @@ struct PolicySpec {
                     PolicyParams::number_text(number));
       }
     };
+    const auto* word = std::get_if<std::string>(&value);
+    if (param.type == ParamType::choice) {
+      const auto chosen = [&]() -> std::optional<std::string_view> {
+        if (word == nullptr) return std::nullopt;
+        for (const std::string_view choice : param.choices) {
+          if (choice == *word) return choice;
+        }
+        return std::nullopt;
+      }();
+      if (!chosen) {
+        throw Error(where + " must be one of " + choices_text(param) + ", got " +
+                    (word != nullptr ? "'" + word->substr(0, 64) + "'"
+                     : std::holds_alternative<double>(value)
+                         ? PolicyParams::number_text(std::get<double>(value))
+                         : std::string("a list")));
+      }
+      resolved.set_word(key, std::string(*chosen));
+      return;
+    }
+    if (word != nullptr) {
+      throw Error(where + " has a malformed value '" + word->substr(0, 64) + "' (" +
+                  (param.type == ParamType::integer_list ? "integers" : "a number") + " expected)");
+    }
     if (param.type == ParamType::integer_list) {
       std::vector<std::int64_t> list;
       if (const auto* number = std::get_if<double>(&value)) {

@@ -16,6 +16,7 @@
 #include "kvevict/policies/infinipot.hpp"
 #include "kvevict/policies/interval_llm.hpp"
 #include "kvevict/policies/key_scores.hpp"
+#include "kvevict/policies/prompt_compression.hpp"
 #include "kvevict/policies/random_llm.hpp"
 #include "kvevict/policies/sirllm.hpp"
 #include "kvevict/policies/streaming_llm.hpp"
@@ -28,10 +29,10 @@ namespace kvevict {
 
 /// Every policy, in the order the documentation lists them.
 [[nodiscard]] inline std::span<const PolicySpec* const> policy_specs() {
-  static constexpr std::array<const PolicySpec*, 12> kSpecs{
-      &kFullSpec,  &kWindowSpec,    &kStreamingLlmSpec, &kH2oSpec,
-      &kTovaSpec,  &kSirLlmSpec,    &kRandomLlmSpec,    &kIntervalLlmSpec,
-      &kAnLlmSpec, &kInfiniPotSpec, &kKnormSpec,        &kKeyDiffSpec};
+  static constexpr std::array<const PolicySpec*, 15> kSpecs{
+      &kFullSpec,   &kWindowSpec,    &kStreamingLlmSpec, &kH2oSpec,       &kTovaSpec,
+      &kSirLlmSpec, &kRandomLlmSpec, &kIntervalLlmSpec,  &kAnLlmSpec,     &kInfiniPotSpec,
+      &kKnormSpec,  &kKeyDiffSpec,   &kSnapKvSpec,       &kPyramidKvSpec, &kAdaKvSpec};
   return kSpecs;
 }
 

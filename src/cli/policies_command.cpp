@@ -32,11 +32,16 @@ std::string range_text(const ParamSpec& param) {
       return fmt::format("number in [{}, {}]", min, max);
     case ParamType::integer_list:
       return fmt::format("integers in [{}, {}], comma-separated", min, max);
+    case ParamType::choice:
+      return "one of " + PolicySpec::choices_text(param);
   }
   return "?";
 }
 
 std::string default_text(const ParamSpec& param) {
+  if (param.default_value && param.type == ParamType::choice) {
+    return std::string(param.choices[static_cast<std::size_t>(*param.default_value)]);
+  }
   if (param.default_value) return PolicyParams::number_text(*param.default_value);
   return param.optional ? "derived" : "required";
 }

@@ -208,6 +208,8 @@ nlohmann::ordered_json params_json(const PolicyParams& params) {
       const bool integral = *number == std::floor(*number) && std::fabs(*number) < 9.0e15;
       json[key] = integral ? nlohmann::ordered_json(static_cast<std::int64_t>(*number))
                            : nlohmann::ordered_json(*number);
+    } else if (const auto* word = std::get_if<std::string>(&value)) {
+      json[key] = *word;
     } else {
       json[key] = std::get<std::vector<std::int64_t>>(value);
     }

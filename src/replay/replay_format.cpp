@@ -6,11 +6,15 @@
 #include <iterator>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
 #include <utility>
+#include <variant>
 
 #include "common/bounded_json.hpp"
 #include "common/input_files.hpp"
 #include "kvevict/checked.hpp"
+#include "kvevict/policy_registry.hpp"
 #include "replay/replay.hpp"
 
 namespace kvevict::replay {
@@ -221,10 +225,20 @@ void read_policy(const json& document, Replay& replay) {
   const json& value = require_key(document, "", "policy");
   require_object(value, "policy");
   replay.policy_name = read_string(require_key(value, "policy", "name"), "policy.name");
+  const PolicySpec* spec = find_policy_spec(replay.policy_name);
   for (const auto& [key, parameter] : value.items()) {
     if (key == "name") continue;
     const std::string path = member("policy", key);
-    if (parameter.is_number()) {
+    // A word only where the policy takes one: a choice parameter (snapkv's "pooling": "max").
+    const ParamSpec* param = spec != nullptr ? spec->find(key) : nullptr;
+    if (parameter.is_string() && param != nullptr && param->type == ParamType::choice) {
+      const std::string word = parameter.get<std::string>();
+      if (std::find(param->choices.begin(), param->choices.end(), word) == param->choices.end()) {
+        fail(path,
+             "expected one of " + PolicySpec::choices_text(*param) + ", got " + kind_of(parameter));
+      }
+      replay.policy_params.set_word(key, word);
+    } else if (parameter.is_number()) {
       replay.policy_params.set(key, read_finite(parameter, path));
     } else if (parameter.is_array()) {
       std::vector<std::int64_t> list;
@@ -236,7 +250,11 @@ void read_policy(const json& document, Replay& replay) {
       }
       replay.policy_params.set_list(key, std::move(list));
     } else {
-      fail(path, "expected a number or an array of integers, got " + kind_of(parameter));
+      fail(path, "expected a number or an array of integers" +
+                     std::string(param != nullptr && param->type == ParamType::choice
+                                     ? " or one of " + PolicySpec::choices_text(*param)
+                                     : "") +
+                     ", got " + kind_of(parameter));
     }
   }
 }
@@ -311,10 +329,30 @@ std::vector<float> read_keys(const json& value, const ReplayShape& shape, int to
   return keys;
 }
 
+// Lists per layer in a result of `replay`: q_heads when its policy caches every query head (the
+// format's `gqa` parameter of snapkv, pyramidkv and adakv at "repeat", its default), else kv_heads.
+int result_heads(const Replay& replay) {
+  const PolicySpec* spec = find_policy_spec(replay.policy_name);
+  const ParamSpec* gqa = spec != nullptr ? spec->find("gqa") : nullptr;
+  if (gqa == nullptr || gqa->type != ParamType::choice || !gqa->default_value) {
+    return replay.shape.kv_heads;
+  }
+  std::string_view layout = gqa->choices[static_cast<std::size_t>(*gqa->default_value)];
+  const auto given = replay.policy_params.values().find("gqa");
+  if (given != replay.policy_params.values().end()) {
+    const auto* word = std::get_if<std::string>(&given->second);
+    if (word != nullptr) layout = *word;
+  }
+  return layout == "repeat" ? replay.shape.q_heads : replay.shape.kv_heads;
+}
+
 // The expected result must describe this replay: one entry per chunk, [layers][kv_heads] lists of
-// positions in [0, T).
+// positions in [0, T), [layers][q_heads] under gqa = repeat (result_heads).
 void check_result_matches(const ReplayResult& result, const Replay& replay,
                           const std::string& path) {
+  const int heads = result_heads(replay);
+  const std::string heads_meaning =
+      heads == replay.shape.kv_heads ? "kv_heads" : "q_heads: gqa = repeat caches each query head";
   if (result.after_chunk.size() != replay.chunks.size()) {
     fail(member(path, "after_chunk"), "expected " + std::to_string(replay.chunks.size()) +
                                           " entries (one per chunk), got " +
@@ -328,9 +366,9 @@ void check_result_matches(const ReplayResult& result, const Replay& replay,
                            " entries (layers), got " + std::to_string(kept.size()));
     }
     for (std::size_t l = 0; l < kept.size(); ++l) {
-      if (kept[l].size() != static_cast<std::size_t>(replay.shape.kv_heads)) {
-        fail(indexed(chunk_path, {l}), "expected " + std::to_string(replay.shape.kv_heads) +
-                                           " entries (kv_heads), got " +
+      if (kept[l].size() != static_cast<std::size_t>(heads)) {
+        fail(indexed(chunk_path, {l}), "expected " + std::to_string(heads) + " entries (" +
+                                           heads_meaning + "), got " +
                                            std::to_string(kept[l].size()));
       }
       for (std::size_t g = 0; g < kept[l].size(); ++g) {

@@ -84,7 +84,10 @@ void softmax_row(int keys, AllowedFn allowed, LogitFn logit, std::span<float> ro
 class Simulator {
  public:
   Simulator(const Replay& replay, std::unique_ptr<Policy> policy)
-      : replay_(replay), sequence_(sequence_config(replay), checked(std::move(policy))) {
+      : replay_(replay),
+        cache_kv_heads_(
+            cached_kv_heads(*checked(policy), replay.shape.q_heads, replay.shape.kv_heads)),
+        sequence_(sequence_config(replay, cache_kv_heads_), std::move(policy)) {
     const std::string policy_name(sequence_.policy().name());
     if (sequence_.wants(Signal::surprisal) && !replay.surprisal) {
       throw ReplayError("policy '" + policy_name +
@@ -93,6 +96,11 @@ class Simulator {
     if (sequence_.wants(Signal::token_ids) && !replay.token_ids) {
       throw ReplayError("policy '" + policy_name +
                         "' reads token ids, but the replay has no \"token_ids\"");
+    }
+    if (sequence_.wants(Signal::keys) && cache_kv_heads_ != replay.shape.kv_heads) {
+      throw ReplayError("policy '" + policy_name +
+                        "' reads the keys but repeats the KV heads: the replay's keys are per KV "
+                        "head");
     }
     if (sequence_.wants(Signal::keys) && !replay.keys) {
       throw ReplayError("policy '" + policy_name +
@@ -125,16 +133,17 @@ class Simulator {
   }
 
  private:
-  static std::unique_ptr<Policy> checked(std::unique_ptr<Policy> policy) {
+  static const std::unique_ptr<Policy>& checked(const std::unique_ptr<Policy>& policy) {
     KVEVICT_REQUIRE(policy != nullptr, "run_replay: policy is null");
     return policy;
   }
-  // Every token and the catalyst fit at once: a replay is small (kMaxTokens).
-  static SequenceConfig sequence_config(const Replay& replay) {
+  // Every token and the catalyst fit at once: a replay is small (kMaxTokens). `cache_kv_heads`:
+  // the KV heads the cache lays out, q_heads when the policy repeats them (gqa = repeat).
+  static SequenceConfig sequence_config(const Replay& replay, int cache_kv_heads) {
     SequenceConfig config;
     config.layers = replay.shape.layers;
     config.q_heads = replay.shape.q_heads;
-    config.kv_heads = replay.shape.kv_heads;
+    config.kv_heads = cache_kv_heads;
     config.head_dim = replay.shape.head_dim;
     config.max_chunk = replay.tokens + (replay.catalyst ? replay.catalyst->length : 0);
     config.initial_capacity = config.max_chunk + 1;
@@ -200,10 +209,13 @@ class Simulator {
     }
   }
 
+  // Query heads per cached KV head: the replay's group, or 1 when the policy repeats KV heads.
+  int cache_group() const { return replay_.shape.q_heads / cache_kv_heads_; }
+
   // The largest slot limit of `layer`'s KV heads: the rows' stride.
   int count_keys(int layer) const {
     int widest = 0;
-    for (int g = 0; g < replay_.shape.kv_heads; ++g) {
+    for (int g = 0; g < cache_kv_heads_; ++g) {
       widest = std::max(widest, sequence_.slot_limit(layer, g));
     }
     return widest;
@@ -216,7 +228,7 @@ class Simulator {
     const int stride = count_keys(layer);
     rows_.assign(static_cast<std::size_t>(shape.q_heads) * queries * stride, 0.0f);
     for (int h = 0; h < shape.q_heads; ++h) {
-      const int unit = sequence_.unit_of(layer, h / shape.group_size());
+      const int unit = sequence_.unit_of(layer, h / cache_group());
       const SlotTable& slots = sequence_.slots();
       const std::span<const std::int64_t> original = slots.original_positions(unit);
       for (int q = 0; q < queries; ++q) {
@@ -251,7 +263,7 @@ class Simulator {
       const int stride = count_keys(l);
       rows_.assign(static_cast<std::size_t>(shape.q_heads) * length * stride, 0.0f);
       for (int h = 0; h < shape.q_heads; ++h) {
-        const int unit = sequence_.unit_of(l, h / shape.group_size());
+        const int unit = sequence_.unit_of(l, h / cache_group());
         const std::span<const std::int64_t> original = slots.original_positions(unit);
         const std::span<const std::uint8_t> flags = slots.flags(unit);
         // Catalyst token k sits at original position first_query + k: column T + k.
@@ -286,15 +298,16 @@ class Simulator {
     return {rows_.data() + offset, static_cast<std::size_t>(stride)};
   }
 
-  // Kept original positions of every (layer, KV head): its unit's, ascending.
+  // Kept original positions of every cached (layer, KV head): its unit's, ascending. Under
+  // gqa = repeat the cache has a head per query head, so a layer has q_heads lists.
   ChunkKept kept_now() const {
     const SlotTable& slots = sequence_.slots();
     ChunkKept chunk;
     chunk.kept.resize(static_cast<std::size_t>(replay_.shape.layers));
     for (int l = 0; l < replay_.shape.layers; ++l) {
       auto& layer = chunk.kept[static_cast<std::size_t>(l)];
-      layer.reserve(static_cast<std::size_t>(replay_.shape.kv_heads));
-      for (int g = 0; g < replay_.shape.kv_heads; ++g) {
+      layer.reserve(static_cast<std::size_t>(cache_kv_heads_));
+      for (int g = 0; g < cache_kv_heads_; ++g) {
         const int unit = sequence_.unit_of(l, g);
         std::vector<std::int64_t> positions;
         for (const std::int32_t slot : slots.stream_order(unit)) {
@@ -307,6 +320,7 @@ class Simulator {
   }
 
   const Replay& replay_;
+  int cache_kv_heads_;  // KV heads of the cache: the replay's, or q_heads under gqa = repeat
   Sequence sequence_;
   std::vector<std::int32_t> zero_ids_;      // token ids when the replay has none
   std::vector<float> chunk_keys_;           // [kv_heads][chunk][head_dim] of one layer

@@ -226,8 +226,8 @@ bool modest(const std::string& params) {
     for (const auto& [key, value] : parsed.values()) {
       if (const auto* number = std::get_if<double>(&value)) {
         if (std::fabs(*number) > 65536) return false;
-      } else {
-        if (std::get<std::vector<std::int64_t>>(value).size() > 64) return false;
+      } else if (const auto* list = std::get_if<std::vector<std::int64_t>>(&value)) {
+        if (list->size() > 64) return false;
       }
     }
   } catch (const kvevict::Error&) {

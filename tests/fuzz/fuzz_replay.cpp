@@ -33,8 +33,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       fuzz::property_failed("a chunk's result does not have one entry per layer");
     }
     for (const auto& layer : chunk.kept) {
-      if (layer.size() != static_cast<std::size_t>(input.shape.kv_heads)) {
-        fuzz::property_failed("a layer's result does not have one list per KV head");
+      // One list per KV head, or per query head for a policy that repeats them (gqa = repeat).
+      if (layer.size() != static_cast<std::size_t>(input.shape.kv_heads) &&
+          layer.size() != static_cast<std::size_t>(input.shape.q_heads)) {
+        fuzz::property_failed("a layer's result does not have one list per KV or query head");
       }
       for (const auto& positions : layer) {
         for (const std::int64_t position : positions) {
