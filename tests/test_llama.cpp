@@ -1157,6 +1157,56 @@ TEST(LlamaBatch, SixteenSequencesInAPoolForFour) {
   EXPECT_GT(set.pool()->stats().pressed_steps, 0);
 }
 
+// A policy whose pressed form drops the newest tokens (its own rule keeps the newest 32): under
+// `original` positions llama.cpp cannot represent that, so a pool's cut of it must fail it alone.
+class NewestGoFirstUnderPressure final : public kvevict::Policy {
+ public:
+  [[nodiscard]] std::string_view name() const override { return "newest_go_first"; }
+  [[nodiscard]] std::optional<int> retained_limit() const override { return 32; }
+  [[nodiscard]] bool supports_pressure() const override { return true; }
+  void select(const kvevict::EvictionContext& context, kvevict::Decision& decision) override {
+    const std::span<const std::int32_t> order = context.slots.stream_order(0);
+    const int live = static_cast<int>(order.size());
+    for (int i = 0; i < live - 32; ++i) decision.evict(0, order[static_cast<std::size_t>(i)]);
+    for (int i = std::max(live - 32, 0); i < live - context.max_live; ++i) {
+      decision.evict(0, order[static_cast<std::size_t>(live - 1 - (i - std::max(live - 32, 0)))]);
+    }
+  }
+};
+
+TEST(LlamaBatch, AFailedCutFailsThatSequenceAlone) {
+  const ModelFile& file = *LlamaModels::random;
+  kvevict::llama::LlamaSequenceSetOptions set_options;
+  set_options.max_sequences = 2;
+  set_options.max_chunk = 4;
+  set_options.pool_cells = 48;
+  kvevict::llama::LlamaSequenceSet set(file.llama, batch_params(256, false), set_options);
+  kvevict::llama::LlamaSequenceOptions options;
+  options.max_chunk = 4;
+  options.granularity = Granularity::token;
+  const int a = set.open(std::make_unique<NewestGoFirstUnderPressure>(), options);
+  const int b =
+      set.open(kvevict::make_policy("window", kvevict::budget_params("window", 32)), options);
+  const std::vector<std::int32_t> tokens{5, 6, 7, 8};
+  const std::vector<kvevict::llama::LlamaFeed> both{{a, tokens}, {b, tokens}};
+  // 2 x 4 tokens per step: 8k cells at step k fit the pool of 48 up to the sixth; at the seventh
+  // each holds 24, and 48 - 8 = 40 cells are left to keep: both are cut to 20.
+  for (int step = 0; step < 6; ++step) set.step(both);
+  EXPECT_FALSE(set.failed(a).has_value());
+  set.step(both);
+  ASSERT_TRUE(set.failed(a).has_value());
+  EXPECT_NE(set.failed(a)->find("evicted the newest token"), std::string::npos) << *set.failed(a);
+  EXPECT_EQ(llama_memory_seq_pos_max(llama_get_memory(set.context()), a), -1);  // cells freed
+  EXPECT_FALSE(set.failed(b).has_value());
+  // b goes on alone, in the whole pool.
+  const std::vector<kvevict::llama::LlamaFeed> b_only{{b, tokens}};
+  for (int step = 0; step < 5; ++step) set.step(b_only);
+  EXPECT_FALSE(set.failed(b).has_value());
+  EXPECT_EQ(set.live_cells(b), 32);
+  EXPECT_NE(error_of([&] { set.step(both); }).find("sequence 0 failed"), std::string::npos);
+  set.close(a);
+}
+
 // Bad input to a set: refused before anything changes, the other sequences unaffected.
 TEST(LlamaBatch, BadInputLeavesTheOtherSequencesAlone) {
   const ModelFile& file = *LlamaModels::random;

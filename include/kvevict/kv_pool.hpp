@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <span>
 #include <string>
@@ -109,6 +110,21 @@ class KvPool {
     int tokens = 0;
   };
 
+  /// A member's cut failed (its engine refused the decision, e.g. llama.cpp under `original`
+  /// positions when the newest token goes): the members before it were cut, the ones after it
+  /// not, and the member itself is unusable. The engine frees its cells and removes it (leave),
+  /// then calls make_room again.
+  class CutFailure : public Error {
+   public:
+    CutFailure(int member, const std::string& what)
+        : Error("KV pool: cutting member " + std::to_string(member) + " failed: " + what),
+          member_(member) {}
+    [[nodiscard]] int member() const { return member_; }
+
+   private:
+    int member_;
+  };
+
   explicit KvPool(std::int64_t cells) : cells_(cells) {
     KVEVICT_REQUIRE(cells > 0, "KV pool: cells must be positive, got " + std::to_string(cells));
   }
@@ -186,7 +202,7 @@ class KvPool {
   /// Before a step that feeds each listed member its tokens (members not listed are fed
   /// nothing): cuts members as the rule says so that cells held plus tokens fed fit in the pool.
   /// A feed naming a member that is not in the pool, twice, or with tokens outside [0, its
-  /// max_chunk] is refused before anything changes.
+  /// max_chunk] is refused before anything changes; a cut that fails throws CutFailure.
   void make_room(std::span<const Feed> feeds) {
     claims_.clear();
     ids_.clear();
@@ -227,7 +243,11 @@ class KvPool {
     for (std::size_t i = 0; i < claims_.size(); ++i) {
       Member& m = *members_[static_cast<std::size_t>(ids_[i])];
       if (grants[i] < claims_[i].cells) {
-        m.sequence->shrink_to(static_cast<int>(grants[i]));
+        try {
+          m.sequence->shrink_to(static_cast<int>(grants[i]));
+        } catch (const std::exception& error) {
+          throw CutFailure(ids_[i], error.what());
+        }
         pressed = true;
         ++stats_.cuts;
       }

@@ -22,8 +22,9 @@
 // Errors: bad input to step() (a sequence not open, fed twice, a chunk of 0 or more than
 // max_chunk tokens, a token outside the vocabulary, a sequence that failed) is refused before
 // anything changes. A failure of one sequence during a step (its policy's decision, its attention
-// missing from the graph) fails that sequence only: failed(id) names it, and it must be closed;
-// the other sequences of the step are unaffected. A llama_decode failure fails the step.
+// missing from the graph, a pool's cut of it that llama.cpp cannot represent) fails that sequence
+// only: failed(id) names it, and it must be closed; the other sequences of the step are
+// unaffected. A llama_decode failure fails the step.
 #pragma once
 
 #include <llama.h>
