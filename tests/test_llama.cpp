@@ -86,11 +86,13 @@ class LlamaModels : public ::testing::Environment {
     random = make_file(kvevict::model::make_random_model(config, 11), "random");
     config.layers = 1;
     one_layer = make_file(kvevict::model::make_random_model(config, 12), "one_layer");
+    config.dim = 128;  // head_dim 32: a Q8_0 / Q4_0 block
+    wide_heads = make_file(kvevict::model::make_random_model(config, 13), "wide_heads");
     toy = make_file(kvevict::model::load_model(fs::path(KVEVICT_SOURCE_DIR) / "models/toy-base"),
                     "toy_base");
   }
   void TearDown() override {
-    for (const auto* file : {random.get(), one_layer.get(), toy.get()}) {
+    for (const auto* file : {random.get(), one_layer.get(), wide_heads.get(), toy.get()}) {
       if (file == nullptr) continue;
       llama_model_free(file->llama);
       std::error_code ignored;
@@ -98,7 +100,8 @@ class LlamaModels : public ::testing::Environment {
     }
   }
   static inline std::unique_ptr<ModelFile> random;
-  static inline std::unique_ptr<ModelFile> one_layer;  // random weights, one layer
+  static inline std::unique_ptr<ModelFile> one_layer;   // random weights, one layer
+  static inline std::unique_ptr<ModelFile> wide_heads;  // ... with head_dim 32
   static inline std::unique_ptr<ModelFile> toy;
 };
 
@@ -428,7 +431,10 @@ struct FlashOutcome {
 // Score column of the policy's ranking: H2O's and TOVA's column 0, InfiniPot's CaP (1).
 int score_column(const std::string& policy) { return policy == "infinipot" ? 1 : 0; }
 
-FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells) {
+// `cells`: the K cells' type, and the V cells' unless `value_cells` is given (llama.cpp needs
+// flash attention for quantized V cells, so K cells of a quantized type are compared over f16 V).
+FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells,
+                           std::optional<ggml_type> value_cells = std::nullopt) {
   SCOPED_TRACE(describe(c) + " flash attention on vs off, " + ggml_type_name(cells) +
                " cells, on " + file.path.filename().string());
   const std::vector<std::int32_t> tokens = stream_tokens(file.model, c.tokens);
@@ -444,7 +450,7 @@ FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells
     params.n_threads = 1;
     params.n_threads_batch = 1;
     params.type_k = cells;
-    params.type_v = cells;
+    params.type_v = value_cells.value_or(cells);
     params.flash_attn_type = flash;
     kvevict::llama::LlamaSequenceOptions options;
     options.position_mode = c.positions;
@@ -562,6 +568,23 @@ TEST(LlamaFlashAttention, OneLayerKeepsTheSameTokens) {
   }
 }
 
+// The same over K cells of the other types: bf16 and Q8_0, which the kernel reads in registers
+// (q rounded to bf16 / Q8_0 as ggml's matrix product rounds it against them: the products of the
+// softmax path, Q8_0's in float rather than ggml's integer sums), and Q4_0, which it dequantizes
+// with ggml first. V cells f16 (llama.cpp needs flash attention for quantized V cells). One layer,
+// head_dim 32 (a block of Q8_0 and Q4_0).
+TEST(LlamaFlashAttention, OneLayerOverEveryKeyType) {
+  const ModelFile& file = *LlamaModels::wide_heads;
+  const Case c{.policy = "h2o", .budget = 64, .tokens = 1000};
+  for (const ggml_type cells : {GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0}) {
+    const FlashOutcome outcome = compare_flash(file, c, cells, GGML_TYPE_F16);
+    EXPECT_FALSE(outcome.parted) << ggml_type_name(cells);
+    EXPECT_GT(outcome.evicting_chunks, 20) << ggml_type_name(cells);
+    EXPECT_LE(outcome.max_score_diff, kSameInputs) << ggml_type_name(cells);
+    EXPECT_GT(outcome.flash_layers, 0) << ggml_type_name(cells);
+  }
+}
+
 // toy-base, four layers, f32 cells (kvevict-llama's default): the same keep-sets until a near-tie.
 TEST(LlamaFlashAttention, ToyBaseKeepsTheSameTokensUpToNearTies) {
   const ModelFile& file = *LlamaModels::toy;
@@ -605,7 +628,7 @@ std::string error_of(const std::function<void()>& run) {
 }
 
 // Every policy runs with flash attention forced on, and on q8_0 cells (which need it): kvevict
-// computes the attention rows from q8_0 keys with ggml's q8_0 dot product.
+// computes the attention rows from the q8_0 keys (read in registers by its kernel).
 TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
   llama_context_params params = llama_context_default_params();
   params.n_ctx = 512;
