@@ -3,6 +3,7 @@
 // the same chunks under the same policy at token granularity; after every chunk both must keep
 // exactly the same tokens, and the stream's bits per byte must agree within 1e-4 relative (the two
 // engines compute the same f32 model, f32 K/V cells included, with different kernels).
+#include <gguf.h>
 #include <gtest/gtest.h>
 #include <llama.h>
 #include <unistd.h>
@@ -657,6 +658,84 @@ TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
           << policy << " on " << ggml_type_name(cells);
     }
   }
+}
+
+// A model whose layer 1 has no attention: llama.cpp's "deci" architecture (DeciLM / Nemotron-NAS,
+// whose attention-free layers have no heads), written from the random two-layer model's GGUF with
+// layer 1's attention weights left out. An attention-reading policy's forward must stop with an
+// error naming the layer, with flash attention off and on; a policy that reads no attention runs.
+TEST(LlamaErrors, ALayerWithoutAttention) {
+  const ModelFile& source = *LlamaModels::random;
+  const fs::path path = fs::temp_directory_path() /
+                        ("kvevict_test_llama_no_attention_" + std::to_string(getpid()) + ".gguf");
+  {
+    ggml_context* data = nullptr;
+    gguf_context* in = gguf_init_from_file(source.path.c_str(), {.no_alloc = false, .ctx = &data});
+    ASSERT_NE(in, nullptr);
+    gguf_context* out = gguf_init_empty();
+    gguf_set_kv(out, in);
+    gguf_set_val_str(out, "general.architecture", "deci");
+    gguf_set_val_str(out, "tokenizer.ggml.model", "none");  // as make_file's override
+    for (std::int64_t i = 0; i < gguf_get_n_kv(in); ++i) {
+      const std::string_view key = gguf_get_key(in, i);
+      if (!key.starts_with("llama.")) continue;
+      const std::string renamed = "deci." + std::string(key.substr(6));
+      switch (gguf_get_kv_type(in, i)) {
+        case GGUF_TYPE_UINT32:
+          gguf_set_val_u32(out, renamed.c_str(), gguf_get_val_u32(in, i));
+          break;
+        case GGUF_TYPE_FLOAT32:
+          gguf_set_val_f32(out, renamed.c_str(), gguf_get_val_f32(in, i));
+          break;
+        default:
+          ADD_FAILURE() << "unexpected type of " << key;
+      }
+    }
+    const std::int32_t heads[] = {4, 0};
+    const std::int32_t kv_heads[] = {2, 0};
+    gguf_set_arr_data(out, "deci.attention.head_count", GGUF_TYPE_INT32, heads, 2);
+    gguf_set_arr_data(out, "deci.attention.head_count_kv", GGUF_TYPE_INT32, kv_heads, 2);
+    for (std::int64_t t = 0; t < gguf_get_n_tensors(in); ++t) {
+      const std::string_view name = gguf_get_tensor_name(in, t);
+      if (name.starts_with("blk.1.attn_")) continue;  // q, k, v, output and the norm
+      gguf_add_tensor(out, ggml_get_tensor(data, name.data()));
+    }
+    ASSERT_TRUE(gguf_write_to_file(out, path.c_str(), false));
+    gguf_free(out);
+    gguf_free(in);
+    ggml_free(data);
+  }
+  llama_model_params model_params = llama_model_default_params();
+  llama_model* model = llama_model_load_from_file(path.c_str(), model_params);
+  std::error_code ignored;
+  fs::remove(path, ignored);
+  ASSERT_NE(model, nullptr);
+  const std::vector<std::int32_t> tokens = stream_tokens(source.model, 40);
+  for (const llama_flash_attn_type flash :
+       {LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED}) {
+    llama_context_params params = llama_context_default_params();
+    params.n_ctx = 256;
+    params.n_threads = 1;
+    params.n_threads_batch = 1;
+    params.flash_attn_type = flash;
+    const auto run = [&](const std::string& policy) {
+      return error_of([&] {
+        kvevict::llama::LlamaSequence sequence(
+            model, params, kvevict::make_policy(policy, kvevict::budget_params(policy, 16)));
+        (void)sequence.feed(tokens);
+      });
+    };
+    const std::string error = run("h2o");
+    EXPECT_NE(error.find("no attention for layer 1 of 2"), std::string::npos) << error;
+    EXPECT_NE(error.find(flash == LLAMA_FLASH_ATTN_TYPE_ENABLED
+                             ? "no flash-attention node (GGML_OP_FLASH_ATTN_EXT) reading that "
+                               "layer's K cache (cache_k_l1)"
+                             : "neither kq_soft_max-1"),
+              std::string::npos)
+        << error;
+    EXPECT_EQ(run("streaming_llm"), "no error");
+  }
+  llama_model_free(model);
 }
 
 // K-norm and KeyDiff read no attention: flash attention stays on, over f16 and q8_0 cells (q8_0
