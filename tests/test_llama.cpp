@@ -5,6 +5,7 @@
 // engines compute the same f32 model, f32 K/V cells included, with different kernels).
 #include <gguf.h>
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 #include <llama.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <kvevict/detail/half.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
 #include <kvevict/model/decoder.hpp>
@@ -26,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -33,6 +36,7 @@
 
 #include "harness/log_loss.hpp"
 #include "harness/text_pieces.hpp"
+#include "llama/attention_kernels.hpp"
 #include "llama/cli/llama_model.hpp"
 #include "model/model_io.hpp"
 
@@ -658,6 +662,75 @@ TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
           << policy << " on " << ggml_type_name(cells);
     }
   }
+}
+
+// The kernels of the flash-attention rows on every SIMD target Highway built and this CPU runs
+// (AVX-512, AVX2, SSE4 and the scalar fallback on x86-64), against double-precision references:
+// gathered f16 cells over row lengths that are and are not multiples of the lanes, and tile
+// counts with and without a partial tile; the softmax with masked (-inf) cells, which read 0.
+TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
+  namespace kernels = kvevict::llama::kernels;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  constexpr int kCells = 400;
+  constexpr int kHeads = 2;  // the K rows read are head 1's, at a stride of two heads
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const int k : {16, 20, 64, 128}) {
+      std::vector<std::uint16_t> cells(static_cast<std::size_t>(kCells) * kHeads * k);
+      for (std::uint16_t& v : cells) v = kvevict::detail::float_to_f16(uniform(rng));
+      const kernels::CellRows keys{kernels::CellType::f16,
+                                   reinterpret_cast<const std::uint8_t*>(cells.data() + k),
+                                   static_cast<std::size_t>(kHeads * k) * 2};
+      for (const int m : {1, 4, 5, 64}) {
+        for (const int n : {1, 7, 33, 300}) {
+          std::vector<float> x(static_cast<std::size_t>(m) * k);
+          for (float& v : x) v = uniform(rng);
+          std::vector<std::int32_t> index(static_cast<std::size_t>(n));
+          for (int c = 0; c < n; ++c) index[c] = (c * 37 + 5) % kCells;
+          std::vector<float> y(static_cast<std::size_t>(m) * n);
+          kernels::gathered_scores(x.data(), k, m, keys, index.data(), n, k, y.data(), n);
+          double worst = 0.0;
+          for (int r = 0; r < m; ++r) {
+            for (int c = 0; c < n; ++c) {
+              double want = 0.0;
+              for (int j = 0; j < k; ++j) {
+                want += static_cast<double>(x[static_cast<std::size_t>(r * k + j)]) *
+                        kvevict::detail::f16_to_float(
+                            cells[static_cast<std::size_t>(index[c]) * kHeads * k + k + j]);
+              }
+              worst = std::max(worst, std::abs(want - y[static_cast<std::size_t>(r * n + c)]));
+            }
+          }
+          EXPECT_LE(worst, 1e-4) << "k " << k << " m " << m << " n " << n;
+        }
+      }
+    }
+    for (const int n : {1, 7, 33, 300}) {
+      std::vector<float> row(static_cast<std::size_t>(n));
+      std::vector<float> bias(static_cast<std::size_t>(n));
+      for (int c = 0; c < n; ++c) {
+        row[c] = 20.0f * uniform(rng);
+        bias[c] = c % 3 == 1 ? -std::numeric_limits<float>::infinity() : 0.5f * uniform(rng);
+      }
+      std::vector<double> want(static_cast<std::size_t>(n), 0.0);
+      double max = -std::numeric_limits<double>::infinity();
+      for (int c = 0; c < n; ++c) max = std::max(max, 0.125 * row[c] + bias[c]);
+      double sum = 0.0;
+      for (int c = 0; c < n; ++c) sum += want[c] = std::exp(0.125 * row[c] + bias[c] - max);
+      kernels::softmax_row(row.data(), bias.data(), 0.125f, n);
+      for (int c = 0; c < n; ++c) {
+        if (c % 3 == 1) {
+          EXPECT_EQ(row[c], 0.0f) << "n " << n << " masked cell " << c;
+        } else {
+          EXPECT_NEAR(row[c], want[c] / sum, 1e-6 * want[c] / sum + 1e-9)
+              << "n " << n << " cell " << c;
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to the CPU's own
 }
 
 // A model whose layer 1 has no attention: llama.cpp's "deci" architecture (DeciLM / Nemotron-NAS,
