@@ -3,7 +3,9 @@
 // the same chunks under the same policy at token granularity; after every chunk both must keep
 // exactly the same tokens, and the stream's bits per byte must agree within 1e-4 relative (the two
 // engines compute the same f32 model, f32 K/V cells included, with different kernels).
+#include <gguf.h>
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 #include <llama.h>
 #include <unistd.h>
 
@@ -15,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <kvevict/detail/half.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
 #include <kvevict/model/decoder.hpp>
@@ -27,6 +30,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -35,6 +39,7 @@
 
 #include "harness/log_loss.hpp"
 #include "harness/text_pieces.hpp"
+#include "llama/attention_kernels.hpp"
 #include "llama/cli/llama_model.hpp"
 #include "model/model_io.hpp"
 
@@ -89,11 +94,13 @@ class LlamaModels : public ::testing::Environment {
     random = make_file(kvevict::model::make_random_model(config, 11), "random");
     config.layers = 1;
     one_layer = make_file(kvevict::model::make_random_model(config, 12), "one_layer");
+    config.dim = 128;  // head_dim 32: a Q8_0 / Q4_0 block
+    wide_heads = make_file(kvevict::model::make_random_model(config, 13), "wide_heads");
     toy = make_file(kvevict::model::load_model(fs::path(KVEVICT_SOURCE_DIR) / "models/toy-base"),
                     "toy_base");
   }
   void TearDown() override {
-    for (const auto* file : {random.get(), one_layer.get(), toy.get()}) {
+    for (const auto* file : {random.get(), one_layer.get(), wide_heads.get(), toy.get()}) {
       if (file == nullptr) continue;
       llama_model_free(file->llama);
       std::error_code ignored;
@@ -101,7 +108,8 @@ class LlamaModels : public ::testing::Environment {
     }
   }
   static inline std::unique_ptr<ModelFile> random;
-  static inline std::unique_ptr<ModelFile> one_layer;  // random weights, one layer
+  static inline std::unique_ptr<ModelFile> one_layer;   // random weights, one layer
+  static inline std::unique_ptr<ModelFile> wide_heads;  // ... with head_dim 32
   static inline std::unique_ptr<ModelFile> toy;
 };
 
@@ -431,7 +439,10 @@ struct FlashOutcome {
 // Score column of the policy's ranking: H2O's and TOVA's column 0, InfiniPot's CaP (1).
 int score_column(const std::string& policy) { return policy == "infinipot" ? 1 : 0; }
 
-FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells) {
+// `cells`: the K cells' type, and the V cells' unless `value_cells` is given (llama.cpp needs
+// flash attention for quantized V cells, so K cells of a quantized type are compared over f16 V).
+FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells,
+                           std::optional<ggml_type> value_cells = std::nullopt) {
   SCOPED_TRACE(describe(c) + " flash attention on vs off, " + ggml_type_name(cells) +
                " cells, on " + file.path.filename().string());
   const std::vector<std::int32_t> tokens = stream_tokens(file.model, c.tokens);
@@ -447,7 +458,7 @@ FlashOutcome compare_flash(const ModelFile& file, const Case& c, ggml_type cells
     params.n_threads = 1;
     params.n_threads_batch = 1;
     params.type_k = cells;
-    params.type_v = cells;
+    params.type_v = value_cells.value_or(cells);
     params.flash_attn_type = flash;
     kvevict::llama::LlamaSequenceOptions options;
     options.position_mode = c.positions;
@@ -565,6 +576,23 @@ TEST(LlamaFlashAttention, OneLayerKeepsTheSameTokens) {
   }
 }
 
+// The same over K cells of the other types: bf16 and Q8_0, which the kernel reads in registers
+// (q rounded to bf16 / Q8_0 as ggml's matrix product rounds it against them: the products of the
+// softmax path, Q8_0's in float rather than ggml's integer sums), and Q4_0, which it dequantizes
+// with ggml first. V cells f16 (llama.cpp needs flash attention for quantized V cells). One layer,
+// head_dim 32 (a block of Q8_0 and Q4_0).
+TEST(LlamaFlashAttention, OneLayerOverEveryKeyType) {
+  const ModelFile& file = *LlamaModels::wide_heads;
+  const Case c{.policy = "h2o", .budget = 64, .tokens = 1000};
+  for (const ggml_type cells : {GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0}) {
+    const FlashOutcome outcome = compare_flash(file, c, cells, GGML_TYPE_F16);
+    EXPECT_FALSE(outcome.parted) << ggml_type_name(cells);
+    EXPECT_GT(outcome.evicting_chunks, 20) << ggml_type_name(cells);
+    EXPECT_LE(outcome.max_score_diff, kSameInputs) << ggml_type_name(cells);
+    EXPECT_GT(outcome.flash_layers, 0) << ggml_type_name(cells);
+  }
+}
+
 // toy-base, four layers, f32 cells (kvevict-llama's default): the same keep-sets until a near-tie.
 TEST(LlamaFlashAttention, ToyBaseKeepsTheSameTokensUpToNearTies) {
   const ModelFile& file = *LlamaModels::toy;
@@ -608,7 +636,7 @@ std::string error_of(const std::function<void()>& run) {
 }
 
 // Every policy runs with flash attention forced on, and on q8_0 cells (which need it): kvevict
-// computes the attention rows from q8_0 keys with ggml's q8_0 dot product.
+// computes the attention rows from the q8_0 keys (read in registers by its kernel).
 TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
   llama_context_params params = llama_context_default_params();
   params.n_ctx = 512;
@@ -637,6 +665,153 @@ TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
           << policy << " on " << ggml_type_name(cells);
     }
   }
+}
+
+// The kernels of the flash-attention rows on every SIMD target Highway built and this CPU runs
+// (AVX-512, AVX2, SSE4 and the scalar fallback on x86-64), against double-precision references:
+// gathered f16 cells over row lengths that are and are not multiples of the lanes, and tile
+// counts with and without a partial tile; the softmax with masked (-inf) cells, which read 0.
+TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
+  namespace kernels = kvevict::llama::kernels;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  constexpr int kCells = 400;
+  constexpr int kHeads = 2;  // the K rows read are head 1's, at a stride of two heads
+  for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    for (const int k : {16, 20, 64, 128}) {
+      std::vector<std::uint16_t> cells(static_cast<std::size_t>(kCells) * kHeads * k);
+      for (std::uint16_t& v : cells) v = kvevict::detail::float_to_f16(uniform(rng));
+      const kernels::CellRows keys{kernels::CellType::f16,
+                                   reinterpret_cast<const std::uint8_t*>(cells.data() + k),
+                                   static_cast<std::size_t>(kHeads * k) * 2};
+      for (const int m : {1, 4, 5, 64}) {
+        for (const int n : {1, 7, 33, 300}) {
+          std::vector<float> x(static_cast<std::size_t>(m) * k);
+          for (float& v : x) v = uniform(rng);
+          std::vector<std::int32_t> index(static_cast<std::size_t>(n));
+          for (int c = 0; c < n; ++c) index[c] = (c * 37 + 5) % kCells;
+          std::vector<float> y(static_cast<std::size_t>(m) * n);
+          kernels::gathered_scores(x.data(), k, m, keys, index.data(), n, k, y.data(), n);
+          double worst = 0.0;
+          for (int r = 0; r < m; ++r) {
+            for (int c = 0; c < n; ++c) {
+              double want = 0.0;
+              for (int j = 0; j < k; ++j) {
+                want += static_cast<double>(x[static_cast<std::size_t>(r * k + j)]) *
+                        kvevict::detail::f16_to_float(
+                            cells[static_cast<std::size_t>(index[c]) * kHeads * k + k + j]);
+              }
+              worst = std::max(worst, std::abs(want - y[static_cast<std::size_t>(r * n + c)]));
+            }
+          }
+          EXPECT_LE(worst, 1e-4) << "k " << k << " m " << m << " n " << n;
+        }
+      }
+    }
+    for (const int n : {1, 7, 33, 300}) {
+      std::vector<float> row(static_cast<std::size_t>(n));
+      std::vector<float> bias(static_cast<std::size_t>(n));
+      for (int c = 0; c < n; ++c) {
+        row[c] = 20.0f * uniform(rng);
+        bias[c] = c % 3 == 1 ? -std::numeric_limits<float>::infinity() : 0.5f * uniform(rng);
+      }
+      std::vector<double> want(static_cast<std::size_t>(n), 0.0);
+      double max = -std::numeric_limits<double>::infinity();
+      for (int c = 0; c < n; ++c) max = std::max(max, 0.125 * row[c] + bias[c]);
+      double sum = 0.0;
+      for (int c = 0; c < n; ++c) sum += want[c] = std::exp(0.125 * row[c] + bias[c] - max);
+      kernels::softmax_row(row.data(), bias.data(), 0.125f, n);
+      for (int c = 0; c < n; ++c) {
+        if (c % 3 == 1) {
+          EXPECT_EQ(row[c], 0.0f) << "n " << n << " masked cell " << c;
+        } else {
+          EXPECT_NEAR(row[c], want[c] / sum, 1e-6 * want[c] / sum + 1e-9)
+              << "n " << n << " cell " << c;
+        }
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to the CPU's own
+}
+
+// A model whose layer 1 has no attention: llama.cpp's "deci" architecture (DeciLM / Nemotron-NAS,
+// whose attention-free layers have no heads), written from the random two-layer model's GGUF with
+// layer 1's attention weights left out. An attention-reading policy's forward must stop with an
+// error naming the layer, with flash attention off and on; a policy that reads no attention runs.
+TEST(LlamaErrors, ALayerWithoutAttention) {
+  const ModelFile& source = *LlamaModels::random;
+  const fs::path path = fs::temp_directory_path() /
+                        ("kvevict_test_llama_no_attention_" + std::to_string(getpid()) + ".gguf");
+  {
+    ggml_context* data = nullptr;
+    gguf_context* in = gguf_init_from_file(source.path.c_str(), {.no_alloc = false, .ctx = &data});
+    ASSERT_NE(in, nullptr);
+    gguf_context* out = gguf_init_empty();
+    gguf_set_kv(out, in);
+    gguf_set_val_str(out, "general.architecture", "deci");
+    gguf_set_val_str(out, "tokenizer.ggml.model", "none");  // as make_file's override
+    for (std::int64_t i = 0; i < gguf_get_n_kv(in); ++i) {
+      const std::string_view key = gguf_get_key(in, i);
+      if (!key.starts_with("llama.")) continue;
+      const std::string renamed = "deci." + std::string(key.substr(6));
+      switch (gguf_get_kv_type(in, i)) {
+        case GGUF_TYPE_UINT32:
+          gguf_set_val_u32(out, renamed.c_str(), gguf_get_val_u32(in, i));
+          break;
+        case GGUF_TYPE_FLOAT32:
+          gguf_set_val_f32(out, renamed.c_str(), gguf_get_val_f32(in, i));
+          break;
+        default:
+          ADD_FAILURE() << "unexpected type of " << key;
+      }
+    }
+    const std::int32_t heads[] = {4, 0};
+    const std::int32_t kv_heads[] = {2, 0};
+    gguf_set_arr_data(out, "deci.attention.head_count", GGUF_TYPE_INT32, heads, 2);
+    gguf_set_arr_data(out, "deci.attention.head_count_kv", GGUF_TYPE_INT32, kv_heads, 2);
+    for (std::int64_t t = 0; t < gguf_get_n_tensors(in); ++t) {
+      const std::string_view name = gguf_get_tensor_name(in, t);
+      if (name.starts_with("blk.1.attn_")) continue;  // q, k, v, output and the norm
+      gguf_add_tensor(out, ggml_get_tensor(data, name.data()));
+    }
+    ASSERT_TRUE(gguf_write_to_file(out, path.c_str(), false));
+    gguf_free(out);
+    gguf_free(in);
+    ggml_free(data);
+  }
+  llama_model_params model_params = llama_model_default_params();
+  llama_model* model = llama_model_load_from_file(path.c_str(), model_params);
+  std::error_code ignored;
+  fs::remove(path, ignored);
+  ASSERT_NE(model, nullptr);
+  const std::vector<std::int32_t> tokens = stream_tokens(source.model, 40);
+  for (const llama_flash_attn_type flash :
+       {LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED}) {
+    llama_context_params params = llama_context_default_params();
+    params.n_ctx = 256;
+    params.n_threads = 1;
+    params.n_threads_batch = 1;
+    params.flash_attn_type = flash;
+    const auto run = [&](const std::string& policy) {
+      return error_of([&] {
+        kvevict::llama::LlamaSequence sequence(
+            model, params, kvevict::make_policy(policy, kvevict::budget_params(policy, 16)));
+        (void)sequence.feed(tokens);
+      });
+    };
+    const std::string error = run("h2o");
+    EXPECT_NE(error.find("no attention for layer 1 of 2"), std::string::npos) << error;
+    EXPECT_NE(error.find(flash == LLAMA_FLASH_ATTN_TYPE_ENABLED
+                             ? "no flash-attention node (GGML_OP_FLASH_ATTN_EXT) reading that "
+                               "layer's K cache (cache_k_l1)"
+                             : "neither kq_soft_max-1"),
+              std::string::npos)
+        << error;
+    EXPECT_EQ(run("streaming_llm"), "no error");
+  }
+  llama_model_free(model);
 }
 
 // K-norm and KeyDiff read no attention: flash attention stays on, over f16 and q8_0 cells (q8_0

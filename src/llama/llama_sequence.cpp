@@ -9,14 +9,17 @@
 #include <cmath>
 #include <cstring>
 #include <kvevict/checked.hpp>
+#include <kvevict/detail/half.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/signals.hpp>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
 
 #include "kvevict/llama/llama_sequence_set.hpp"
+#include "llama/attention_kernels.hpp"
 
 namespace kvevict::llama {
 namespace {
@@ -116,17 +119,19 @@ struct GraphTap {
   // rows kvevict computes (observe_flash).
   std::vector<std::uint8_t> seen;  // [layers]
   bool flash_seen = false;
-  std::vector<std::byte> queries_buffer;  // a KV head's query rows in the dot product's type
-  std::vector<float> query_floats;        // ... widened to f32
-  std::vector<float> key_floats;          // [slot limit, head_dim] a KV head's K rows in f32
-  struct OpenSlot {
-    std::int32_t slot;
-    std::int32_t cell;
-    float bias;  // the mask's value (0 unless ALiBi, which is refused)
-  };
-  std::vector<OpenSlot> open;           // the slots each query attends, query after query
-  std::vector<std::size_t> open_begin;  // [queries + 1] where each query's start in `open`
-  std::vector<float> logits;            // [open slots]
+  // What every layer of a forward shares (prepare_flash), built at its first layer.
+  bool flash_prepared = false;
+  const char* prepared_mask = nullptr;
+  int prepared_first = 0;
+  int prepared_queries = 0;
+  std::int64_t prepared_cells = 0;
+  std::vector<std::int32_t> key_cells;  // [slot limit] each slot's cell, a live one if free
+  std::vector<std::int32_t> identity;   // [slot limit] 0, 1, ... (rows of key_floats)
+  std::vector<float> bias;              // [queries][slot limit] the mask at each slot's cell
+  // Per layer and KV head.
+  std::vector<std::byte> rounded_query;  // one query row in the dot product's type
+  std::vector<float> query_floats;       // [group][queries][head_dim] rounded, in f32
+  std::vector<float> key_floats;  // [slot limit][head_dim] K rows dequantized (other cell types)
   std::vector<std::byte> scratch_keys;
   std::vector<std::byte> scratch_mask;
 
@@ -134,6 +139,7 @@ struct GraphTap {
   void begin_forward() {
     seen.assign(static_cast<std::size_t>(layers), 0);
     flash_seen = false;
+    flash_prepared = false;
   }
 
   void mark(int layer, const std::string& source) {
@@ -292,6 +298,7 @@ struct GraphTap {
       }
     }
     gather_ready = true;
+    flash_prepared = false;
   }
 
   // softmax: [n_kv cells, n_tokens, n_head] (ne0 fastest). Hands the policy [q_heads][queries]
@@ -384,13 +391,19 @@ struct GraphTap {
                         mask->ne[1] >= q->ne[1] && mask->ne[2] == 1,
                     where + " has an unexpected shape (q " + shape(*q) + ", K " + shape(*k) +
                         ", mask " + shape(*mask) + ")");
+    const std::optional<kernels::CellType> cell_type = cell_type_of(k->type);
     const ggml_type_traits_cpu* k_traits = ggml_get_type_traits_cpu(k->type);
     const ggml_type dot_type = k_traits != nullptr ? k_traits->vec_dot_type : GGML_TYPE_COUNT;
     const ggml_type_traits_cpu* dot_traits =
         dot_type != GGML_TYPE_COUNT ? ggml_get_type_traits_cpu(dot_type) : nullptr;
+    const ggml_to_float_t dot_to_float =
+        dot_type != GGML_TYPE_COUNT ? ggml_get_type_traits(dot_type)->to_float : nullptr;
+    const ggml_to_float_t k_to_float = ggml_get_type_traits(k->type)->to_float;
     const std::int64_t dim = q->ne[0];
-    KVEVICT_REQUIRE(k_traits != nullptr && k_traits->vec_dot != nullptr && dot_traits != nullptr &&
-                        (dot_type == GGML_TYPE_F32 || dot_traits->from_float != nullptr) &&
+    KVEVICT_REQUIRE(dot_traits != nullptr &&
+                        (dot_type == GGML_TYPE_F32 ||
+                         (dot_traits->from_float != nullptr && dot_to_float != nullptr)) &&
+                        (cell_type || k_to_float != nullptr) &&
                         k->nb[0] == ggml_type_size(k->type) && dim % ggml_blck_size(k->type) == 0 &&
                         dim % ggml_blck_size(dot_type) == 0,
                     where + ": ggml's CPU backend has no dot product for its " +
@@ -401,122 +414,129 @@ struct GraphTap {
     if (!gather_ready) build_gather();
     const int first = token_offset + (all_queries || catalyst ? 0 : token_count - 1);
     const int queries = token_offset + token_count - first;
-    const auto limit = static_cast<std::ptrdiff_t>(gather.size());
+    const auto limit = static_cast<std::int64_t>(gather.size());
     const std::int64_t n_kv = k->ne[1];
-    for (const std::int32_t cell : gather) {
-      KVEVICT_REQUIRE(cell < n_kv, where + " covers " + std::to_string(n_kv) +
-                                       " cells, and the sequence holds cell " +
-                                       std::to_string(cell));
-    }
     const auto* q_data = host_data<char>(q, scratch);
     const auto* k_data = host_data<char>(k, scratch_keys);
     const auto* mask_data = host_data<char>(mask, scratch_mask);
-    const std::size_t dot_bytes = ggml_row_size(dot_type, dim);
-    const int group = q_heads / kv_heads;
-    // f32, f16 and bf16 cells: each K row is widened to f32 once per KV head and dotted with the
-    // group's queries (rounded to f16 / bf16 as ggml's matrix product rounds them, then widened:
-    // exact) by ggml's f32 dot product: the same products, read once per KV head instead of once
-    // per query head. Quantized cells: ggml's dot product of the cell type, per query head.
-    const bool widen_keys =
-        k->type == GGML_TYPE_F32 || k->type == GGML_TYPE_F16 || k->type == GGML_TYPE_BF16;
-    const ggml_vec_dot_t f32_dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
-    queries_buffer.resize(static_cast<std::size_t>(group) * dot_bytes);
-    query_floats.resize(static_cast<std::size_t>(group * dim));
-    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
-    std::fill(rows.begin(), rows.end(), 0.0f);  // free and masked slots
-    // The slots each query attends and their mask values, shared by every head: query i's are
-    // open[open_begin[i], open_begin[i + 1]).
-    open.clear();
-    open_begin.assign(1, 0);
-    for (int i = 0; i < queries; ++i) {
-      const int token = first + i;
-      const auto* mask_row = reinterpret_cast<const ggml_fp16_t*>(
-          mask_data + static_cast<std::size_t>(token) * mask->nb[1]);
-      for (std::ptrdiff_t s = 0; s < limit; ++s) {
-        const std::int32_t cell = gather[static_cast<std::size_t>(s)];
-        if (cell < 0 || mask_row[cell] == kMaskedHalf) continue;
-        open.push_back({static_cast<std::int32_t>(s), cell, ggml_fp16_to_fp32(mask_row[cell])});
-      }
-      open_begin.push_back(open.size());
-      const std::size_t attended =
-          open_begin[static_cast<std::size_t>(i) + 1] - open_begin[static_cast<std::size_t>(i)];
-      check_mask(where, mask_row, mask->ne[0], token, attended);
-      KVEVICT_REQUIRE(attended > 0, where + ": query " + std::to_string(token) +
-                                        " attends to none of the sequence's cells");
+    if (!flash_prepared || prepared_mask != mask_data || prepared_first != first ||
+        prepared_queries != queries || prepared_cells != n_kv) {
+      prepare_flash(where, *mask, mask_data, first, queries, n_kv);
     }
-    const bool widen_cells = widen_keys && k->type != GGML_TYPE_F32;
-    if (widen_cells) key_floats.resize(static_cast<std::size_t>(limit * dim));
+    const int group = q_heads / kv_heads;
+    const std::int64_t group_rows = static_cast<std::int64_t>(group) * queries;
+    const auto udim = static_cast<std::size_t>(dim);
+    rows.resize(static_cast<std::size_t>(q_heads) * queries * gather.size());
+    query_floats.resize(static_cast<std::size_t>(group_rows) * udim);
+    if (dot_type != GGML_TYPE_F32) rounded_query.resize(ggml_row_size(dot_type, dim));
     for (int g = 0; g < kv_heads; ++g) {
-      const char* keys = k_data + static_cast<std::size_t>(g) * k->nb[2];
-      // f16 / bf16 cells: every live slot's K row widened to f32 once for all the queries.
-      if (widen_cells) {
-        for (std::ptrdiff_t s = 0; s < limit; ++s) {
-          const std::int32_t cell = gather[static_cast<std::size_t>(s)];
-          if (cell < 0) continue;
-          widen(k->type, keys + static_cast<std::size_t>(cell) * k->nb[1],
-                key_floats.data() + static_cast<std::size_t>(s * dim), dim);
+      // The group's queries, row m * queries + i for query head g * group + m and token first + i,
+      // rounded to the type ggml's matrix product rounds them to against these cells and widened
+      // back to f32 (exact for f16 and bf16; Q8_0's scale times its int8 values).
+      for (int m = 0; m < group; ++m) {
+        for (int i = 0; i < queries; ++i) {
+          const auto* q_row = reinterpret_cast<const float*>(
+              q_data + static_cast<std::size_t>(first + i) * q->nb[1] +
+              static_cast<std::size_t>(g * group + m) * q->nb[2]);
+          float* out = query_floats.data() + static_cast<std::size_t>(m * queries + i) * udim;
+          if (dot_type == GGML_TYPE_F32) {
+            std::copy_n(q_row, udim, out);
+          } else {
+            dot_traits->from_float(q_row, rounded_query.data(), dim);
+            dot_to_float(rounded_query.data(), out, dim);
+          }
         }
       }
-      for (int i = 0; i < queries; ++i) {
-        const int token = first + i;
-        const std::span<const OpenSlot> attended(
-            open.data() + open_begin[static_cast<std::size_t>(i)],
-            open_begin[static_cast<std::size_t>(i) + 1] - open_begin[static_cast<std::size_t>(i)]);
-        const std::size_t n_open = attended.size();
-        logits.resize(static_cast<std::size_t>(group) * n_open);
-        // The group's queries, rounded to the dot product's type (widened back to f32 when
-        // widen_keys: exact, f16 and bf16 values are floats).
-        for (int m = 0; m < group; ++m) {
-          const auto* q_row =
-              reinterpret_cast<const float*>(q_data + static_cast<std::size_t>(token) * q->nb[1] +
-                                             static_cast<std::size_t>(g * group + m) * q->nb[2]);
-          std::byte* rounded = queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes;
-          if (dot_type == GGML_TYPE_F32) {
-            std::memcpy(rounded, q_row, dot_bytes);
-          } else {
-            dot_traits->from_float(q_row, rounded, dim);
-          }
-          if (widen_keys) {
-            widen(dot_type, rounded, query_floats.data() + static_cast<std::size_t>(m * dim), dim);
-          }
+      // The K cells: read in registers (f32, f16, bf16, Q8_0), else every slot's row dequantized
+      // by ggml to f32 first.
+      const char* keys = k_data + static_cast<std::size_t>(g) * k->nb[2];
+      kernels::CellRows cells{};
+      const std::int32_t* index = key_cells.data();
+      if (cell_type) {
+        cells = {*cell_type, reinterpret_cast<const std::uint8_t*>(keys), k->nb[1]};
+      } else {
+        key_floats.resize(gather.size() * udim);
+        for (std::size_t s = 0; s < gather.size(); ++s) {
+          k_to_float(keys + static_cast<std::size_t>(key_cells[s]) * k->nb[1],
+                     key_floats.data() + s * udim, dim);
         }
-        for (std::size_t j = 0; j < n_open; ++j) {
-          const OpenSlot& slot = attended[j];
-          const char* key = widen_cells
-                                ? reinterpret_cast<const char*>(
-                                      key_floats.data() + static_cast<std::size_t>(slot.slot * dim))
-                                : keys + static_cast<std::size_t>(slot.cell) * k->nb[1];
-          for (int m = 0; m < group; ++m) {
-            float dot = 0.0f;
-            if (widen_keys) {
-              f32_dot(static_cast<int>(dim), &dot, 0, key, 0,
-                      query_floats.data() + static_cast<std::size_t>(m * dim), 0, 1);
-            } else {
-              k_traits->vec_dot(static_cast<int>(dim), &dot, 0, key, 0,
-                                queries_buffer.data() + static_cast<std::size_t>(m) * dot_bytes, 0,
-                                1);
-            }
-            logits[static_cast<std::size_t>(m) * n_open + j] = dot * scale + slot.bias;
-          }
-        }
-        for (int m = 0; m < group; ++m) {
-          const float* head_logits = logits.data() + static_cast<std::size_t>(m) * n_open;
-          const float max = *std::max_element(head_logits, head_logits + n_open);
-          float* out =
-              rows.data() + (static_cast<std::ptrdiff_t>(g * group + m) * queries + i) * limit;
-          double sum = 0.0;
-          for (std::size_t j = 0; j < n_open; ++j) {
-            const float value = std::exp(head_logits[j] - max);
-            out[attended[j].slot] = value;
-            sum += value;
-          }
-          const auto inverse = static_cast<float>(1.0 / sum);
-          for (const OpenSlot& slot : attended) out[slot.slot] *= inverse;
-        }
+        cells = {kernels::CellType::f32, reinterpret_cast<const std::uint8_t*>(key_floats.data()),
+                 udim * sizeof(float)};
+        index = identity.data();
+      }
+      // The group's rows are consecutive in `rows` ([q_heads][queries][slot limit]).
+      float* out = rows.data() + static_cast<std::size_t>(g) * group_rows * gather.size();
+      kernels::gathered_scores(query_floats.data(), dim, group_rows, cells, index, limit, dim, out,
+                               limit);
+      for (std::int64_t r = 0; r < group_rows; ++r) {
+        kernels::softmax_row(out + r * limit, bias.data() + (r % queries) * limit, scale, limit);
       }
     }
     ++stats->flash_layers;
     hand_over(layer, rows.data(), queries, limit);
+  }
+
+  // What every layer of a forward shares (one KQ mask tensor for all of them): each slot's cell
+  // (a live one for the free slots, whose scores are computed, then masked), and each query's
+  // mask over the slots (-inf for free slots and masked cells). Checks that the sequence holds
+  // every cell, and every cell each query attends.
+  void prepare_flash(const std::string& where, const ggml_tensor& mask, const char* mask_data,
+                     int first, int queries, std::int64_t n_kv) {
+    const std::size_t limit = gather.size();
+    std::int32_t live_cell = 0;
+    for (const std::int32_t cell : gather) {
+      KVEVICT_REQUIRE(cell < n_kv, where + " covers " + std::to_string(n_kv) +
+                                       " cells, and the sequence holds cell " +
+                                       std::to_string(cell));
+      if (cell >= 0) live_cell = cell;
+    }
+    key_cells.resize(limit);
+    identity.resize(limit);
+    for (std::size_t s = 0; s < limit; ++s) {
+      key_cells[s] = gather[s] >= 0 ? gather[s] : live_cell;
+      identity[s] = static_cast<std::int32_t>(s);
+    }
+    bias.resize(static_cast<std::size_t>(queries) * limit);
+    for (int i = 0; i < queries; ++i) {
+      const int token = first + i;
+      const auto* mask_row = reinterpret_cast<const ggml_fp16_t*>(
+          mask_data + static_cast<std::size_t>(token) * mask.nb[1]);
+      float* row = bias.data() + static_cast<std::size_t>(i) * limit;
+      std::size_t attended = 0;
+      for (std::size_t s = 0; s < limit; ++s) {
+        const std::int32_t cell = gather[s];
+        if (cell < 0 || mask_row[cell] == kMaskedHalf) {
+          row[s] = -std::numeric_limits<float>::infinity();
+        } else {
+          row[s] = detail::f16_to_float(mask_row[cell]);
+          ++attended;
+        }
+      }
+      check_mask(where, mask_row, mask.ne[0], token, attended);
+      KVEVICT_REQUIRE(attended > 0, where + ": query " + std::to_string(token) +
+                                        " attends to none of the sequence's cells");
+    }
+    flash_prepared = true;
+    prepared_mask = mask_data;
+    prepared_first = first;
+    prepared_queries = queries;
+    prepared_cells = n_kv;
+  }
+
+  // The cell types the kernels read in registers.
+  static std::optional<kernels::CellType> cell_type_of(ggml_type type) {
+    switch (type) {
+      case GGML_TYPE_F32:
+        return kernels::CellType::f32;
+      case GGML_TYPE_F16:
+        return kernels::CellType::f16;
+      case GGML_TYPE_BF16:
+        return kernels::CellType::bf16;
+      case GGML_TYPE_Q8_0:
+        return kernels::CellType::q8_0;
+      default:
+        return std::nullopt;
+    }
   }
 
   // The softmax kvevict computes sums over the sequence's cells only: every cell the mask lets
@@ -532,17 +552,6 @@ struct GraphTap {
                     where + ": query " + std::to_string(token) + " attends " +
                         std::to_string(open_cells) + " cells, " + std::to_string(held) +
                         " of them the sequence's: its KV cache holds cells kvevict does not map");
-  }
-
-  // f16 / bf16 / f32 values to f32 (ggml's CPU conversions: exact).
-  static void widen(ggml_type type, const void* in, float* out, std::int64_t n) {
-    if (type == GGML_TYPE_F16) {
-      ggml_cpu_fp16_to_fp32(static_cast<const ggml_fp16_t*>(in), out, n);
-    } else if (type == GGML_TYPE_BF16) {
-      ggml_cpu_bf16_to_fp32(static_cast<const ggml_bf16_t*>(in), out, n);
-    } else {
-      std::memcpy(out, in, static_cast<std::size_t>(n) * sizeof(float));
-    }
   }
 
   static std::string shape(const ggml_tensor& t) {

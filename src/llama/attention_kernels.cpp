@@ -1,0 +1,301 @@
+// Highway implementation of attention_kernels.hpp: compiled once per target (foreach_target.h
+// re-includes this file with HWY_NAMESPACE = N_AVX3, N_AVX2, N_SSE4, ...), the exported functions
+// at the end dispatching to the best target the CPU supports.
+//
+// The q.K tile is src/model/kernels/tiles-inl.hpp's key_tile over a tile of gathered K rows: kR
+// query rows against kLanes / kR keys, kLanes independent accumulators whose sums across lanes are
+// formed together. Vectors are capped at 16 floats (a 512-bit register), so that a lane count
+// divides a Q8_0 block of 32; scalable vectors (SVE, RVV) are not compiled, as the tiles keep
+// vectors in arrays.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128 | HWY_RVV)
+#endif
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "llama/attention_kernels.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// foreach_target.h must come first.
+#include <hwy/contrib/math/math-inl.h>
+#include <hwy/highway.h>
+
+#include <kvevict/detail/half.hpp>
+
+#include "llama/attention_kernels.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvevict::llama::kernels {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using D = hn::CappedTag<float, 16>;
+using V = hn::Vec<D>;
+
+constexpr std::int64_t kQ8_0Values = 32;  // ggml's block_q8_0: an f16 scale, 32 int8 values
+constexpr std::size_t kQ8_0Bytes = 34;
+
+HWY_INLINE std::uint16_t bits_at(const std::uint8_t* p) {
+  std::uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return bits;
+}
+
+// A row reader: values [j, j + lanes) of a K row as f32, and value j alone (the scalar path).
+struct F32Row {
+  static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
+    return hn::LoadU(d, reinterpret_cast<const float*>(row) + j);
+  }
+  static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
+    float v;
+    std::memcpy(&v, row + 4 * j, 4);
+    return v;
+  }
+};
+
+struct F16Row {
+  static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
+    return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(),
+                                      reinterpret_cast<const hwy::float16_t*>(row) + j));
+  }
+  static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
+    return detail::f16_to_float(bits_at(row + 2 * j));
+  }
+};
+
+struct BF16Row {
+  static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
+    return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, D>(),
+                                      reinterpret_cast<const hwy::bfloat16_t*>(row) + j));
+  }
+  static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
+    return detail::bf16_to_float(bits_at(row + 2 * j));
+  }
+};
+
+// A vector never straddles two blocks (its lane count divides 32).
+struct Q8_0Row {
+  static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
+    const std::uint8_t* block = row + static_cast<std::size_t>(j / kQ8_0Values) * kQ8_0Bytes;
+    const auto* q = reinterpret_cast<const std::int8_t*>(block + 2) + j % kQ8_0Values;
+    const V values = hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<std::int32_t, D>(),
+                                                    hn::LoadU(hn::Rebind<std::int8_t, D>(), q)));
+    return hn::Mul(values, hn::Set(d, detail::f16_to_float(bits_at(block))));
+  }
+  static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
+    const std::uint8_t* block = row + static_cast<std::size_t>(j / kQ8_0Values) * kQ8_0Bytes;
+    return static_cast<float>(static_cast<std::int8_t>(block[2 + j % kQ8_0Values])) *
+           detail::f16_to_float(bits_at(block));
+  }
+};
+
+// Y[r][s] = X[r] . K[cells[s]], one key at a time (rows whose length is not a multiple of the
+// lanes, and the scalar target).
+template <class Row>
+void scores_by_value(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
+                     const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
+                     std::ptrdiff_t y_stride) {
+  for (std::int64_t s = 0; s < n; ++s) {
+    const std::uint8_t* row = keys.base + static_cast<std::size_t>(cells[s]) * keys.row_bytes;
+    for (std::int64_t r = 0; r < m; ++r) {
+      float total = 0.0f;
+      for (std::int64_t j = 0; j < k; ++j) total += x[r * x_stride + j] * Row::value(row, j);
+      y[r * y_stride + s] = total;
+    }
+  }
+}
+
+#if HWY_TARGET != HWY_SCALAR
+constexpr std::size_t kLanes = hn::MaxLanes(D());
+
+// Lane c of the result is the sum of the lanes of sums[c], c in [0, kLanes): the vectors added
+// pairwise, even lanes to odd lanes, halving their number at each level (tiles-inl.hpp).
+HWY_INLINE V sum_each(D d, V* sums) {
+  for (std::size_t width = kLanes; width > 1; width /= 2) {
+    for (std::size_t c = 0; c < width / 2; ++c) {
+      sums[c] = hn::Add(hn::ConcatEven(d, sums[2 * c + 1], sums[2 * c]),
+                        hn::ConcatOdd(d, sums[2 * c + 1], sums[2 * c]));
+    }
+  }
+  return sums[0];
+}
+
+// Y[r][g] = X[r] . K_g for the kR rows of X and the kLanes / kR K rows keys[g] of a tile, over
+// k = kVecs vectors (kVecs 0: k / lanes, known at run time only); the first `count` results of
+// each row are stored (the tile's other keys repeat a real one).
+template <class Row, int kR, int kVecs>
+HWY_INLINE void key_tile(const float* x, std::ptrdiff_t x_stride, const std::uint8_t* const* keys,
+                         std::int64_t k, float* y, std::ptrdiff_t y_stride, int count) {
+  constexpr int kKeys = static_cast<int>(kLanes) / kR;
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const std::int64_t vecs = kVecs > 0 ? kVecs : k / lanes;
+  V sums[kLanes];
+  for (V& sum : sums) sum = hn::Zero(d);
+#pragma GCC unroll 8
+  for (std::int64_t jv = 0; jv < vecs; ++jv) {
+    V kv[kKeys];
+    for (int g = 0; g < kKeys; ++g) kv[g] = Row::load(d, keys[g], jv * lanes);
+    for (int r = 0; r < kR; ++r) {
+      const V xv = hn::LoadU(d, x + r * x_stride + jv * lanes);
+      for (int g = 0; g < kKeys; ++g) {
+        sums[r * kKeys + g] = hn::MulAdd(xv, kv[g], sums[r * kKeys + g]);
+      }
+    }
+  }
+  HWY_ALIGN float tile[kLanes];
+  hn::Store(sum_each(d, sums), d, tile);
+  if (count == kKeys) {  // the common case: a fixed-size copy per row
+    for (int r = 0; r < kR; ++r) std::memcpy(y + r * y_stride, tile + r * kKeys, sizeof tile / kR);
+  } else {
+    for (int r = 0; r < kR; ++r) std::copy_n(tile + r * kKeys, count, y + r * y_stride);
+  }
+}
+
+// Y[r][s] = X[r] . K[cells[s]], k a multiple of the lanes: blocks of kLanes gathered K rows (read
+// from memory once, then from L1 by every group of four rows of X). Not prefetched in software, as
+// tiles-inl.hpp's key_blocks are: the cells were read by llama.cpp's flash-attention kernel just
+// before (in L2 at the sizes measured), and the prefetches cost more than they saved (docs/
+// benchmarks.md).
+template <class Row, int kVecs>
+void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
+                const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
+                std::ptrdiff_t y_stride) {
+  constexpr int kRows = kLanes >= 4 ? 4 : static_cast<int>(kLanes);
+  constexpr auto kBlock = static_cast<std::int64_t>(kLanes);
+  constexpr int kTileKeys = static_cast<int>(kBlock) / kRows;
+  const std::size_t row_bytes = keys.row_bytes;
+  const std::uint8_t* rows[kLanes];
+  for (std::int64_t c = 0; c < n; c += kBlock) {
+    const int count = static_cast<int>(std::min(kBlock, n - c));
+    for (int g = 0; g < static_cast<int>(kBlock); ++g) {
+      rows[g] = keys.base + static_cast<std::size_t>(cells[c + std::min(g, count - 1)]) * row_bytes;
+    }
+    std::int64_t i = 0;
+    for (; i + kRows <= m; i += kRows) {
+      for (int g = 0; g < count; g += kTileKeys) {
+        key_tile<Row, kRows, kVecs>(x + i * x_stride, x_stride, rows + g, k,
+                                    y + i * y_stride + c + g, y_stride,
+                                    std::min(kTileKeys, count - g));
+      }
+    }
+    for (; i < m; ++i) {
+      key_tile<Row, 1, kVecs>(x + i * x_stride, x_stride, rows, k, y + i * y_stride + c, y_stride,
+                              count);
+    }
+  }
+}
+#endif
+
+template <class Row>
+void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
+            const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
+            std::ptrdiff_t y_stride) {
+#if HWY_TARGET != HWY_SCALAR
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(D()));
+  if (k % lanes == 0) {
+    switch (k / lanes) {
+      case 4:
+        return key_blocks<Row, 4>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+      case 8:
+        return key_blocks<Row, 8>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+      case 16:
+        return key_blocks<Row, 16>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+      default:
+        return key_blocks<Row, 0>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+    }
+  }
+#endif
+  scores_by_value<Row>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+}
+
+void GatheredScores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
+                    const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
+                    std::ptrdiff_t y_stride) {
+  switch (keys.type) {
+    case CellType::f32:
+      return scores<F32Row>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+    case CellType::f16:
+      return scores<F16Row>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+    case CellType::bf16:
+      return scores<BF16Row>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+    case CellType::q8_0:
+      return scores<Q8_0Row>(x, x_stride, m, keys, cells, n, k, y, y_stride);
+  }
+}
+
+void SoftmaxRow(float* row, const float* bias, float scale, std::int64_t n) {
+  const D d;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  constexpr float kInfinity = std::numeric_limits<float>::infinity();
+  // t = scale * row + bias, and its max.
+  const V scale_v = hn::Set(d, scale);
+  V max_v = hn::Set(d, -kInfinity);
+  std::int64_t j = 0;
+  for (; j + lanes <= n; j += lanes) {
+    const V t = hn::MulAdd(hn::LoadU(d, row + j), scale_v, hn::LoadU(d, bias + j));
+    hn::StoreU(t, d, row + j);
+    max_v = hn::Max(max_v, t);
+  }
+  float max = hn::GetLane(hn::MaxOfLanes(d, max_v));
+  for (; j < n; ++j) {
+    row[j] = scale * row[j] + bias[j];
+    max = std::max(max, row[j]);
+  }
+  // exp(t - max): -inf (a masked cell) is raised to the lowest float, whose Exp is exactly 0.
+  const V shift = hn::Set(d, max);
+  const V lowest = hn::Set(d, std::numeric_limits<float>::lowest());
+  double sum = 0.0;
+  V partial = hn::Zero(d);
+  int in_partial = 0;
+  for (j = 0; j + lanes <= n; j += lanes) {
+    const V e = hn::Exp(d, hn::Max(hn::Sub(hn::LoadU(d, row + j), shift), lowest));
+    hn::StoreU(e, d, row + j);
+    partial = hn::Add(partial, e);
+    if (++in_partial == 4) {
+      sum += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, partial)));
+      partial = hn::Zero(d);
+      in_partial = 0;
+    }
+  }
+  sum += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, partial)));
+  for (; j < n; ++j) {
+    row[j] = row[j] == -kInfinity ? 0.0f : std::exp(row[j] - max);
+    sum += static_cast<double>(row[j]);
+  }
+  const auto inverse = static_cast<float>(1.0 / sum);
+  const V inverse_v = hn::Set(d, inverse);
+  for (j = 0; j + lanes <= n; j += lanes) {
+    hn::StoreU(hn::Mul(hn::LoadU(d, row + j), inverse_v), d, row + j);
+  }
+  for (; j < n; ++j) row[j] *= inverse;
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace kvevict::llama::kernels
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvevict::llama::kernels {
+
+HWY_EXPORT(GatheredScores);
+HWY_EXPORT(SoftmaxRow);
+
+void gathered_scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
+                     const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
+                     std::ptrdiff_t y_stride) {
+  HWY_DYNAMIC_DISPATCH(GatheredScores)(x, x_stride, m, keys, cells, n, k, y, y_stride);
+}
+
+void softmax_row(float* row, const float* bias, float scale, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(SoftmaxRow)(row, bias, scale, n);
+}
+
+}  // namespace kvevict::llama::kernels
+#endif  // HWY_ONCE
