@@ -82,7 +82,7 @@ std::string decode_failure(int status, int n_ctx) {
 
 }  // namespace
 
-namespace detail {
+namespace internal {
 
 // What the graph callback (cb_eval) needs of one sequence: the sequence, the layer-0 K store's cell
 // indices and the softmax of every layer, handed to the policy as llama.cpp computed it while
@@ -598,7 +598,7 @@ struct GraphTap {
   }
 };
 
-}  // namespace detail
+}  // namespace internal
 
 // One sequence of a set: its kvevict Sequence over its own llama.cpp seq_id, the graph tap that
 // hands it its signals, and what its last step returned.
@@ -622,7 +622,7 @@ struct LlamaSequenceSet::Member {
   LlamaSequenceOptions options;
   Cells cells;
   std::unique_ptr<Sequence> sequence;
-  detail::GraphTap tap;
+  internal::GraphTap tap;
   LlamaSequenceStats stats;
   bool reads_attention = false;
   bool reads_keys = false;
@@ -793,7 +793,7 @@ int LlamaSequenceSet::open(std::unique_ptr<Policy> policy, LlamaSequenceOptions 
   member->sequence = std::make_unique<Sequence>(config, std::move(policy), &member->cells,
                                                 member->options.observer);
   if (pool_) member->pool_member = pool_->join(*member->sequence, member->options.pool_minimum);
-  detail::GraphTap& tap = member->tap;
+  internal::GraphTap& tap = member->tap;
   tap.sequence = member->sequence.get();
   tap.stats = &member->stats;
   tap.layers = config.layers;
@@ -860,7 +860,7 @@ bool LlamaSequenceSet::callback(ggml_tensor* tensor, bool ask, void* user_data) 
   auto* set = static_cast<LlamaSequenceSet*>(user_data);
   bool wanted = false;
   for (Member* m : set->decoding_) {
-    const detail::GraphTap::Reads reads = m->tap.reads(*tensor);
+    const internal::GraphTap::Reads reads = m->tap.reads(*tensor);
     if (!reads.any()) continue;
     wanted = true;
     if (!ask) m->tap.take(*tensor, reads);
@@ -930,7 +930,7 @@ void LlamaSequenceSet::decode(std::span<Member* const> members, bool catalyst) {
   }
   batch_.n_tokens = n;
   for (Member* m : members) {
-    detail::GraphTap& tap = m->tap;
+    internal::GraphTap& tap = m->tap;
     tap.catalyst = catalyst;
     tap.error = nullptr;
     tap.token_offset = m->batch_first;
@@ -948,7 +948,7 @@ void LlamaSequenceSet::decode(std::span<Member* const> members, bool catalyst) {
   const int status = llama_decode(context_, batch_);
   decoding_.clear();
   for (Member* m : members) {
-    detail::GraphTap& tap = m->tap;
+    internal::GraphTap& tap = m->tap;
     tap.read_cells = false;
     const bool read_softmax = std::exchange(tap.read_softmax, false);
     const bool read_keys = std::exchange(tap.read_keys, false);

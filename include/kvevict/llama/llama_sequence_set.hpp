@@ -156,9 +156,9 @@ class LlamaSequenceSet final {
   /// K and V bytes of one cell over all layers (the cache's types).
   [[nodiscard]] std::size_t bytes_per_cell() const { return bytes_per_cell_; }
 
+ private:
   struct Member;  // one sequence's state (src/llama/llama_sequence.cpp)
 
- private:
   void apply(Member& member, const AppliedDecision& decision);
   void decode(std::span<Member* const> members, bool catalyst);
   void finish(Member& member);
