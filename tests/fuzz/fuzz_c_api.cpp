@@ -721,6 +721,7 @@ class Session {
     const kvevict_status status = checked(
         kvevict_pool_make_room(pool_->pool, feeds.empty() ? nullptr : feeds.data(), feeds.size()),
         "kvevict_pool_make_room");
+    make_room_message_ = kvevict_last_error();  // pool_stats() clears it
     const kvevict_pool_stats stats = pool_stats();
     if (status == KVEVICT_OK) {
       if (stats.steps != steps + 1) property_failed("a make_room was not counted");
@@ -734,10 +735,8 @@ class Session {
                         std::to_string(after) + ", below its minimum " + std::to_string(minimum));
       }
     } else if (status == KVEVICT_BACKEND_ERROR) {
-      if (std::string_view(kvevict_last_error()).find("cut to make room") ==
-          std::string_view::npos) {
-        property_failed(std::string("a failed cut does not name its member: ") +
-                        kvevict_last_error());
+      if (make_room_message_.find("cut to make room") == std::string::npos) {
+        property_failed("a failed cut does not name its member: " + make_room_message_);
       }
     } else if (stats.steps != steps || kvevict_pool_used(pool_->pool) != used) {
       property_failed("a refused make_room changed the pool");
@@ -761,7 +760,7 @@ class Session {
     const kvevict_status status = make_room(feeds);
     if (status != KVEVICT_OK) {
       if (strict) {
-        property_failed(std::string("a well-formed make_room failed: ") + kvevict_last_error());
+        property_failed("a well-formed make_room failed: " + make_room_message_);
       }
       return false;
     }
@@ -989,7 +988,8 @@ class Session {
   int chunk_ = 0;                // tokens of the open chunk or catalyst
   int catalyst_ = 0;             // tokens of the open catalyst (positions run past tokens_fed)
   std::vector<float> rows_;
-  PoolSide* pool_;  // pool mode, else nullptr
+  PoolSide* pool_;                 // pool mode, else nullptr
+  std::string make_room_message_;  // the last make_room's kvevict_last_error()
 };
 
 }  // namespace
