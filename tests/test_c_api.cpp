@@ -557,3 +557,389 @@ TEST(CApi, KnormReadsTheKeysOfEveryLayer) {
   for (int l = 0; l < 2; ++l) EXPECT_EQ(held(engine, l, 0), (std::vector<std::int64_t>{1, 2}));
   EXPECT_EQ(kvevict_sequence_observe_keys(nullptr, 0, keys, 2), KVEVICT_INVALID_ARGUMENT);
 }
+
+// --- one KV pool for many sequences (kvevict_pool_*)
+// ----------------------------------------------
+
+namespace {
+
+struct PoolDeleter {
+  void operator()(kvevict_pool* pool) const { kvevict_pool_destroy(pool); }
+};
+using CPool = std::unique_ptr<kvevict_pool, PoolDeleter>;
+
+CPool create_pool(std::int64_t cells) {
+  kvevict_pool* raw = nullptr;
+  EXPECT_EQ(kvevict_pool_create(cells, &raw), KVEVICT_OK) << kvevict_last_error();
+  return CPool(raw);
+}
+
+int join(kvevict_pool* pool, kvevict_sequence* sequence, int minimum = 0) {
+  int member = -2;
+  EXPECT_EQ(kvevict_pool_join(pool, sequence, minimum, &member), KVEVICT_OK)
+      << kvevict_last_error();
+  return member;
+}
+
+kvevict_pool_stats pool_stats(const kvevict_pool* pool) {
+  kvevict_pool_stats stats{-1, -1, -1, -1};
+  EXPECT_EQ(kvevict_pool_get_stats(pool, &stats), KVEVICT_OK) << kvevict_last_error();
+  return stats;
+}
+
+// The call failed with `status` and a message naming `fragment`.
+void expect_failure(kvevict_status got, kvevict_status status, const std::string& fragment) {
+  EXPECT_EQ(got, status) << kvevict_last_error();
+  EXPECT_NE(std::string(kvevict_last_error()).find(fragment), std::string::npos)
+      << "message: " << kvevict_last_error() << "\nexpected to mention: " << fragment;
+}
+
+// One sequence of a pool with its own engine (one layer, one KV head).
+struct Member {
+  explicit Member(const char* policy, const char* params, int max_chunk = 1)
+      : engine(1, 1),
+        backend(engine.backend()),
+        sequence(create(policy, params, config(1, 1, 1, max_chunk), &backend)) {}
+  Engine engine;
+  kvevict_backend backend;
+  CSequence sequence;
+  std::int64_t fed = 0;
+  int id = -1;
+  void step(int tokens) { feed(sequence.get(), engine, fed, tokens); }
+  [[nodiscard]] std::vector<std::int64_t> kept() const { return held(engine, 0, 0); }
+};
+
+std::vector<std::int64_t> range(std::int64_t first, std::int64_t last) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t t = first; t <= last; ++t) out.push_back(t);
+  return out;
+}
+
+}  // namespace
+
+// test_kv_pool's ThreeWindowsShareTwelveCellsEvenly through the C API, over three engines' own
+// buffers. Window 8, one token per step each, pool 12: steps 1-4 fit (3k cells at step k); from
+// step 5 each holds 4 before the step, 12 + 3 > 12, so every member is cut to L = 3 (its oldest
+// token evicted through its backend's apply) and fed back to 4.
+TEST(CApiPool, ThreeWindowsShareTwelveCellsEvenly) {
+  CPool pool = create_pool(12);
+  std::vector<std::unique_ptr<Member>> members;
+  std::vector<kvevict_pool_feed> feeds;
+  for (int i = 0; i < 3; ++i) {
+    members.push_back(std::make_unique<Member>("window", "recent=8"));
+    members.back()->id = join(pool.get(), members.back()->sequence.get());
+    EXPECT_EQ(members.back()->id, i);
+    feeds.push_back({i, 1});
+  }
+  // Window keeps at least its newest token: minimum 1, charged 1 + one chunk of 1 each.
+  std::int64_t minimum = -1;
+  ASSERT_EQ(kvevict_pool_minimum(pool.get(), 2, &minimum), KVEVICT_OK);
+  EXPECT_EQ(minimum, 1);
+  EXPECT_EQ(kvevict_pool_cells(pool.get()), 12);
+  EXPECT_EQ(kvevict_pool_charged(pool.get()), 6);
+  for (int k = 1; k <= 20; ++k) {
+    ASSERT_EQ(kvevict_pool_make_room(pool.get(), feeds.data(), feeds.size()), KVEVICT_OK)
+        << kvevict_last_error();
+    for (auto& member : members) {
+      EXPECT_EQ(kvevict_sequence_max_live(member->sequence.get()), std::min(k - 1, 3))
+          << "step " << k;
+      member->step(1);
+    }
+    EXPECT_EQ(kvevict_pool_used(pool.get()), std::min(3 * k, 12));
+  }
+  for (auto& member : members) {
+    EXPECT_EQ(member->kept(), range(16, 19));
+    EXPECT_EQ(member->engine.applies, 16);  // one cut per pressed step, never the window's own
+  }
+  const kvevict_pool_stats stats = pool_stats(pool.get());
+  EXPECT_EQ(stats.steps, 20);
+  EXPECT_EQ(stats.pressed_steps, 16);  // steps 5 to 20
+  EXPECT_EQ(stats.cuts, 48);
+  EXPECT_EQ(stats.peak_cells, 12);
+}
+
+// Max-min fairness: only the member over the common level is cut. Pool 10; A (window 8) grows
+// alone to 8 cells (8 + 1 fed fits); then B (window 4) holds 1, and a step feeding both needs
+// 8 + 1 + 2 = 11: 8 cells may be kept, L + min(L, 1) <= 8 gives L = 7, so A loses its oldest
+// token and B keeps everything.
+TEST(CApiPool, OnlyTheMemberOverTheLevelIsCut) {
+  CPool pool = create_pool(10);
+  Member a("window", "recent=8");
+  Member b("window", "recent=4");
+  a.id = join(pool.get(), a.sequence.get());
+  b.id = join(pool.get(), b.sequence.get());
+  for (int k = 0; k < 8; ++k) {
+    const kvevict_pool_feed feed{a.id, 1};
+    ASSERT_EQ(kvevict_pool_make_room(pool.get(), &feed, 1), KVEVICT_OK) << kvevict_last_error();
+    a.step(1);
+  }
+  const kvevict_pool_feed feed_b{b.id, 1};
+  ASSERT_EQ(kvevict_pool_make_room(pool.get(), &feed_b, 1), KVEVICT_OK);
+  b.step(1);
+  EXPECT_EQ(pool_stats(pool.get()).pressed_steps, 0);
+  const kvevict_pool_feed both[] = {{a.id, 1}, {b.id, 1}};
+  ASSERT_EQ(kvevict_pool_make_room(pool.get(), both, 2), KVEVICT_OK) << kvevict_last_error();
+  EXPECT_EQ(a.kept(), range(1, 7));
+  EXPECT_EQ(b.kept(), range(0, 0));
+  EXPECT_EQ(kvevict_pool_used(pool.get()), 8);
+  const kvevict_pool_stats stats = pool_stats(pool.get());
+  EXPECT_EQ(stats.pressed_steps, 1);
+  EXPECT_EQ(stats.cuts, 1);
+  EXPECT_EQ(stats.peak_cells, 10);
+}
+
+// kvevict_sequence_shrink_to by hand: StreamingLLM (sinks 2, recent 6) over 8 tokens pressed to 5
+// keeps its sinks and the 3 newest; the eviction reaches the engine through apply().
+TEST(CApiPool, ShrinkToEvictsByThePolicysOwnRule) {
+  Member s("streaming_llm", "sinks=2 recent=6", 8);
+  s.step(8);
+  EXPECT_EQ(kvevict_sequence_max_live(s.sequence.get()), 8);
+  ASSERT_EQ(kvevict_sequence_shrink_to(s.sequence.get(), 5), KVEVICT_OK) << kvevict_last_error();
+  EXPECT_EQ(s.kept(), (std::vector<std::int64_t>{0, 1, 5, 6, 7}));
+  EXPECT_EQ(kvevict_sequence_max_live(s.sequence.get()), 5);
+  EXPECT_EQ(s.engine.applies, 1);
+  // Below its protected sinks it keeps the sinks.
+  ASSERT_EQ(kvevict_sequence_shrink_to(s.sequence.get(), 0), KVEVICT_OK);
+  EXPECT_EQ(s.kept(), (std::vector<std::int64_t>{0, 1}));
+  expect_failure(kvevict_sequence_shrink_to(s.sequence.get(), -1), KVEVICT_INVALID_ARGUMENT,
+                 "max_live must be >= 0, got -1");
+  const std::int32_t id = 1;
+  ASSERT_EQ(kvevict_sequence_begin_chunk(s.sequence.get(), &id, 1, 0), KVEVICT_OK);
+  expect_failure(kvevict_sequence_shrink_to(s.sequence.get(), 1), KVEVICT_INVALID_ARGUMENT,
+                 "end the forward");
+  ASSERT_EQ(kvevict_sequence_end_forward(s.sequence.get()), KVEVICT_OK);
+  CSequence sirllm = create("sirllm", "entropy=8", config(1, 1, 1, 1));
+  expect_failure(kvevict_sequence_shrink_to(sirllm.get(), 4), KVEVICT_INVALID_ARGUMENT,
+                 "no keep rule that evicts below its own budget");
+  expect_failure(kvevict_sequence_shrink_to(nullptr, 4), KVEVICT_INVALID_ARGUMENT,
+                 "sequence is NULL");
+  EXPECT_EQ(kvevict_sequence_max_live(nullptr), -1);
+}
+
+// Admission: a pool of no cells, a budget the pool can never grant, a pool smaller than the sum
+// of the minimums, a minimum beyond the pool, a policy a pool cannot hold, a sequence in two
+// pools: each a status and a message, and the members already in the pool unaffected.
+TEST(CApiPool, AdmissionErrorsAreClearAndLeaveTheMembersAlone) {
+  kvevict_pool* raw = reinterpret_cast<kvevict_pool*>(&raw);  // overwritten with NULL
+  expect_failure(kvevict_pool_create(0, &raw), KVEVICT_INVALID_ARGUMENT,
+                 "cells must be positive, got 0");
+  EXPECT_EQ(raw, nullptr);
+  expect_failure(kvevict_pool_create(-5, &raw), KVEVICT_INVALID_ARGUMENT, "got -5");
+  expect_failure(kvevict_pool_create(5, nullptr), KVEVICT_INVALID_ARGUMENT, "out is NULL");
+
+  CPool pool = create_pool(10);
+  // H2O heavy 4 + recent 4, chunk 1: minimum 4 (its recent window), charged 5.
+  Member a("h2o", "heavy=4 recent=4");
+  Member b("h2o", "heavy=4 recent=4");
+  Member c("h2o", "heavy=4 recent=4");
+  a.id = join(pool.get(), a.sequence.get());
+  b.id = join(pool.get(), b.sequence.get());
+  EXPECT_EQ(kvevict_pool_charged(pool.get()), 10);
+  int member = 7;
+  expect_failure(kvevict_pool_join(pool.get(), c.sequence.get(), 0, &member),
+                 KVEVICT_INVALID_ARGUMENT,
+                 "needs 5 cells it can never give up (its minimum plus one chunk), and the "
+                 "members already hold 10 of the pool's 10");
+  EXPECT_EQ(member, -1);
+  CSequence wide = create("window", "recent=20", config(1, 1, 1, 1));
+  expect_failure(kvevict_pool_join(pool.get(), wide.get(), 0, &member), KVEVICT_INVALID_ARGUMENT,
+                 "its budget of 20 tokens plus a chunk of 1 exceeds the pool's 10 cells, which "
+                 "can never grant it");
+  CSequence small = create("window", "recent=4", config(1, 1, 1, 1));
+  expect_failure(kvevict_pool_join(pool.get(), small.get(), 20, &member), KVEVICT_INVALID_ARGUMENT,
+                 "its minimum of 20 cells plus a chunk of 1 exceeds the pool's 10 cells");
+  expect_failure(kvevict_pool_join(pool.get(), small.get(), -1, &member), KVEVICT_INVALID_ARGUMENT,
+                 "minimum must be >= 0, got -1");
+  CSequence full = create("full", nullptr, config(1, 1, 1, 1));
+  expect_failure(kvevict_pool_join(pool.get(), full.get(), 0, &member), KVEVICT_INVALID_ARGUMENT,
+                 "has no bound and no pressed form");
+  // A sequence belongs to one pool, once.
+  expect_failure(kvevict_pool_join(pool.get(), a.sequence.get(), 0, &member),
+                 KVEVICT_INVALID_ARGUMENT, "already member 0 of this pool");
+  CPool other = create_pool(100);
+  expect_failure(kvevict_pool_join(other.get(), b.sequence.get(), 0, &member),
+                 KVEVICT_INVALID_ARGUMENT, "already member 1 of another pool");
+  expect_failure(kvevict_pool_join(nullptr, c.sequence.get(), 0, &member), KVEVICT_INVALID_ARGUMENT,
+                 "pool is NULL");
+  expect_failure(kvevict_pool_join(pool.get(), nullptr, 0, &member), KVEVICT_INVALID_ARGUMENT,
+                 "sequence is NULL");
+  expect_failure(kvevict_pool_join(pool.get(), c.sequence.get(), 0, nullptr),
+                 KVEVICT_INVALID_ARGUMENT, "member is NULL");
+  // Nothing changed: the two members step on, and a member that leaves makes room for c.
+  EXPECT_EQ(kvevict_pool_charged(pool.get()), 10);
+  EXPECT_EQ(kvevict_pool_is_member(pool.get(), 2), 0);
+  const kvevict_pool_feed feeds[] = {{a.id, 1}, {b.id, 1}};
+  ASSERT_EQ(kvevict_pool_make_room(pool.get(), feeds, 2), KVEVICT_OK) << kvevict_last_error();
+  ASSERT_EQ(kvevict_pool_leave(pool.get(), b.id), KVEVICT_OK);
+  EXPECT_EQ(join(pool.get(), c.sequence.get()), 1);  // b's id, free again
+  EXPECT_EQ(join(other.get(), b.sequence.get()), 0);
+}
+
+// Feeding: a member id out of range, a member fed after it left, too many tokens, a member fed
+// twice, a member inside a forward: refused before anything changes, the message naming the
+// member, and the other members step on as if nothing had been asked.
+TEST(CApiPool, BadFeedsAreRefusedAndChangeNothing) {
+  CPool pool = create_pool(8);
+  Member a("window", "recent=4", 2);
+  Member b("window", "recent=4", 2);
+  a.id = join(pool.get(), a.sequence.get());
+  b.id = join(pool.get(), b.sequence.get());
+  const auto refused = [&](std::vector<kvevict_pool_feed> feeds, const std::string& fragment) {
+    expect_failure(kvevict_pool_make_room(pool.get(), feeds.data(), feeds.size()),
+                   KVEVICT_INVALID_ARGUMENT, fragment);
+  };
+  // Fill the pool: a and b hold 4 each, so any step must cut.
+  for (int k = 0; k < 2; ++k) {
+    const kvevict_pool_feed feeds[] = {{a.id, 2}, {b.id, 2}};
+    ASSERT_EQ(kvevict_pool_make_room(pool.get(), feeds, 2), KVEVICT_OK) << kvevict_last_error();
+    a.step(2);
+    b.step(2);
+  }
+  EXPECT_EQ(kvevict_pool_used(pool.get()), 8);
+  refused({{a.id, 1}, {5, 1}}, "KV pool: make_room: member 5 is not in the pool");
+  refused({{-1, 1}}, "member -1 is not in the pool");
+  refused({{a.id, 3}}, "member 0 is fed 3 tokens, outside [0, 2] (its max_chunk)");
+  refused({{a.id, -1}}, "outside [0, 2]");
+  refused({{b.id, 1}, {a.id, 1}, {b.id, 1}}, "member 1 is fed twice in one step");
+  expect_failure(kvevict_pool_make_room(pool.get(), nullptr, 1), KVEVICT_INVALID_ARGUMENT,
+                 "feeds is NULL");
+  expect_failure(kvevict_pool_make_room(nullptr, nullptr, 0), KVEVICT_INVALID_ARGUMENT,
+                 "pool is NULL");
+  // A member inside a forward: make_room runs between steps.
+  const std::int32_t id = 3;
+  ASSERT_EQ(kvevict_sequence_begin_chunk(b.sequence.get(), &id, 1, 0), KVEVICT_OK);
+  refused({{a.id, 1}}, "member 1 is inside a forward (end it first");
+  ASSERT_EQ(kvevict_sequence_end_forward(b.sequence.get()), KVEVICT_OK);  // b is fed no more
+  // A member that left: fed after it was closed.
+  ASSERT_EQ(kvevict_pool_leave(pool.get(), b.id), KVEVICT_OK);
+  refused({{b.id, 1}}, "member 1 is not in the pool (it left, or never joined)");
+  expect_failure(kvevict_pool_leave(pool.get(), b.id), KVEVICT_INVALID_ARGUMENT,
+                 "KV pool: leave: member 1 is not in the pool");
+  expect_failure(kvevict_pool_leave(pool.get(), 99), KVEVICT_INVALID_ARGUMENT,
+                 "member 99 is not in the pool");
+  std::int64_t minimum = -1;
+  expect_failure(kvevict_pool_minimum(pool.get(), b.id, &minimum), KVEVICT_INVALID_ARGUMENT,
+                 "KV pool: minimum: member 1 is not in the pool");
+  EXPECT_EQ(kvevict_pool_is_member(pool.get(), b.id), 0);
+  // Nothing was cut, no step counted; a's next step goes as if none of that had been asked.
+  EXPECT_EQ(a.kept(), range(0, 3));
+  EXPECT_EQ(a.engine.applies, 0);
+  kvevict_pool_stats stats = pool_stats(pool.get());
+  EXPECT_EQ(stats.steps, 2);
+  EXPECT_EQ(stats.cuts, 0);
+  const kvevict_pool_feed feed{a.id, 2};
+  ASSERT_EQ(kvevict_pool_make_room(pool.get(), &feed, 1), KVEVICT_OK) << kvevict_last_error();
+  a.step(2);
+  EXPECT_EQ(a.kept(), range(2, 5));  // a window of 4: b left, so no cut
+  stats = pool_stats(pool.get());
+  EXPECT_EQ(stats.steps, 3);
+  EXPECT_EQ(stats.pressed_steps, 0);
+}
+
+// A C user destroys in the wrong order. A member sequence destroyed before it left: it leaves the
+// pool as it goes (its charge and cells released), its id stays reserved and every call naming it
+// says what happened until kvevict_pool_leave releases it. A pool destroyed before its members:
+// they stay usable and may join another pool. (Under ASan, any dangling pointer is a failure.)
+TEST(CApiPool, DestroyingInTheWrongOrderIsSafe) {
+  CPool pool = create_pool(12);
+  std::vector<std::unique_ptr<Member>> members;
+  for (int i = 0; i < 3; ++i) {
+    members.push_back(std::make_unique<Member>("window", "recent=8"));
+    members.back()->id = join(pool.get(), members.back()->sequence.get());
+  }
+  const auto step_all = [&](std::vector<kvevict_pool_feed> feeds) {
+    ASSERT_EQ(kvevict_pool_make_room(pool.get(), feeds.data(), feeds.size()), KVEVICT_OK)
+        << kvevict_last_error();
+    for (const kvevict_pool_feed& feed : feeds) {
+      for (auto& member : members) {
+        if (member && member->id == feed.member) member->step(feed.tokens);
+      }
+    }
+  };
+  for (int k = 0; k < 4; ++k) step_all({{0, 1}, {1, 1}, {2, 1}});
+  EXPECT_EQ(kvevict_pool_used(pool.get()), 12);
+  EXPECT_EQ(kvevict_pool_charged(pool.get()), 6);
+
+  members[1].reset();  // kvevict_sequence_destroy on member 1, still in the pool
+  EXPECT_EQ(kvevict_pool_is_member(pool.get(), 1), 0);
+  EXPECT_EQ(kvevict_pool_used(pool.get()), 8);
+  EXPECT_EQ(kvevict_pool_charged(pool.get()), 4);
+  const kvevict_pool_feed stale[] = {{0, 1}, {1, 1}};
+  expect_failure(kvevict_pool_make_room(pool.get(), stale, 2), KVEVICT_INVALID_ARGUMENT,
+                 "KV pool: make_room: member 1's sequence was destroyed while it was in the pool "
+                 "(kvevict_sequence_destroy before kvevict_pool_leave): it has left; "
+                 "kvevict_pool_leave(pool, 1) releases its id");
+  std::int64_t minimum = -1;
+  expect_failure(kvevict_pool_minimum(pool.get(), 1, &minimum), KVEVICT_INVALID_ARGUMENT,
+                 "member 1's sequence was destroyed");
+  // The others go on, with the destroyed member's cells free: 4 + 4 + 2 fits 12, no cut.
+  step_all({{0, 1}, {2, 1}});
+  EXPECT_EQ(members[0]->kept(), range(0, 4));
+  EXPECT_EQ(pool_stats(pool.get()).pressed_steps, 0);
+  // A new member does not take the reserved id.
+  members.push_back(std::make_unique<Member>("window", "recent=8"));
+  members.back()->id = join(pool.get(), members.back()->sequence.get());
+  EXPECT_EQ(members.back()->id, 3);
+  // Leaving releases it (the right call, late); a second leave is refused.
+  ASSERT_EQ(kvevict_pool_leave(pool.get(), 1), KVEVICT_OK) << kvevict_last_error();
+  expect_failure(kvevict_pool_leave(pool.get(), 1), KVEVICT_INVALID_ARGUMENT,
+                 "member 1 is not in the pool");
+  members[1] = std::make_unique<Member>("window", "recent=8");
+  members[1]->id = join(pool.get(), members[1]->sequence.get());
+  EXPECT_EQ(members[1]->id, 1);
+  step_all({{0, 1}, {1, 1}, {2, 1}, {3, 1}});
+
+  // The pool destroyed first: its members stay valid sequences and join another pool.
+  pool.reset();
+  members[0]->step(1);
+  CPool next = create_pool(20);
+  EXPECT_EQ(join(next.get(), members[0]->sequence.get()), 0);
+  EXPECT_EQ(join(next.get(), members[2]->sequence.get()), 1);
+  members[2].reset();  // destroyed as a member of the new pool
+  EXPECT_EQ(kvevict_pool_is_member(next.get(), 1), 0);
+  next.reset();
+  members.clear();  // the rest destroyed after their pool: nothing dangles
+
+  // NULL handles: sentinels, never a crash.
+  kvevict_pool_destroy(nullptr);
+  EXPECT_EQ(kvevict_pool_cells(nullptr), -1);
+  EXPECT_EQ(kvevict_pool_used(nullptr), -1);
+  EXPECT_EQ(kvevict_pool_charged(nullptr), -1);
+  EXPECT_EQ(kvevict_pool_is_member(nullptr, 0), 0);
+  expect_failure(kvevict_pool_leave(nullptr, 0), KVEVICT_INVALID_ARGUMENT, "pool is NULL");
+  expect_failure(kvevict_pool_get_stats(nullptr, nullptr), KVEVICT_INVALID_ARGUMENT,
+                 "stats is NULL");
+}
+
+// A member's apply() failing while the pool cuts it: KVEVICT_BACKEND_ERROR naming the member,
+// which is unusable from then on. make_room refuses (before cutting anyone) while it is a member;
+// once it left, the others step on.
+TEST(CApiPool, AMemberWhoseBackendFailsIsNamedAndMustLeave) {
+  CPool pool = create_pool(8);
+  Member a("window", "recent=4");
+  Member b("window", "recent=4");
+  a.id = join(pool.get(), a.sequence.get());
+  b.id = join(pool.get(), b.sequence.get());
+  for (int k = 0; k < 4; ++k) {
+    const kvevict_pool_feed feeds[] = {{a.id, 1}, {b.id, 1}};
+    ASSERT_EQ(kvevict_pool_make_room(pool.get(), feeds, 2), KVEVICT_OK);
+    a.step(1);
+    b.step(1);
+  }
+  b.engine.fail_apply = 7;
+  const kvevict_pool_feed feeds[] = {{a.id, 1}, {b.id, 1}};
+  // 8 held + 2 fed: both cut to 3; a first (applied), then b's apply fails.
+  expect_failure(
+      kvevict_pool_make_room(pool.get(), feeds, 2), KVEVICT_BACKEND_ERROR,
+      "KV pool: make_room: member 1, cut to make room: the backend's apply() returned 7");
+  EXPECT_EQ(a.kept(), range(1, 3));
+  expect_failure(kvevict_pool_make_room(pool.get(), feeds, 1), KVEVICT_INVALID_ARGUMENT,
+                 "member 1's sequence is unusable (its backend failed)");
+  ASSERT_EQ(kvevict_pool_leave(pool.get(), b.id), KVEVICT_OK);
+  int member = -2;
+  expect_failure(kvevict_pool_join(pool.get(), b.sequence.get(), 0, &member),
+                 KVEVICT_INVALID_ARGUMENT, "unusable");
+  ASSERT_EQ(kvevict_pool_make_room(pool.get(), feeds, 1), KVEVICT_OK) << kvevict_last_error();
+  a.step(1);
+  EXPECT_EQ(a.kept(), range(1, 4));
+}

@@ -126,6 +126,15 @@ int kvevict_sequence_live(const kvevict_sequence* sequence, int layer, int kv_he
 int kvevict_sequence_slot_limit(const kvevict_sequence* sequence, int layer, int kv_head);
 /* Tokens fed so far (catalyst prompts excluded), or -1 for NULL. */
 int64_t kvevict_sequence_tokens_fed(const kvevict_sequence* sequence);
+/* The most live tokens any head holds: the sequence's cells in an engine whose cells are shared
+ * by every head (llama.cpp), what a pool counts; -1 for NULL. */
+int kvevict_sequence_max_live(const kvevict_sequence* sequence);
+/* A pool's pressure by hand: evicts by the policy's own keep rule, now, until no head holds more
+ * than `max_live` tokens besides those the policy protects (its sinks, H2O's recent window). The
+ * decision reaches the backend's apply() as any other. Between forwards; only for policies with
+ * a pressed form (window, streaming_llm, h2o, tova, knorm, keydiff), others fail with
+ * KVEVICT_INVALID_ARGUMENT. */
+kvevict_status kvevict_sequence_shrink_to(kvevict_sequence* sequence, int max_live);
 
 /* K/V storage types: "f32", "f16", "bf16" or "q8_0" (ggml's blocks of 32 values with an f16 scale,
  * head_dim a multiple of 32; include/kvevict/kv_type.hpp). kvevict never reads the engine's K/V;
@@ -194,6 +203,89 @@ kvevict_status kvevict_sequence_observe_catalyst(kvevict_sequence* sequence, int
                                                  const float* rows, int queries,
                                                  ptrdiff_t row_stride);
 kvevict_status kvevict_sequence_end_catalyst(kvevict_sequence* sequence);
+
+/* --- One KV pool for many sequences (kvevict::KvPool, include/kvevict/kv_pool.hpp) -----------
+ *
+ * A pool is one budget of cells (a cell holds one token's K/V in every layer and head: see
+ * kvevict_sequence_max_live) shared by its member sequences, each under its own policy. The rule:
+ * - join: a member is charged what it can never give up: a policy with a pressed form (window,
+ *   streaming_llm, h2o, tova, knorm, keydiff) its minimum (the tokens its rule protects, at least
+ *   1, or the caller's `minimum` if larger) plus one max_chunk; any other bounded policy its whole
+ *   bound plus one max_chunk. Join fails when the charges would exceed the pool (a pool smaller
+ *   than the sum of the minimums), when the member's own bound plus one chunk exceeds the pool (a
+ *   budget the pool can never grant), and for a policy with neither a bound nor a pressed form
+ *   (full, AnLLM without max_slots).
+ * - make_room, before every step, with the tokens each member is about to be fed: when cells held
+ *   plus tokens fed exceed the pool, the members with a pressed form are cut to one common level
+ *   (the largest lose cells first, none below its minimum), each by its own policy's ranking; the
+ *   cuts reach each member's backend through apply() before make_room returns.
+ * - between steps a member grows freely; its own policy bounds it.
+ *
+ * Member ids are small integers from join, the lowest free one. Errors are statuses with a message
+ * (kvevict_last_error) and change nothing, and a call about one member leaves every other alone.
+ *
+ * Lifetimes. The pool does not own its members. A sequence belongs to at most one pool at a time.
+ * The right order is kvevict_pool_leave, then kvevict_sequence_destroy; either order is safe:
+ * - a member sequence destroyed first leaves the pool as it goes (its charge and cells are
+ *   released), but its id stays reserved: a feed or kvevict_pool_minimum naming it fails with a
+ *   message saying it was destroyed, until kvevict_pool_leave(pool, id) releases the id (which
+ *   then succeeds);
+ * - a pool destroyed first lets go of its members, which may join another pool.
+ * A pool and its members are driven by one thread (destroying a member touches its pool). */
+
+typedef struct kvevict_pool kvevict_pool;
+
+/* Creates a pool of `cells` cells (> 0). */
+kvevict_status kvevict_pool_create(int64_t cells, kvevict_pool** out);
+/* Destroys the pool (NULL: nothing); its members stay valid sequences, members of no pool. */
+void kvevict_pool_destroy(kvevict_pool* pool);
+
+/* Admits `sequence` (between forwards) and writes its member id to `member` (-1 on failure).
+ * `minimum`: the fewest cells a cut may leave it, at least its policy's own (0: the policy's). A
+ * sequence already in a pool, or whose backend failed, is refused. */
+kvevict_status kvevict_pool_join(kvevict_pool* pool, kvevict_sequence* sequence, int minimum,
+                                 int* member);
+/* Removes member `member` (or releases the id of a member whose sequence was destroyed); its cells
+ * are the engine's to free, and the id may be given to a later join. */
+kvevict_status kvevict_pool_leave(kvevict_pool* pool, int member);
+
+/* One member's tokens in the coming step. */
+typedef struct kvevict_pool_feed {
+  int member;
+  int tokens; /* in [0, the member's max_chunk] */
+} kvevict_pool_feed;
+
+/* Before a step that feeds each listed member its tokens (members not listed are fed nothing):
+ * cuts members as the rule says, so that cells held plus tokens fed fit in the pool. `feeds` may
+ * be NULL when `count` is 0. Refused before anything changes (KVEVICT_INVALID_ARGUMENT, the message
+ * naming the member): a feed naming a member that is not in the pool (out of range, left, never
+ * joined) or whose sequence was destroyed, a member fed twice, tokens outside [0, max_chunk], and
+ * any member inside a forward (begun and not ended) or whose backend failed (leave the pool,
+ * destroy it). A member's apply() failing during its cut fails the call with KVEVICT_BACKEND_ERROR
+ * naming the member, which is then unusable: the members cut before it keep their cuts (already
+ * applied); leave and destroy it, and call make_room again. */
+kvevict_status kvevict_pool_make_room(kvevict_pool* pool, const kvevict_pool_feed* feeds,
+                                      size_t count);
+
+/* The pool's size in cells, -1 for NULL. */
+int64_t kvevict_pool_cells(const kvevict_pool* pool);
+/* Cells the members hold now (a member without a pressed form: its reservation), -1 for NULL. */
+int64_t kvevict_pool_used(const kvevict_pool* pool);
+/* Cells the members can never give up (the sum of their admission charges), -1 for NULL. */
+int64_t kvevict_pool_charged(const kvevict_pool* pool);
+/* 1 when `member` is a member (0 for a free id, one out of range, a destroyed member's, NULL). */
+int kvevict_pool_is_member(const kvevict_pool* pool, int member);
+/* The fewest cells a cut leaves `member` (0 for a member without a pressed form). A member that
+ * is not in the pool, or whose sequence was destroyed, fails with a message saying which. */
+kvevict_status kvevict_pool_minimum(const kvevict_pool* pool, int member, int64_t* minimum);
+
+typedef struct kvevict_pool_stats {
+  int64_t steps;         /* make_room calls that succeeded */
+  int64_t pressed_steps; /* of those, the ones that cut a member */
+  int64_t cuts;          /* members cut */
+  int64_t peak_cells;    /* largest step peak: cells held after the cuts plus tokens fed */
+} kvevict_pool_stats;
+kvevict_status kvevict_pool_get_stats(const kvevict_pool* pool, kvevict_pool_stats* stats);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,12 +1,13 @@
-// kvevict C API (include/kvevict/c_api.h): a thin layer over kvevict::Sequence. Every entry point
-// runs inside guarded(), which turns any exception into a status and a thread-local message, so
-// nothing ever unwinds into C.
+// kvevict C API (include/kvevict/c_api.h): a thin layer over kvevict::Sequence and kvevict::KvPool.
+// Every entry point runs inside guarded(), which turns any exception into a status and a
+// thread-local message, so nothing ever unwinds into C.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
 #include <kvevict/engine.hpp>
+#include <kvevict/kv_pool.hpp>
 #include <kvevict/kv_type.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/version.hpp>
@@ -77,6 +78,7 @@ class CallbackBackend final : public kvevict::KvBackend {
     if (callbacks_.reserve == nullptr) {
       // The engine's buffers cannot grow: like a failed reserve, this leaves the sequence unusable.
       if (reserved_ != 0 && capacity > reserved_) {
+        failed_ = true;
         throw BackendError("the sequence needs " + std::to_string(capacity) +
                            " slots per head, more than the " + std::to_string(reserved_) +
                            " it started with, and the backend has no reserve callback: give it "
@@ -87,6 +89,7 @@ class CallbackBackend final : public kvevict::KvBackend {
     }
     const int status = callbacks_.reserve(callbacks_.user_data, capacity);
     if (status != 0) {
+      failed_ = true;
       throw BackendError("the backend's reserve(" + std::to_string(capacity) + ") returned " +
                          std::to_string(status));
     }
@@ -97,13 +100,18 @@ class CallbackBackend final : public kvevict::KvBackend {
     const int status = callbacks_.apply(callbacks_.user_data,
                                         reinterpret_cast<const kvevict_decision*>(&decision));
     if (status != 0) {
+      failed_ = true;
       throw BackendError("the backend's apply() returned " + std::to_string(status));
     }
   }
+  /// A callback failed (or the sequence outgrew a backend without reserve): the sequence that
+  /// uses this backend is unusable.
+  [[nodiscard]] bool failed() const { return failed_; }
 
  private:
   kvevict_backend callbacks_;
   int reserved_ = 0;
+  bool failed_ = false;
 };
 
 const kvevict::AppliedDecision& decision_of(const kvevict_decision* decision) {
@@ -127,8 +135,42 @@ struct kvevict_sequence {
       : backend(callbacks != nullptr ? std::make_unique<CallbackBackend>(*callbacks) : nullptr),
         sequence(config, std::move(policy), backend.get()) {}
 
+  /// Every call that changes the sequence fails from now on (a backend callback failed).
+  [[nodiscard]] bool unusable() const { return backend != nullptr && backend->failed(); }
+
   std::unique_ptr<CallbackBackend> backend;  // declared before `sequence`, which uses it
   kvevict::Sequence sequence;
+  kvevict_pool* pool = nullptr;  // the pool it is a member of, if any
+  int member = -1;               // its member id there
+};
+
+// A kvevict::KvPool and the C handles of its members. Member ids are the C API's own: a member
+// whose sequence is destroyed leaves `pool` at once, but its id stays reserved (so that later
+// calls naming it say what happened) until kvevict_pool_leave releases it; `pool`'s own ids may
+// then differ from them.
+struct kvevict_pool {
+  struct Member {
+    kvevict_sequence* sequence = nullptr;  // nullptr: destroyed while a member
+    int inner = -1;                        // its id in `pool`
+  };
+
+  explicit kvevict_pool(std::int64_t cells) : pool(cells) {}
+
+  /// `sequence` (member `id`) is being destroyed: it leaves the pool, its id stays reserved.
+  void orphan(int id) noexcept {
+    std::optional<Member>& m = members[static_cast<std::size_t>(id)];
+    try {
+      pool.leave(m->inner);
+    } catch (...) {  // never: the member is in the pool
+    }
+    m->sequence = nullptr;
+    m->inner = -1;
+  }
+
+  kvevict::KvPool pool;
+  std::vector<std::optional<Member>> members;  // by member id; nullopt: a free id
+  std::vector<kvevict::KvPool::Feed> feeds;    // make_room scratch, in `pool`'s ids
+  std::vector<std::uint8_t> fed;               // make_room scratch, by member id
 };
 
 namespace {
@@ -140,6 +182,31 @@ kvevict_sequence& checked(kvevict_sequence* sequence) {
 const kvevict_sequence& checked(const kvevict_sequence* sequence) {
   KVEVICT_REQUIRE(sequence != nullptr, "sequence is NULL");
   return *sequence;
+}
+
+kvevict_pool& checked(kvevict_pool* pool) {
+  KVEVICT_REQUIRE(pool != nullptr, "pool is NULL");
+  return *pool;
+}
+const kvevict_pool& checked(const kvevict_pool* pool) {
+  KVEVICT_REQUIRE(pool != nullptr, "pool is NULL");
+  return *pool;
+}
+
+// Member `id` of `pool` as `call` needs it: in the pool, its sequence alive.
+const kvevict_pool::Member& checked_member(const kvevict_pool& pool, int id, const char* call) {
+  const std::string who = std::string("KV pool: ") + call + ": member " + std::to_string(id);
+  KVEVICT_REQUIRE(id >= 0 && static_cast<std::size_t>(id) < pool.members.size() &&
+                      pool.members[static_cast<std::size_t>(id)].has_value(),
+                  who + " is not in the pool (it left, or never joined)");
+  const kvevict_pool::Member& member = *pool.members[static_cast<std::size_t>(id)];
+  KVEVICT_REQUIRE(member.sequence != nullptr,
+                  who +
+                      "'s sequence was destroyed while it was in the pool "
+                      "(kvevict_sequence_destroy before kvevict_pool_leave): it has left; "
+                      "kvevict_pool_leave(pool, " +
+                      std::to_string(id) + ") releases its id");
+  return member;
 }
 
 bool valid_head(const kvevict_sequence* sequence, int layer, int kv_head) {
@@ -260,7 +327,11 @@ kvevict_status kvevict_sequence_create(const char* policy, const char* params,
   });
 }
 
-void kvevict_sequence_destroy(kvevict_sequence* sequence) { delete sequence; }
+void kvevict_sequence_destroy(kvevict_sequence* sequence) {
+  if (sequence == nullptr) return;
+  if (sequence->pool != nullptr) sequence->pool->orphan(sequence->member);
+  delete sequence;
+}
 
 uint32_t kvevict_sequence_signals(const kvevict_sequence* sequence) {
   return sequence != nullptr ? sequence->sequence.policy().signals().bits() : 0u;
@@ -285,6 +356,14 @@ int kvevict_sequence_slot_limit(const kvevict_sequence* sequence, int layer, int
 
 int64_t kvevict_sequence_tokens_fed(const kvevict_sequence* sequence) {
   return sequence != nullptr ? sequence->sequence.stats().tokens_fed : -1;
+}
+
+int kvevict_sequence_max_live(const kvevict_sequence* sequence) {
+  return sequence != nullptr ? sequence->sequence.max_live() : -1;
+}
+
+kvevict_status kvevict_sequence_shrink_to(kvevict_sequence* sequence, int max_live) {
+  return guarded([&] { checked(sequence).sequence.shrink_to(max_live); });
 }
 
 namespace {
@@ -428,6 +507,154 @@ kvevict_status kvevict_sequence_observe_catalyst(kvevict_sequence* sequence, int
 
 kvevict_status kvevict_sequence_end_catalyst(kvevict_sequence* sequence) {
   return guarded([&] { checked(sequence).sequence.end_catalyst(); });
+}
+
+kvevict_status kvevict_pool_create(int64_t cells, kvevict_pool** out) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(out != nullptr, "out is NULL");
+    *out = nullptr;
+    *out = new kvevict_pool(cells);
+  });
+}
+
+void kvevict_pool_destroy(kvevict_pool* pool) {
+  if (pool == nullptr) return;
+  for (const std::optional<kvevict_pool::Member>& member : pool->members) {
+    if (member && member->sequence != nullptr) {
+      member->sequence->pool = nullptr;
+      member->sequence->member = -1;
+    }
+  }
+  delete pool;
+}
+
+kvevict_status kvevict_pool_join(kvevict_pool* pool, kvevict_sequence* sequence, int minimum,
+                                 int* member) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(member != nullptr, "member is NULL");
+    *member = -1;
+    kvevict_pool& p = checked(pool);
+    kvevict_sequence& s = checked(sequence);
+    KVEVICT_REQUIRE(s.pool == nullptr,
+                    "KV pool: join: the sequence is already member " + std::to_string(s.member) +
+                        " of " + (s.pool == pool ? "this pool" : "another pool") +
+                        " (a sequence belongs to one pool at a time: kvevict_pool_leave first)");
+    KVEVICT_REQUIRE(!s.unusable(),
+                    "KV pool: join: the sequence is unusable (its backend failed): destroy it");
+    const auto free_id = std::find_if(p.members.begin(), p.members.end(),
+                                      [](const auto& m) { return !m.has_value(); });
+    const auto id = static_cast<std::size_t>(free_id - p.members.begin());
+    if (free_id == p.members.end()) p.members.emplace_back();  // before join: may throw
+    const int inner = p.pool.join(s.sequence, minimum);
+    p.members[id] = kvevict_pool::Member{&s, inner};
+    s.pool = &p;
+    s.member = static_cast<int>(id);
+    *member = static_cast<int>(id);
+  });
+}
+
+kvevict_status kvevict_pool_leave(kvevict_pool* pool, int member) {
+  return guarded([&] {
+    kvevict_pool& p = checked(pool);
+    KVEVICT_REQUIRE(member >= 0 && static_cast<std::size_t>(member) < p.members.size() &&
+                        p.members[static_cast<std::size_t>(member)].has_value(),
+                    "KV pool: leave: member " + std::to_string(member) +
+                        " is not in the pool (it left, or never joined)");
+    std::optional<kvevict_pool::Member>& m = p.members[static_cast<std::size_t>(member)];
+    if (m->sequence != nullptr) {  // else destroyed while a member: it has left already
+      p.pool.leave(m->inner);
+      m->sequence->pool = nullptr;
+      m->sequence->member = -1;
+    }
+    m.reset();
+  });
+}
+
+kvevict_status kvevict_pool_make_room(kvevict_pool* pool, const kvevict_pool_feed* feeds,
+                                      size_t count) {
+  return guarded([&] {
+    kvevict_pool& p = checked(pool);
+    KVEVICT_REQUIRE(count == 0 || feeds != nullptr, "feeds is NULL");
+    // Every member between steps and usable: a cut needs both, and make_room refuses before it
+    // cuts anyone.
+    for (std::size_t id = 0; id < p.members.size(); ++id) {
+      const std::optional<kvevict_pool::Member>& m = p.members[id];
+      if (!m || m->sequence == nullptr) continue;
+      const std::string who = "KV pool: make_room: member " + std::to_string(id);
+      KVEVICT_REQUIRE(!m->sequence->unusable(),
+                      who +
+                          "'s sequence is unusable (its backend failed): kvevict_pool_leave it "
+                          "and destroy it");
+      KVEVICT_REQUIRE(m->sequence->sequence.chunk_size() == 0,
+                      who + " is inside a forward (end it first: make_room runs between steps)");
+    }
+    p.feeds.clear();
+    p.fed.assign(p.members.size(), 0);
+    for (std::size_t i = 0; i < count; ++i) {
+      const kvevict_pool_feed& feed = feeds[i];
+      const kvevict_pool::Member& m = checked_member(p, feed.member, "make_room");
+      const int chunk = m.sequence->sequence.config().max_chunk;
+      KVEVICT_REQUIRE(feed.tokens >= 0 && feed.tokens <= chunk,
+                      "KV pool: make_room: member " + std::to_string(feed.member) + " is fed " +
+                          std::to_string(feed.tokens) + " tokens, outside [0, " +
+                          std::to_string(chunk) + "] (its max_chunk)");
+      std::uint8_t& fed = p.fed[static_cast<std::size_t>(feed.member)];
+      KVEVICT_REQUIRE(fed == 0, "KV pool: make_room: member " + std::to_string(feed.member) +
+                                    " is fed twice in one step");
+      fed = 1;
+      p.feeds.push_back({m.inner, feed.tokens});
+    }
+    try {
+      p.pool.make_room(p.feeds);
+    } catch (const BackendError& error) {
+      // A cut's apply() failed: name the member whose backend it was.
+      for (std::size_t id = 0; id < p.members.size(); ++id) {
+        const std::optional<kvevict_pool::Member>& m = p.members[id];
+        if (m && m->sequence != nullptr && m->sequence->unusable()) {
+          throw BackendError("KV pool: make_room: member " + std::to_string(id) +
+                             ", cut to make room: " + error.what() +
+                             " (the sequence is unusable: kvevict_pool_leave it and destroy it)");
+        }
+      }
+      throw;
+    }
+  });
+}
+
+int64_t kvevict_pool_cells(const kvevict_pool* pool) {
+  return pool != nullptr ? pool->pool.cells() : -1;
+}
+
+int64_t kvevict_pool_used(const kvevict_pool* pool) {
+  return pool != nullptr ? pool->pool.used() : -1;
+}
+
+int64_t kvevict_pool_charged(const kvevict_pool* pool) {
+  return pool != nullptr ? pool->pool.charged() : -1;
+}
+
+int kvevict_pool_is_member(const kvevict_pool* pool, int member) {
+  if (pool == nullptr || member < 0 || static_cast<std::size_t>(member) >= pool->members.size()) {
+    return 0;
+  }
+  const std::optional<kvevict_pool::Member>& m = pool->members[static_cast<std::size_t>(member)];
+  return m && m->sequence != nullptr ? 1 : 0;
+}
+
+kvevict_status kvevict_pool_minimum(const kvevict_pool* pool, int member, int64_t* minimum) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(minimum != nullptr, "minimum is NULL");
+    const kvevict_pool& p = checked(pool);
+    *minimum = p.pool.minimum(checked_member(p, member, "minimum").inner);
+  });
+}
+
+kvevict_status kvevict_pool_get_stats(const kvevict_pool* pool, kvevict_pool_stats* stats) {
+  return guarded([&] {
+    KVEVICT_REQUIRE(stats != nullptr, "stats is NULL");
+    const kvevict::PoolStats& s = checked(pool).pool.stats();
+    *stats = kvevict_pool_stats{s.steps, s.pressed_steps, s.cuts, s.peak_cells};
+  });
 }
 
 }  // extern "C"

@@ -17,6 +17,19 @@
 //   observation (NaN, infinite, negative or > 1 attention, NaN surprisal) changes nothing;
 // - a failed callback fails its call with KVEVICT_BACKEND_ERROR, and after one every call that
 //   changes the sequence fails.
+//
+// Pool mode (an input whose first byte is 0xC0 or more; the rest is read as any other input): the
+// sequence joins a KV pool (kvevict_pool_*) with a neighbour (a window sequence, metadata only),
+// the pool about half as large as the two at full length. Every well-formed forward is preceded
+// by make_room for it and one neighbour token, and four more calls are drawn: make_room with
+// arbitrary feeds (ids out of range, left, destroyed; tokens outside [0, max_chunk]; members fed
+// twice), shrink_to, leaving and joining again, and the neighbour destroyed before it left (or
+// the pool destroyed before its members). Further properties:
+// - a make_room for a well-formed forward of a usable, idle member succeeds, and after every
+//   successful make_room the step's peak (cells held plus tokens fed) fits the pool and no member
+//   was cut below its minimum; a refused make_room changes nothing (cells used, steps);
+// - a feed naming a destroyed member fails saying so, until leave releases its id;
+// - the mirror still agrees after every cut (cuts reach the engine through apply()).
 #include <kvevict/c_api.h>
 
 #include <algorithm>
@@ -235,14 +248,72 @@ bool modest(const std::string& params) {
   return true;
 }
 
+// Pool mode: the pool, the fuzzed sequence's membership and its neighbour.
+struct PoolSide {
+  kvevict_pool* pool = nullptr;
+  std::int64_t cells = 0;
+  int max_chunk = 1;
+  int neighbour_recent = 1;
+  kvevict_sequence* neighbour = nullptr;  // a window, metadata only
+  int neighbour_id = -1;                  // its member id, -1 when not a member
+  int member = -1;                        // the fuzzed sequence's member id, -1 when not a member
+  std::vector<int> orphans;               // ids of members destroyed before they left
+
+  PoolSide() = default;
+  PoolSide(const PoolSide&) = delete;
+  PoolSide& operator=(const PoolSide&) = delete;
+  ~PoolSide() {
+    kvevict_pool_destroy(pool);
+    kvevict_sequence_destroy(neighbour);
+  }
+
+  void create_pool() {
+    if (checked_status(kvevict_pool_create(cells, &pool), "kvevict_pool_create") != KVEVICT_OK) {
+      property_failed("a pool of " + std::to_string(cells) + " cells refused");
+    }
+  }
+
+  // A new neighbour, joined to the pool: its charge (1 + a chunk) always fits.
+  void add_neighbour() {
+    kvevict_config config;
+    kvevict_config_init(&config);
+    config.layers = 1;
+    config.q_heads = 1;
+    config.kv_heads = 1;
+    config.max_chunk = max_chunk;
+    const std::string params = "recent=" + std::to_string(neighbour_recent);
+    if (checked_status(
+            kvevict_sequence_create("window", params.c_str(), &config, nullptr, &neighbour),
+            "kvevict_sequence_create") != KVEVICT_OK) {
+      property_failed("the neighbour window refused");
+    }
+    if (checked_status(kvevict_pool_join(pool, neighbour, 0, &neighbour_id), "kvevict_pool_join") !=
+        KVEVICT_OK) {
+      property_failed(std::string("the neighbour's join failed: ") + kvevict_last_error());
+    }
+  }
+
+  // One neighbour token: a forward that needs no signal.
+  void feed_neighbour() {
+    const std::int32_t id = 1;
+    if (checked_status(kvevict_sequence_begin_chunk(neighbour, &id, 1, 0), "begin_chunk") !=
+            KVEVICT_OK ||
+        checked_status(kvevict_sequence_end_forward(neighbour), "end_forward") != KVEVICT_OK) {
+      property_failed(std::string("a neighbour forward failed: ") + kvevict_last_error());
+    }
+  }
+};
+
 class Session {
  public:
-  Session(Bytes& in, kvevict_sequence* sequence, Engine& engine, const kvevict_config& config)
-      : in_(in), s_(sequence), engine_(engine), config_(config) {}
+  Session(Bytes& in, kvevict_sequence* sequence, Engine& engine, const kvevict_config& config,
+          PoolSide* pool = nullptr)
+      : in_(in), s_(sequence), engine_(engine), config_(config), pool_(pool) {}
 
   void run() {
     for (int step = 0; step < 200 && !in_.empty(); ++step) {
-      switch (in_.below(12)) {
+      // Pool mode draws from four more calls; other inputs decode as they always have.
+      switch (in_.below(pool_ != nullptr ? 16 : 12)) {
         case 0:
         case 1:
         case 2:
@@ -276,8 +347,21 @@ class Session {
           engine_.fail_reserve = in_.below(8) == 0;
           engine_.fail_apply = in_.below(8) == 0;
           break;
+        case 12:
+          arbitrary_make_room();
+          break;
+        case 13:
+          shrink_to();
+          break;
+        case 14:
+          leave_or_join();
+          break;
+        case 15:
+          wrong_order();
+          break;
       }
       check_invariants();
+      check_pool();
     }
   }
 
@@ -564,6 +648,7 @@ class Session {
     int n = 1 + in_.below(config_.max_chunk);
     const int room = kvevict_sequence_pot_room(s_);
     if (room > 0) n = std::min(n, room);
+    if (pool_ != nullptr && !make_room_for(n, strict)) return;
     const std::vector<std::int32_t> ids = token_ids(n);
     if (!require_ok(kvevict_sequence_begin_chunk(s_, ids.data(), n, in_.below(2)), "begin_chunk")) {
       return;
@@ -603,6 +688,225 @@ class Session {
     call_end(checked(kvevict_sequence_end_forward(s_), "end_forward"), State::forward);
     if (strict && state_ != State::idle) {
       property_failed(std::string("a well-formed end_forward failed: ") + kvevict_last_error());
+    }
+  }
+
+  // --- pool mode ---------------------------------------------------------------------------------
+
+  [[nodiscard]] kvevict_pool_stats pool_stats() const {
+    kvevict_pool_stats stats{};
+    if (checked_status(kvevict_pool_get_stats(pool_->pool, &stats), "kvevict_pool_get_stats") !=
+        KVEVICT_OK) {
+      property_failed("kvevict_pool_get_stats failed");
+    }
+    return stats;
+  }
+
+  [[nodiscard]] std::int64_t member_minimum() const {
+    std::int64_t minimum = -1;
+    if (checked_status(kvevict_pool_minimum(pool_->pool, pool_->member, &minimum),
+                       "kvevict_pool_minimum") != KVEVICT_OK) {
+      property_failed(std::string("minimum of a member failed: ") + kvevict_last_error());
+    }
+    return minimum;
+  }
+
+  // make_room, checked: a successful one fits the step in the pool and cuts no member below its
+  // minimum; a refused one changes nothing.
+  kvevict_status make_room(const std::vector<kvevict_pool_feed>& feeds) {
+    const std::int64_t used = kvevict_pool_used(pool_->pool);
+    const std::int64_t steps = pool_stats().steps;
+    const int before = kvevict_sequence_max_live(s_);
+    const std::int64_t minimum = pool_->member >= 0 ? member_minimum() : 0;
+    const kvevict_status status = checked(
+        kvevict_pool_make_room(pool_->pool, feeds.empty() ? nullptr : feeds.data(), feeds.size()),
+        "kvevict_pool_make_room");
+    make_room_message_ = kvevict_last_error();  // pool_stats() clears it
+    const kvevict_pool_stats stats = pool_stats();
+    if (status == KVEVICT_OK) {
+      if (stats.steps != steps + 1) property_failed("a make_room was not counted");
+      if (stats.peak_cells > pool_->cells) {
+        property_failed("a step's peak of " + std::to_string(stats.peak_cells) +
+                        " cells exceeds the pool's " + std::to_string(pool_->cells));
+      }
+      const int after = kvevict_sequence_max_live(s_);
+      if (pool_->member >= 0 && after < std::min<std::int64_t>(before, minimum)) {
+        property_failed("a member holding " + std::to_string(before) + " cells was cut to " +
+                        std::to_string(after) + ", below its minimum " + std::to_string(minimum));
+      }
+    } else if (status == KVEVICT_BACKEND_ERROR) {
+      if (make_room_message_.find("cut to make room") == std::string::npos) {
+        property_failed("a failed cut does not name its member: " + make_room_message_);
+      }
+    } else if (stats.steps != steps || kvevict_pool_used(pool_->pool) != used) {
+      property_failed("a refused make_room changed the pool");
+    }
+    return status;
+  }
+
+  // Before a well-formed forward of n tokens: make room for it and a neighbour token, as a correct
+  // engine does (a member whose backend failed leaves first). False when the forward cannot go on.
+  bool make_room_for(int n, bool strict) {
+    if (pool_->member >= 0 && !usable()) {
+      if (checked_status(kvevict_pool_leave(pool_->pool, pool_->member), "kvevict_pool_leave") !=
+          KVEVICT_OK) {
+        property_failed("a member could not leave");
+      }
+      pool_->member = -1;
+    }
+    std::vector<kvevict_pool_feed> feeds;
+    if (pool_->member >= 0) feeds.push_back({pool_->member, n});
+    if (pool_->neighbour_id >= 0) feeds.push_back({pool_->neighbour_id, 1});
+    const kvevict_status status = make_room(feeds);
+    if (status != KVEVICT_OK) {
+      if (strict) {
+        property_failed("a well-formed make_room failed: " + make_room_message_);
+      }
+      return false;
+    }
+    if (pool_->neighbour_id >= 0) pool_->feed_neighbour();
+    return true;
+  }
+
+  void arbitrary_make_room() {
+    std::vector<kvevict_pool_feed> feeds(static_cast<std::size_t>(in_.below(4)));
+    for (kvevict_pool_feed& feed : feeds) {
+      switch (in_.below(4)) {
+        case 0:
+          feed.member = pool_->member;
+          break;
+        case 1:
+          feed.member = pool_->neighbour_id;
+          break;
+        case 2:
+          feed.member = pool_->orphans.empty() ? -1 : pool_->orphans.back();
+          break;
+        default:
+          feed.member = in_.size(-1, 4);
+      }
+      feed.tokens = in_.size(-1, config_.max_chunk + 1);
+    }
+    const bool names_orphan = std::any_of(feeds.begin(), feeds.end(), [&](const auto& feed) {
+      return std::find(pool_->orphans.begin(), pool_->orphans.end(), feed.member) !=
+             pool_->orphans.end();
+    });
+    const kvevict_status status = make_room(feeds);
+    if (names_orphan && status == KVEVICT_OK) {
+      property_failed("make_room fed a member whose sequence was destroyed");
+    }
+  }
+
+  void shrink_to() {
+    const int before = kvevict_sequence_max_live(s_);
+    const int max_live = in_.size(-1, std::max(before, 0) + 1);
+    const kvevict_status status =
+        checked(kvevict_sequence_shrink_to(s_, max_live), "kvevict_sequence_shrink_to");
+    expect_refused(status, "shrink_to");
+    if (status == KVEVICT_OK && kvevict_sequence_max_live(s_) > before) {
+      property_failed("shrink_to grew the sequence");
+    }
+  }
+
+  void leave_or_join() {
+    if (pool_->member >= 0) {
+      if (checked_status(kvevict_pool_leave(pool_->pool, pool_->member), "kvevict_pool_leave") !=
+          KVEVICT_OK) {
+        property_failed("a member could not leave");
+      }
+      if (kvevict_pool_leave(pool_->pool, pool_->member) == KVEVICT_OK) {
+        property_failed("a member left twice");
+      }
+      pool_->member = -1;
+      return;
+    }
+    int id = -2;
+    const kvevict_status status = checked_status(
+        kvevict_pool_join(pool_->pool, s_, in_.size(0, 8), &id), "kvevict_pool_join");
+    if (status == KVEVICT_OK) {
+      if (id < 0 || kvevict_pool_is_member(pool_->pool, id) != 1) property_failed("a bad id");
+      pool_->member = id;
+    } else if (id != -1) {
+      property_failed("a failed join left the id " + std::to_string(id));
+    }
+  }
+
+  // Destroys in the wrong order: the neighbour before it left, or the pool before its members;
+  // or releases the ids of destroyed members.
+  void wrong_order() {
+    switch (in_.below(3)) {
+      case 0: {
+        if (pool_->neighbour_id < 0) return;
+        const int id = pool_->neighbour_id;
+        kvevict_sequence_destroy(pool_->neighbour);
+        pool_->neighbour = nullptr;
+        pool_->neighbour_id = -1;
+        pool_->orphans.push_back(id);
+        if (kvevict_pool_is_member(pool_->pool, id) != 0) {
+          property_failed("a destroyed sequence is still a member");
+        }
+        // (make_room may name another reason first: a member inside a forward.)
+        const kvevict_pool_feed feed{id, 0};
+        std::int64_t minimum = 0;
+        if (checked_status(kvevict_pool_make_room(pool_->pool, &feed, 1),
+                           "kvevict_pool_make_room") == KVEVICT_OK ||
+            checked_status(kvevict_pool_minimum(pool_->pool, id, &minimum),
+                           "kvevict_pool_minimum") == KVEVICT_OK ||
+            std::string_view(kvevict_last_error()).find("was destroyed") ==
+                std::string_view::npos) {
+          property_failed("a destroyed member was not refused as such");
+        }
+        pool_->add_neighbour();
+        if (std::find(pool_->orphans.begin(), pool_->orphans.end(), pool_->neighbour_id) !=
+            pool_->orphans.end()) {
+          property_failed("a destroyed member's id was given to a join");
+        }
+        return;
+      }
+      case 1:
+        for (const int id : pool_->orphans) {
+          if (checked_status(kvevict_pool_leave(pool_->pool, id), "kvevict_pool_leave") !=
+              KVEVICT_OK) {
+            property_failed("the id of a destroyed member could not be released");
+          }
+        }
+        pool_->orphans.clear();
+        return;
+      default:
+        kvevict_pool_destroy(pool_->pool);
+        pool_->pool = nullptr;
+        pool_->orphans.clear();
+        pool_->create_pool();
+        pool_->neighbour_id = -1;
+        if (checked_status(
+                kvevict_pool_join(pool_->pool, pool_->neighbour, 0, &pool_->neighbour_id),
+                "kvevict_pool_join") != KVEVICT_OK) {
+          property_failed(std::string("a former member could not join a new pool: ") +
+                          kvevict_last_error());
+        }
+        if (pool_->member >= 0) {
+          pool_->member = -1;
+          if (checked_status(kvevict_pool_join(pool_->pool, s_, 0, &pool_->member),
+                             "kvevict_pool_join") != KVEVICT_OK &&
+              std::string_view(kvevict_last_error()).find("already member") !=
+                  std::string_view::npos) {
+            property_failed("a destroyed pool kept its member");
+          }
+        }
+    }
+  }
+
+  void check_pool() const {
+    if (pool_ == nullptr) return;
+    const std::int64_t charged = kvevict_pool_charged(pool_->pool);
+    if (charged < 0 || charged > pool_->cells || kvevict_pool_cells(pool_->pool) != pool_->cells) {
+      property_failed("charged " + std::to_string(charged) + " of a pool of " +
+                      std::to_string(kvevict_pool_cells(pool_->pool)));
+    }
+    if (pool_->member >= 0) {
+      if (kvevict_pool_is_member(pool_->pool, pool_->member) != 1) {
+        property_failed("the sequence is no member");
+      }
+      (void)member_minimum();
     }
   }
 
@@ -684,12 +988,16 @@ class Session {
   int chunk_ = 0;                // tokens of the open chunk or catalyst
   int catalyst_ = 0;             // tokens of the open catalyst (positions run past tokens_fed)
   std::vector<float> rows_;
+  PoolSide* pool_;                 // pool mode, else nullptr
+  std::string make_room_message_;  // the last make_room's kvevict_last_error()
 };
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  Bytes in(data, size);
+  // Pool mode: a first byte no committed input before it had (they start with a policy index).
+  const bool pool_mode = size > 0 && data[0] >= 0xC0;
+  Bytes in(data + (pool_mode ? 1 : 0), size - (pool_mode ? 1 : 0));
   const std::vector<std::string_view> names = kvevict::policy_names();
   const std::string policy(
       names[static_cast<std::size_t>(in.below(static_cast<int>(names.size())))]);
@@ -775,7 +1083,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     Engine::reserve(&engine, kvevict_sequence_capacity(sequence));
     engine.fail_reserve = fail;
   }
-  Session(in, sequence, engine, config).run();
+  if (!pool_mode) {
+    Session(in, sequence, engine, config).run();
+    kvevict_sequence_destroy(sequence);
+    return 0;
+  }
+  // The pool: the sequence at its bound (or 8 tokens when unbounded) plus a neighbour window two
+  // tokens longer, each with one chunk, in about half of what the two need at full length; the
+  // charges (at most the bound plus a chunk, and 1 plus a chunk) always fit.
+  PoolSide side;
+  side.max_chunk = config.max_chunk;
+  const std::int64_t bound = limit >= 0 ? limit : 8;
+  side.cells = bound + 2 * std::int64_t{config.max_chunk} + 2;
+  side.neighbour_recent = static_cast<int>(bound + config.max_chunk + 2);
+  side.create_pool();
+  side.add_neighbour();
+  const kvevict_status joined =
+      checked_status(kvevict_pool_join(side.pool, sequence, 0, &side.member), "kvevict_pool_join");
+  if (joined != KVEVICT_OK && side.member != -1) property_failed("a failed join left an id");
+  Session(in, sequence, engine, config, &side).run();
+  // The wrong order: the sequence destroyed while a member, the pool after it.
   kvevict_sequence_destroy(sequence);
+  if (side.member >= 0 && kvevict_pool_is_member(side.pool, side.member) != 0) {
+    property_failed("a destroyed sequence is still a member");
+  }
   return 0;
 }

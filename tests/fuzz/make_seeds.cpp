@@ -371,7 +371,8 @@ void eval_config_seeds(const fs::path& root, const fs::path& configs) {
 // One seed per policy and configuration: the header fuzz_c_api.cpp reads (policy, --budget 8 with
 // 2 sinks, 2 layers x 2 KV heads x 2 query heads per KV head, chunks of up to 4 tokens, the
 // policy's own positions and granularity or `mode` and `granularity` (indices into its lists),
-// a backend with both callbacks), then pseudo-random calls, mostly well-formed forwards (op 0).
+// a backend with both callbacks), then pseudo-random calls, mostly well-formed forwards (op 0);
+// and each policy's first seed again in pool mode.
 void c_api_seeds(const fs::path& root) {
   const fs::path dir = root / "corpus" / "c_api";
   const std::vector<std::string_view> names = policy_names();
@@ -401,6 +402,12 @@ void c_api_seeds(const fs::path& root) {
         bytes.push_back(i % 8 == 0 ? static_cast<std::uint8_t>(12 * (random % 8 == 0)) : random);
       }
       write(dir / (std::string(names[p]) + label), std::as_bytes(std::span(bytes)));
+      // The same calls in pool mode (a first byte of 0xC0 or more): the sequence in a KV pool with
+      // a neighbour, the seed's ops 12 now make_room with arbitrary feeds.
+      if (std::string_view(label).empty()) {
+        bytes.insert(bytes.begin(), 0xC0);
+        write(dir / ("pool-" + std::string(names[p])), std::as_bytes(std::span(bytes)));
+      }
     }
   }
 }
