@@ -188,6 +188,12 @@ TEST(KvPool, ChargesMinimumsAndRefusesWhatCanNeverFit) {
   // No bound and no pressed form.
   Sequence full(one_head(1), kvevict::make_policy("full"));
   expect_error([&] { (void)pool.join(full); }, "no bound");
+  // A sequence joins once, and between forwards.
+  expect_error([&] { (void)pool.join(*b); }, "a member already");
+  auto open_forward = make_sequence("window", 4);
+  const std::vector<std::int32_t> one{1};
+  open_forward->begin_chunk(one);
+  expect_error([&] { (void)pool.join(*open_forward); }, "inside a forward");
   // A member that left frees its charge and its id.
   pool.leave(0);
   EXPECT_EQ(pool.charged(), 5);

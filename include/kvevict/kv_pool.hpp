@@ -135,6 +135,12 @@ class KvPool {
     const Policy& policy = sequence.policy();
     const std::string who = "KV pool: policy '" + std::string(policy.name()) + "'";
     KVEVICT_REQUIRE(minimum >= 0, who + ": minimum must be >= 0, got " + std::to_string(minimum));
+    KVEVICT_REQUIRE(
+        std::none_of(members_.begin(), members_.end(),
+                     [&](const std::optional<Member>& m) { return m && m->sequence == &sequence; }),
+        who + ": the sequence is a member already");
+    KVEVICT_REQUIRE(sequence.chunk_size() == 0,
+                    who + ": the sequence is inside a forward (join between forwards)");
     const int chunk = sequence.config().max_chunk;
     const std::optional<int> bound = policy.retained_limit();
     Member member{&sequence, 0, policy.supports_pressure(), 0};
@@ -202,7 +208,8 @@ class KvPool {
   /// Before a step that feeds each listed member its tokens (members not listed are fed
   /// nothing): cuts members as the rule says so that cells held plus tokens fed fit in the pool.
   /// A feed naming a member that is not in the pool, twice, or with tokens outside [0, its
-  /// max_chunk] is refused before anything changes; a cut that fails throws CutFailure.
+  /// max_chunk] is refused before anything changes; a cut that fails throws CutFailure (the
+  /// members cut before it stay cut; the step's counters are not updated).
   void make_room(std::span<const Feed> feeds) {
     claims_.clear();
     ids_.clear();
