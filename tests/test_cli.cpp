@@ -470,8 +470,8 @@ std::string* Cli::model_ = nullptr;
 // heads of head_dim 16, f32: 128 bytes a token's K and V per head, 512 over the four heads.
 TEST_F(Cli, BudgetBytesAndAllocation) {
   const auto stream = [&](std::vector<std::string> extra) {
-    std::vector<std::string> arguments{"stream", "--model", *model_, "--input", file("text2k.txt"),
-                                       "--chunk", "8"};
+    std::vector<std::string> arguments{"stream",           "--model", *model_, "--input",
+                                       file("text2k.txt"), "--chunk", "8"};
     arguments.insert(arguments.end(), extra.begin(), extra.end());
     return run_json(arguments);
   };
@@ -506,8 +506,7 @@ TEST_F(Cli, BudgetBytesAndAllocation) {
        "policy 'streaming_llm' has no keep rule"},
       {{"--policy", "h2o", "--budget-bytes", "500"},
        "--budget-bytes 500 is smaller than one row per head"},
-      {{"--policy", "tova", "--budget", "32", "--allocation", "adaptive"},
-       "tova: head_wise=1"},
+      {{"--policy", "tova", "--budget", "32", "--allocation", "adaptive"}, "tova: head_wise=1"},
       {{"--policy", "h2o", "--budget", "32", "--allocation", "adaptive", "--adaptive-floor", "2"},
        "--adaptive-floor must be in [0, 1], got 2"},
   };

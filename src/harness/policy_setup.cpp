@@ -345,7 +345,10 @@ nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decode
   json["kv_type"] = std::string(to_string(decoder.options().kv_type));
   json["decode_activations"] = std::string(to_string(decoder.options().decode_activations));
   json["chunk"] = decoder.options().max_chunk;
-  json["allocation"] = std::string(to_string(decoder.options().allocation));
+  // Only when not uniform, so that earlier results' policy records stay as they were.
+  if (decoder.options().allocation != Allocation::uniform) {
+    json["allocation"] = std::string(to_string(decoder.options().allocation));
+  }
   if (setup.budget_bytes) json["budget_bytes"] = *setup.budget_bytes;
   if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
   return json;

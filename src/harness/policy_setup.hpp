@@ -127,7 +127,8 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
                                                const model::Decoder& decoder);
 
 /// {"name", "params", "positions", "granularity", "keys", "kv_type", "decode_activations", "chunk",
-/// "catalyst_tokens" (when it has one)}.
+/// "allocation" (when not uniform), "budget_bytes" (when given), "catalyst_tokens" (when it has
+/// one)}.
 [[nodiscard]] nlohmann::ordered_json policy_json(const PolicySetup& setup,
                                                  const model::Decoder& decoder);
 
