@@ -247,6 +247,39 @@ TEST(CApi, BudgetParamsAndVersion) {
 
 // A catalyst run through the C API: the rolled-back catalyst and the distillation reach the
 // backend in one apply.
+// A sequence budget in bytes of the engine's KV type, split by pyramid: 2 layers x 1 KV head of
+// head_dim 32 in f16, 128 bytes a token's K and V. h2o heavy 8 recent 0 (per head): 2,048 bytes
+// hold 16 tokens, 8 per head on average; beta 2: lo = 4, hi = 12, step 8: 12 and 4.
+TEST(CApi, ByteBudgetAndAllocation) {
+  kvevict_config c;
+  kvevict_config_init(&c);
+  EXPECT_EQ(c.pyramid_beta, 20);
+  EXPECT_EQ(c.adaptive_floor, 0.2);
+  c.layers = 2;
+  c.q_heads = 1;
+  c.kv_heads = 1;
+  c.max_chunk = 4;
+  c.head_dim = 32;
+  c.budget_bytes = 2048;
+  c.kv_type = "f16";
+  c.allocation = "pyramid";
+  c.pyramid_beta = 2;
+  kvevict_sequence* raw = nullptr;
+  ASSERT_EQ(kvevict_sequence_create("h2o", "heavy=8 recent=0", &c, nullptr, &raw), KVEVICT_OK)
+      << kvevict_last_error();
+  EXPECT_EQ(kvevict_sequence_retained_limit(raw), 12);
+  kvevict_sequence_destroy(raw);
+  c.allocation = "lopsided";
+  EXPECT_NE(kvevict_sequence_create("h2o", "heavy=8 recent=0", &c, nullptr, &raw), KVEVICT_OK);
+  EXPECT_NE(std::string(kvevict_last_error()).find("unknown allocation 'lopsided'"),
+            std::string::npos);
+  c.allocation = "uniform";
+  c.budget_bytes = 100;  // below one 128-byte token per head
+  EXPECT_NE(kvevict_sequence_create("h2o", "heavy=8 recent=0", &c, nullptr, &raw), KVEVICT_OK);
+  EXPECT_NE(std::string(kvevict_last_error()).find("smaller than one row per unit"),
+            std::string::npos);
+}
+
 TEST(CApi, CatalystThroughTheCApi) {
   Engine engine(1, 1);
   const kvevict_backend backend = engine.backend();

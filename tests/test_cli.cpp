@@ -466,6 +466,59 @@ class Cli : public ::testing::Test {
 fs::path* Cli::dir_ = nullptr;
 std::string* Cli::model_ = nullptr;
 
+// --budget-bytes and --allocation (policies/allocated.hpp) on the tiny model: 2 layers x 2 KV
+// heads of head_dim 16, f32: 128 bytes a token's K and V per head, 512 over the four heads.
+TEST_F(Cli, BudgetBytesAndAllocation) {
+  const auto stream = [&](std::vector<std::string> extra) {
+    std::vector<std::string> arguments{"stream",           "--model", *model_, "--input",
+                                       file("text2k.txt"), "--chunk", "8"};
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    return run_json(arguments);
+  };
+  // Uniform: 16,484 bytes hold 32 tokens per head (100 bytes left over): --budget 32 exactly.
+  const json tokens = stream({"--policy", "h2o", "--budget", "32"});
+  const json bytes = stream({"--policy", "h2o", "--budget-bytes", "16484"});
+  EXPECT_EQ(tokens["bits"], bytes["bits"]);
+  EXPECT_EQ(tokens["cache"]["unit_tokens"], bytes["cache"]["unit_tokens"]);
+  EXPECT_EQ(bytes["cache"]["unit_tokens"], json::parse("[[32, 32], [32, 32]]"));
+  EXPECT_LE(bytes["cache"]["peak_kv_bytes"].get<std::int64_t>(), 16484 + 8 * 512);
+  // Pyramid, beta 2: h2o's recent 16 protected, m = 16: lo = 8, hi = 24, step 16: layer 0 keeps
+  // 24 + 16, layer 1 8 + 16.
+  const json pyramid = stream({"--policy", "h2o", "--budget-bytes", "16384", "--allocation",
+                               "pyramid", "--pyramid-beta", "2"});
+  EXPECT_EQ(pyramid["cache"]["unit_tokens"], json::parse("[[40, 40], [24, 24]]"));
+  EXPECT_EQ(pyramid["policy"]["allocation"], "pyramid");
+  EXPECT_EQ(pyramid["policy"]["budget_bytes"], 16384);
+  EXPECT_LE(pyramid["cache"]["peak_kv_bytes"].get<std::int64_t>(), 16384 + 8 * 512);
+  // Adaptive: the two heads of a layer share 64 tokens.
+  const json adaptive = stream({"--policy", "tova", "--param", "head_wise=1", "--budget-bytes",
+                                "16384", "--allocation", "adaptive"});
+  for (const json& layer : adaptive["cache"]["unit_tokens"]) {
+    EXPECT_EQ(layer[0].get<int>() + layer[1].get<int>(), 64) << adaptive["cache"];
+  }
+  EXPECT_LE(adaptive["cache"]["peak_kv_bytes"].get<std::int64_t>(), 16384 + 8 * 512);
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused{
+      {{"--policy", "h2o", "--budget", "32", "--budget-bytes", "16384"},
+       "--budget 32 and --budget-bytes 16384: give the budget in tokens or in bytes, not both"},
+      {{"--policy", "h2o", "--budget", "32", "--allocation", "lopsided"},
+       "--allocation: unknown allocation 'lopsided'"},
+      {{"--policy", "streaming_llm", "--budget", "32", "--allocation", "pyramid"},
+       "policy 'streaming_llm' has no keep rule"},
+      {{"--policy", "h2o", "--budget-bytes", "500"},
+       "--budget-bytes 500 is smaller than one row per head"},
+      {{"--policy", "tova", "--budget", "32", "--allocation", "adaptive"}, "tova: head_wise=1"},
+      {{"--policy", "h2o", "--budget", "32", "--allocation", "adaptive", "--adaptive-floor", "2"},
+       "--adaptive-floor must be in [0, 1], got 2"},
+  };
+  for (const auto& [extra, message] : refused) {
+    std::vector<std::string> arguments{"stream", "--model", *model_, "--input", file("text2k.txt")};
+    arguments.insert(arguments.end(), extra.begin(), extra.end());
+    const CommandResult result = run(arguments);
+    EXPECT_NE(result.code, 0) << message;
+    EXPECT_NE(result.err.find(message), std::string::npos) << result.err;
+  }
+}
+
 TEST_F(Cli, InfoReportsTheDimensions) {
   const json info = run_json({"info", "--model", *model_});
   EXPECT_EQ(info["format"], "gguf");

@@ -43,6 +43,15 @@ enum class Allocation : std::uint8_t { uniform, pyramid, adaptive };
   return "?";
 }
 
+/// Parses "uniform", "pyramid" or "adaptive"; throws kvevict::Error naming the text otherwise.
+[[nodiscard]] inline Allocation parse_allocation(std::string_view text) {
+  for (const Allocation a : {Allocation::uniform, Allocation::pyramid, Allocation::adaptive}) {
+    if (text == to_string(a)) return a;
+  }
+  throw Error("unknown allocation '" + std::string(text) +
+              "' (expected uniform, pyramid or adaptive)");
+}
+
 /// `x` (finite, >= 0) rounded to the nearest integer, halves to even (torch.round), whatever the
 /// floating-point rounding mode.
 [[nodiscard]] inline int round_half_even(float x) {

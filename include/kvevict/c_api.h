@@ -68,10 +68,20 @@ typedef struct kvevict_config {
   const char* slot_reuse;
   /* length of a key vector; needed by policies that read keys (KVEVICT_SIGNAL_KEYS) */
   int head_dim;
+  /* One budget for the whole sequence, split over its keep-sets by `allocation`
+   * (include/kvevict/policies/allocated.hpp): live tokens summed over every (layer, KV head), or
+   * their keys' and values' bytes in `kv_type` (with head_dim). At most one; both 0: the policy's
+   * own budget in every keep-set. */
+  int64_t budget_tokens;
+  int64_t budget_bytes;
+  const char* kv_type;    /* the engine's K/V storage type for budget_bytes; NULL: "f32" */
+  const char* allocation; /* NULL or "uniform", "pyramid", "adaptive" */
+  int pyramid_beta;       /* pyramid: kvevict_config_init sets 20 */
+  double adaptive_floor;  /* adaptive, in [0, 1]: kvevict_config_init sets 0.2 */
 } kvevict_config;
 
 /* Fills `config` with the defaults (everything 0 / NULL but post_rope_keys = 1, max_chunk = 1,
- * max_pending_rotations = 32). */
+ * max_pending_rotations = 32, pyramid_beta = 20, adaptive_floor = 0.2). */
 void kvevict_config_init(kvevict_config* config);
 
 /* One evicted token: its slot, original position and position before the decision. */

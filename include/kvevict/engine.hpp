@@ -18,6 +18,7 @@
 #include <span>
 #include <vector>
 
+#include "kvevict/allocation.hpp"
 #include "kvevict/granularity.hpp"
 #include "kvevict/policy.hpp"
 #include "kvevict/positions.hpp"
@@ -62,6 +63,19 @@ struct SequenceConfig {
   /// Build key_runs() and live_mask() at every begin_chunk / begin_catalyst (one pass over each
   /// unit's slots). Engines attending over their own cells (llama.cpp) turn it off.
   bool attention_views = true;
+  /// One budget for the whole sequence, split over its decision units by `allocation`
+  /// (policies/allocated.hpp; the policy needs a score rule: h2o, tova, knorm, keydiff): live
+  /// tokens summed over every (layer, KV head), or their keys' and values' bytes (with
+  /// token_bytes), at most one of the two. Both 0: the policy's own budget in every unit, split by
+  /// `allocation`; both 0 under uniform: the policy alone, undecorated.
+  std::int64_t budget_tokens = 0;
+  std::int64_t budget_bytes = 0;
+  /// Key + value bytes of one token of one KV head in the engine's storage type (2 *
+  /// kv_row_bytes(type, head_dim)); needed by budget_bytes. EvictingCache fills it in.
+  std::int64_t token_bytes = 0;
+  Allocation allocation = Allocation::uniform;
+  int pyramid_beta = 20;        ///< pyramid: lo = mean // beta (KVCache-Factory's default 20)
+  double adaptive_floor = 0.2;  ///< adaptive: each head's floor share (AdaKV's default 0.2)
 };
 
 /// Counters over the life of a sequence. Slot counts are summed over all (layer, KV head).

@@ -81,6 +81,13 @@ class EvictingCache {
     return stats;
   }
 
+  /// Key and value bytes of the most tokens `unit` has held at once (each of its heads counted).
+  [[nodiscard]] std::size_t unit_peak_kv_bytes(int unit) const {
+    const SlotTable& slots = sequence_.slots();
+    return static_cast<std::size_t>(slots.peak_live(unit)) *
+           static_cast<std::size_t>(slots.layout().heads_per_unit()) * store_.kv_bytes_per_slot();
+  }
+
   /// Stores the chunk's keys (before RoPE, [n, head_dim]) and values of head (layer, kv_head) at
   /// its chunk slots. With post-RoPE storage each key is rotated to its key position here.
   void write_chunk(int layer, int kv_head, const Eigen::Ref<const Matrix>& keys,
@@ -228,6 +235,13 @@ class EvictingCache {
     config.sequence.q_heads = config.shape.q_heads;
     config.sequence.kv_heads = config.shape.kv_heads;
     config.sequence.head_dim = config.shape.head_dim;
+    const auto token_bytes =
+        static_cast<std::int64_t>(2 * kv_row_bytes(config.kv_type, config.shape.head_dim));
+    KVEVICT_REQUIRE(config.sequence.token_bytes == 0 || config.sequence.token_bytes == token_bytes,
+                    "EvictingCache: the sequence's token_bytes (" +
+                        std::to_string(config.sequence.token_bytes) + ") differ from the " +
+                        std::to_string(token_bytes) + " of the KV type (leave it 0)");
+    config.sequence.token_bytes = token_bytes;
     return config;
   }
   CacheConfig config_;

@@ -45,6 +45,23 @@ struct EvictionContext {
   /// grant (Sequence::shrink_to). Policies whose supports_pressure() is true evict down to it by
   /// their own ranking; the default leaves the rule's own budget alone.
   int max_live = std::numeric_limits<int>::max();
+  /// An allocation's split of a sequence budget (policies/allocated.hpp): when not empty, the
+  /// keep rule's `keep` for unit u is unit_keep[u] instead of its own (Policy::score_rule()).
+  std::span<const int> unit_keep{};
+
+  /// The rule's keep for `unit`: unit_keep[unit], or `own` when no allocation is given.
+  [[nodiscard]] int keep(int unit, int own) const {
+    return unit_keep.empty() ? own : unit_keep[static_cast<std::size_t>(unit)];
+  }
+};
+
+/// A keep rule of the form "the protected slots plus the top `keep` unprotected slots of score
+/// column `column`, per unit" (H2O, TOVA, K-norm, KeyDiff): what an allocation needs to split one
+/// sequence budget over the units (policies/allocated.hpp).
+struct ScoreRule {
+  int column = 0;  ///< the score column ranked (higher is kept; ties to the lower position)
+  int keep = 0;    ///< unprotected slots each unit keeps: the rule's own budget
+  Protection protection{};  ///< what the rule's decorators protect besides its top `keep`
 };
 
 class Policy {
@@ -75,6 +92,12 @@ class Policy {
   /// The fewest slots per unit the keep rule leaves however hard it is pressed (what its
   /// decorators protect: sinks, a recent window). Meaningful when supports_pressure().
   [[nodiscard]] virtual int min_retained() const { return 0; }
+  /// The rule as "protected plus the top `keep` of one score column", when it has that form and
+  /// honours EvictionContext::unit_keep; nullopt otherwise (the default).
+  [[nodiscard]] virtual std::optional<ScoreRule> score_rule() const { return std::nullopt; }
+  /// Brings `unit`'s score column up to date before it is ranked from outside select() (an
+  /// allocation's ranking across units), for scores computed at eviction time (KeyDiff).
+  virtual void update_scores(SlotTable& /*slots*/, int /*unit*/) {}
   /// Most slots any unit holds once the policy has evicted (at its steady point), or nullopt when
   /// the policy has no bound (full cache, AnLLM without a cap). Engines size buffers from it.
   [[nodiscard]] virtual std::optional<int> retained_limit() const { return std::nullopt; }

@@ -105,6 +105,8 @@ class SlotTable {
   }
   /// Live (layer, KV head) slots summed over all heads: what the keys and values occupy.
   [[nodiscard]] std::int64_t total_live() const { return total_live_; }
+  /// The most live slots `unit` has held at once since construction.
+  [[nodiscard]] int peak_live(int unit) const { return state(unit).peak_live; }
   /// The largest total_live() since construction.
   [[nodiscard]] std::int64_t peak_total_live() const { return peak_total_live_; }
 
@@ -250,6 +252,7 @@ class SlotTable {
       ++s.live;
       slots_out[k] = slot;
     }
+    s.peak_live = std::max(s.peak_live, s.live);
     add_total_live(static_cast<std::int64_t>(n));
   }
 
@@ -309,6 +312,7 @@ class SlotTable {
  private:
   struct UnitState {
     int live = 0;
+    int peak_live = 0;  // the largest `live` since construction
     int slot_limit = 0;
     // newest_freed_first: a stack; lowest_first: a min-heap.
     std::vector<std::int32_t> free_slots;

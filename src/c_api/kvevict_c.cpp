@@ -250,6 +250,8 @@ void kvevict_config_init(kvevict_config* config) {
   config->max_chunk = 1;
   config->post_rope_keys = 1;
   config->max_pending_rotations = kvevict::SequenceConfig{}.max_pending_rotations;
+  config->pyramid_beta = kvevict::SequenceConfig{}.pyramid_beta;
+  config->adaptive_floor = kvevict::SequenceConfig{}.adaptive_floor;
 }
 
 kvevict_status kvevict_decision_evicted(const kvevict_decision* decision, int layer, int kv_head,
@@ -321,6 +323,21 @@ kvevict_status kvevict_sequence_create(const char* policy, const char* params,
       sequence_config.slot_reuse = reuse == "lowest_first" ? kvevict::SlotReuse::lowest_first
                                                            : kvevict::SlotReuse::newest_freed_first;
     }
+    sequence_config.budget_tokens = config->budget_tokens;
+    sequence_config.budget_bytes = config->budget_bytes;
+    if (config->budget_bytes > 0) {
+      KVEVICT_REQUIRE(config->head_dim > 0,
+                      "budget_bytes needs head_dim (the bytes of a row depend on it)");
+      sequence_config.token_bytes = static_cast<std::int64_t>(
+          2 * kvevict::kv_row_bytes(
+                  kvevict::parse_kv_type(config->kv_type != nullptr ? config->kv_type : "f32"),
+                  config->head_dim));
+    }
+    if (config->allocation != nullptr) {
+      sequence_config.allocation = kvevict::parse_allocation(config->allocation);
+    }
+    sequence_config.pyramid_beta = config->pyramid_beta;
+    sequence_config.adaptive_floor = config->adaptive_floor;
     const kvevict::PolicyParams parsed =
         kvevict::PolicyParams::parse(params != nullptr ? params : "");
     *out = new kvevict_sequence(sequence_config, kvevict::make_policy(policy, parsed), backend);

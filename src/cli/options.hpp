@@ -4,6 +4,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <kvevict/policy_registry.hpp>
 #include <string>
 
@@ -75,8 +76,8 @@ inline void add_decode_activations_option(CLI::App& app, std::string& activation
       ->capture_default_str();
 }
 
-/// --policy, --budget, --sinks, --param, --positions, --granularity, --keys, --kv-type, --chunk,
-/// --catalyst
+/// --policy, --budget, --budget-bytes, --allocation, --pyramid-beta, --adaptive-floor, --sinks,
+/// --param, --positions, --granularity, --keys, --kv-type, --chunk, --catalyst
 /// (group "Policy" in --help).
 inline void add_policy_options(CLI::App& app, harness::PolicyOptions& options) {
   const std::string group = "Policy";
@@ -88,6 +89,27 @@ inline void add_policy_options(CLI::App& app, harness::PolicyOptions& options) {
          "cache budget in tokens, mapped to the policy's parameters (" + budget_mapping_help() +
              "; not for full)")
       ->group(group);
+  app.add_option_function<std::int64_t>(
+         "--budget-bytes", [&options](const std::int64_t& bytes) { options.budget_bytes = bytes; },
+         "cache budget in bytes of keys and values in --kv-type, over every layer and KV head "
+         "(instead of --budget): the --budget it holds per head, or under --allocation pyramid "
+         "or adaptive the bytes themselves")
+      ->group(group);
+  app.add_option("--allocation", options.allocation,
+                 "how one sequence budget is split over the keep-sets: uniform (each the same), "
+                 "pyramid (PyramidKV: lower layers more) or adaptive (Ada-KV: the KV heads of a "
+                 "layer share its budget; granularity head); h2o, tova, knorm, keydiff")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--pyramid-beta", options.pyramid_beta,
+                 "pyramid: the last layer keeps mean / beta (PyramidKV's beta)")
+      ->group(group)
+      ->capture_default_str();
+  app.add_option("--adaptive-floor", options.adaptive_floor,
+                 "adaptive: each KV head first keeps its best floor x mean tokens (Ada-KV's "
+                 "floor_alpha), in [0, 1]")
+      ->group(group)
+      ->capture_default_str();
   app.add_option_function<int>(
          "--sinks",
          [&options](const int& sinks) {

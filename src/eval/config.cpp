@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <kvevict/allocation.hpp>
 #include <kvevict/checked.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/kv_type.hpp>
@@ -179,6 +180,7 @@ std::string default_label(const PolicyEntry& entry) {
   if (!entry.granularity.empty()) label += " granularity=" + entry.granularity;
   if (entry.keys != "post_rope") label += " keys=" + entry.keys;
   if (entry.kv_type != "f32") label += " kv=" + entry.kv_type;
+  if (entry.allocation != "uniform") label += " allocation=" + entry.allocation;
   return label;
 }
 
@@ -189,7 +191,7 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
                                       int chunk, const std::vector<std::string>& kv_types) {
   const ObjectReader reader(json, source, path,
                             {"policy", "label", "sinks", "params", "positions", "granularity",
-                             "keys", "kv_type", "catalyst", "budgets"});
+                             "keys", "kv_type", "catalyst", "budgets", "allocation"});
   PolicyEntry entry;
   entry.policy = reader.string("policy", std::nullopt);
   const std::vector<std::string_view> names = policy_names();
@@ -205,6 +207,12 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
   entry.keys = reader.string("keys", std::string("post_rope"));
   if (reader.has("kv_type")) entry.kv_type = reader.string("kv_type", std::nullopt);
   if (reader.has("catalyst")) entry.catalyst = reader.string("catalyst", std::nullopt);
+  entry.allocation = reader.string("allocation", std::string("uniform"));
+  try {
+    (void)parse_allocation(entry.allocation);
+  } catch (const Error& error) {
+    reader.fail(reader.child("allocation"), error.what());
+  }
   if (entry.policy == "full") {
     if (reader.has("budgets") && !reader.array("budgets", true).empty()) {
       reader.fail(reader.child("budgets"), "policy 'full' has no budget");
@@ -454,6 +462,7 @@ harness::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk
   options.kv_type = kv_type;
   options.chunk = chunk;
   options.catalyst = catalyst;
+  options.allocation = allocation;
   return options;
 }
 
@@ -588,6 +597,8 @@ nlohmann::ordered_json to_json(const PolicyEntry& entry) {
   json["keys"] = entry.keys;
   // Only when not f32, so that configs without the axis keep their normalised form (and hash).
   if (entry.kv_type != "f32") json["kv_type"] = entry.kv_type;
+  // Only when not uniform, so that the cells of earlier grids keep their hashes.
+  if (entry.allocation != "uniform") json["allocation"] = entry.allocation;
   json["catalyst"] =
       entry.catalyst ? nlohmann::ordered_json(*entry.catalyst) : nlohmann::ordered_json(nullptr);
   json["budgets"] = entry.budgets;

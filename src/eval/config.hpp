@@ -39,6 +39,8 @@ struct PolicyEntry {
   std::string keys = "post_rope";
   std::string kv_type = "f32";          ///< --kv-type: how the cache stores keys and values
   std::optional<std::string> catalyst;  ///< InfiniPot's prompt; default: the task's question
+  /// --allocation: uniform (default), pyramid or adaptive (policies/allocated.hpp)
+  std::string allocation = "uniform";
   /// The budgets this policy runs with: the grid's, or the entry's own "budgets"; empty = no
   /// budget (`full` always; e.g. an unbounded anllm), run once per task variant.
   std::vector<int> budgets;

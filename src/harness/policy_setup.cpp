@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <kvevict/allocation.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/granularity.hpp>
 #include <kvevict/kv_type.hpp>
@@ -78,6 +79,19 @@ void check_budget_holds_sinks(const PolicySpec& spec, const PolicyOptions& optio
 
 }  // namespace
 
+int budget_from_bytes(std::int64_t bytes, int layers, int kv_heads, int head_dim, KvType kv_type) {
+  const auto token_bytes = static_cast<std::int64_t>(2 * kv_row_bytes(kv_type, head_dim));
+  const std::int64_t per_token = std::int64_t{layers} * kv_heads * token_bytes;
+  const std::int64_t tokens = bytes / per_token;
+  if (tokens < 1) {
+    throw Error(fmt::format(
+        "--budget-bytes {} is smaller than one row per head: the model's {} layers x {} KV heads "
+        "hold {} bytes per token in {} (keys and values), so {} bytes at least",
+        bytes, layers, kv_heads, per_token, to_string(kv_type), per_token));
+  }
+  return static_cast<int>(std::min(tokens, static_cast<std::int64_t>(kMaxSlotsParam)));
+}
+
 void check_threads(int threads) {
   if (threads < 1 || threads > 1024) {
     throw Error(fmt::format("--threads must be in [1, 1024], got {}", threads));
@@ -113,6 +127,26 @@ void validate_policy_options(const PolicyOptions& options) {
     throw Error(fmt::format("--chunk must be in [1, {}], got {}", kMaxChunk, options.chunk));
   }
   if (options.sinks < 0) throw Error(fmt::format("--sinks must be >= 0, got {}", options.sinks));
+  if (options.budget && options.budget_bytes) {
+    throw Error(fmt::format(
+        "--budget {} and --budget-bytes {}: give the budget in tokens or in bytes, not both",
+        *options.budget, *options.budget_bytes));
+  }
+  if (options.budget_bytes && *options.budget_bytes < 1) {
+    throw Error(fmt::format("--budget-bytes must be positive, got {}", *options.budget_bytes));
+  }
+  Allocation allocation = Allocation::uniform;
+  try {
+    allocation = parse_allocation(options.allocation);
+  } catch (const Error& error) {
+    throw Error(fmt::format("--allocation: {}", error.what()));
+  }
+  if (!(options.adaptive_floor >= 0.0 && options.adaptive_floor <= 1.0)) {
+    throw Error(fmt::format("--adaptive-floor must be in [0, 1], got {}", options.adaptive_floor));
+  }
+  if (options.pyramid_beta < 1) {
+    throw Error(fmt::format("--pyramid-beta must be >= 1, got {}", options.pyramid_beta));
+  }
   if (options.sinks_given && !has_sinks(spec)) {
     throw Error(
         fmt::format("--sinks does not apply to policy '{}' (it has no sinks)", options.policy));
@@ -142,10 +176,21 @@ void validate_policy_options(const PolicyOptions& options) {
   } catch (const Error& error) {
     throw Error(fmt::format("--decode-activations: {}", error.what()));
   }
-  const PolicyParams params = resolve_params(options, nullptr);
+  // A byte budget becomes a token budget once the model's shape is known: check at a budget of
+  // 64 tokens per head until then.
+  PolicyOptions typed = options;
+  if (options.budget_bytes) typed.budget = 64;
+  const PolicyParams params = resolve_params(typed, nullptr);
   // AnLLM's default anchor ids come from the model; every other policy can be built now.
   if (options.policy == "anllm" && !params.has("anchor_ids")) return;
   const std::unique_ptr<Policy> policy = spec.make(resolved(spec, params));
+  if (allocation != Allocation::uniform && !policy->score_rule()) {
+    throw Error(fmt::format(
+        "--allocation {}: policy '{}' has no keep rule of the form \"protected plus the top k of "
+        "one score column\" to split a budget over (h2o, tova, knorm and keydiff have one; "
+        "pyramidkv and adakv are SnapKV under the two allocations)",
+        options.allocation, options.policy));
+  }
   if (!options.granularity.empty() &&
       parse_granularity(options.granularity).kind() == Granularity::Kind::block &&
       !policy->supports_blocks()) {
@@ -161,8 +206,19 @@ void validate_policy_options(const PolicyOptions& options) {
   }
 }
 
-PolicySetup make_policy_setup(const PolicyOptions& options, const model::Model& model) {
-  validate_policy_options(options);
+PolicySetup make_policy_setup(const PolicyOptions& given, const model::Model& model) {
+  validate_policy_options(given);
+  PolicyOptions options = given;
+  const KvType kv_type = parse_kv_type(options.kv_type);
+  if (options.budget_bytes) {
+    try {
+      check_kv_type(kv_type, model.config.head_dim());
+    } catch (const Error& error) {
+      throw Error(fmt::format("--kv-type: {}", error.what()));
+    }
+    options.budget = budget_from_bytes(*options.budget_bytes, model.config.layers,
+                                       model.config.kv_heads, model.config.head_dim(), kv_type);
+  }
   const PolicySpec& spec = policy_spec(options.policy);
   PolicySetup setup;
   setup.name = options.policy;
@@ -182,6 +238,15 @@ PolicySetup make_policy_setup(const PolicyOptions& options, const model::Model& 
     throw Error(fmt::format("--kv-type: {}", error.what()));
   }
   setup.decoder_options.max_chunk = options.chunk;
+  // Uniform under a byte budget is the --budget it holds per head (any bounded policy takes it);
+  // pyramid and adaptive split the bytes themselves (policies/allocated.hpp).
+  setup.decoder_options.allocation = parse_allocation(options.allocation);
+  setup.decoder_options.pyramid_beta = options.pyramid_beta;
+  setup.decoder_options.adaptive_floor = options.adaptive_floor;
+  if (options.budget_bytes && setup.decoder_options.allocation != Allocation::uniform) {
+    setup.decoder_options.budget_bytes = *options.budget_bytes;
+  }
+  setup.budget_bytes = options.budget_bytes;
   setup.decoder_options.decode_activations =
       model::parse_decode_activations(options.decode_activations);
   if (setup.policy->signals().contains(Signal::catalyst_attention)) {
@@ -221,14 +286,19 @@ std::string describe_policy(const PolicySetup& setup, const model::Decoder& deco
   const std::string params = setup.params.to_string();
   const Sequence& sequence = decoder.cache().sequence();
   const model::DecodeActivations activations = decoder.options().decode_activations;
-  return fmt::format("{}{}, positions {}, granularity {}, keys {}, chunk {}{}{}", setup.name,
-                     params.empty() ? std::string() : " (" + params + ")",
-                     to_string(sequence.position_mode()), to_string(sequence.granularity()),
-                     to_string(decoder.options().key_storage), decoder.options().max_chunk,
-                     describe_kv_type(decoder.options().kv_type),
-                     activations == model::DecodeActivations::f32
-                         ? std::string()
-                         : ", decode activations " + std::string(to_string(activations)));
+  const Allocation allocation = decoder.options().allocation;
+  return fmt::format(
+      "{}{}{}{}, positions {}, granularity {}, keys {}, chunk {}{}{}", setup.name,
+      params.empty() ? std::string() : " (" + params + ")",
+      allocation == Allocation::uniform ? std::string()
+                                        : ", allocation " + std::string(to_string(allocation)),
+      setup.budget_bytes ? fmt::format(", budget {} bytes", *setup.budget_bytes) : std::string(),
+      to_string(sequence.position_mode()), to_string(sequence.granularity()),
+      to_string(decoder.options().key_storage), decoder.options().max_chunk,
+      describe_kv_type(decoder.options().kv_type),
+      activations == model::DecodeActivations::f32
+          ? std::string()
+          : ", decode activations " + std::string(to_string(activations)));
 }
 
 std::string keep_set_text(Granularity granularity) {
@@ -275,6 +345,11 @@ nlohmann::ordered_json policy_json(const PolicySetup& setup, const model::Decode
   json["kv_type"] = std::string(to_string(decoder.options().kv_type));
   json["decode_activations"] = std::string(to_string(decoder.options().decode_activations));
   json["chunk"] = decoder.options().max_chunk;
+  // Only when not uniform, so that earlier results' policy records stay as they were.
+  if (decoder.options().allocation != Allocation::uniform) {
+    json["allocation"] = std::string(to_string(decoder.options().allocation));
+  }
+  if (setup.budget_bytes) json["budget_bytes"] = *setup.budget_bytes;
   if (setup.catalyst) json["catalyst_tokens"] = setup.catalyst->size();
   return json;
 }

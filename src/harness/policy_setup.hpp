@@ -33,6 +33,13 @@ inline constexpr int kMaxChunk = 1 << 16;
 struct PolicyOptions {
   std::string policy = "full";
   std::optional<int> budget;  ///< --budget N: mapped to the policy's natural parameters
+  /// --budget-bytes B: the sequence's keys and values in --kv-type, at most B bytes (instead of
+  /// --budget): the policy gets the --budget N that B holds per KV head, and under pyramid or
+  /// adaptive the split honours B itself.
+  std::optional<std::int64_t> budget_bytes;
+  std::string allocation = "uniform";  ///< --allocation uniform|pyramid|adaptive
+  int pyramid_beta = 20;               ///< --pyramid-beta
+  double adaptive_floor = 0.2;         ///< --adaptive-floor
   int sinks = kDefaultSinks;  ///< --sinks S: protected first tokens (with --budget, and as `sinks`)
   bool sinks_given = false;
   std::vector<std::string> params;  ///< --param key=value, applied last (they override)
@@ -62,6 +69,12 @@ void check_threads(int threads);
 /// bad option fails before a large model is loaded.
 void validate_policy_options(const PolicyOptions& options);
 
+/// The --budget N that --budget-bytes B holds per KV head of a model of `layers` x `kv_heads`
+/// heads of `head_dim` in `kv_type`: B // (layers * kv_heads * 2 * row bytes); an error naming B
+/// and the smallest byte budget when that is 0.
+[[nodiscard]] int budget_from_bytes(std::int64_t bytes, int layers, int kv_heads, int head_dim,
+                                    KvType kv_type);
+
 /// A configured policy, ready to become a decoder.
 struct PolicySetup {
   std::string name;
@@ -70,6 +83,8 @@ struct PolicySetup {
   model::DecoderOptions decoder_options;
   /// Catalyst prompt tokens for a policy that runs one (InfiniPot); nullopt otherwise.
   std::optional<std::vector<std::int32_t>> catalyst;
+  /// --budget-bytes, when given (the policy's params hold the --budget it amounts to per head).
+  std::optional<std::int64_t> budget_bytes;
 };
 
 [[nodiscard]] PolicySetup make_policy_setup(const PolicyOptions& options,
@@ -112,7 +127,8 @@ void warn_if_past_context(const model::Decoder& decoder, const model::ModelConfi
                                                const model::Decoder& decoder);
 
 /// {"name", "params", "positions", "granularity", "keys", "kv_type", "decode_activations", "chunk",
-/// "catalyst_tokens" (when it has one)}.
+/// "allocation" (when not uniform), "budget_bytes" (when given), "catalyst_tokens" (when it has
+/// one)}.
 [[nodiscard]] nlohmann::ordered_json policy_json(const PolicySetup& setup,
                                                  const model::Decoder& decoder);
 

@@ -29,6 +29,16 @@ CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
   report.tokens_per_second =
       wall_seconds > 0 ? static_cast<double>(stats.tokens_fed) / wall_seconds : 0.0;
   if (clock != nullptr) report.eviction_seconds = eviction_seconds(*clock);
+  const Sequence& seq = decoder.cache().sequence();
+  const std::size_t row = decoder.cache().store().kv_bytes_per_slot();
+  for (int l = 0; l < seq.config().layers; ++l) {
+    std::vector<int>& tokens = report.unit_tokens.emplace_back();
+    std::vector<std::size_t>& peak = report.unit_peak_kv_bytes.emplace_back();
+    for (int g = 0; g < seq.config().kv_heads; ++g) {
+      tokens.push_back(seq.live(l, g));
+      peak.push_back(static_cast<std::size_t>(seq.slots().peak_live(seq.unit_of(l, g))) * row);
+    }
+  }
   return report;
 }
 
@@ -44,6 +54,8 @@ nlohmann::ordered_json to_json(const CacheReport& report) {
   json["seconds"] = report.seconds;
   json["tokens_per_second"] = report.tokens_per_second;
   json["eviction_seconds"] = report.eviction_seconds;
+  json["unit_tokens"] = report.unit_tokens;
+  json["unit_peak_kv_bytes"] = report.unit_peak_kv_bytes;
   return json;
 }
 

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace kvevict::harness {
 
@@ -26,6 +27,10 @@ struct CacheReport {
   double seconds = 0;            ///< wall time of the run
   double tokens_per_second = 0;  ///< tokens / seconds
   double eviction_seconds = 0;   ///< policy + reposition + catalyst stages (0 when untimed)
+  /// Live tokens of each (layer, KV head) at the end, [layer][kv_head]: how the budget was split.
+  std::vector<std::vector<int>> unit_tokens;
+  /// Key and value bytes of the most tokens each (layer, KV head) held at once, [layer][kv_head].
+  std::vector<std::vector<std::size_t>> unit_peak_kv_bytes;
 };
 
 /// The report of `decoder`'s run; `clock`, when the decoder was timed with it, gives the eviction

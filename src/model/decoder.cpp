@@ -103,6 +103,11 @@ CacheConfig cache_config(const Model& model, const DecoderOptions& options) {
   // the input).
   config.sequence.max_initial_capacity = kInitialSlots + std::min(options.max_chunk, kInitialSlots);
   config.sequence.max_pending_rotations = options.max_pending_rotations;
+  config.sequence.budget_bytes = options.budget_bytes;
+  config.sequence.budget_tokens = options.budget_tokens;
+  config.sequence.allocation = options.allocation;
+  config.sequence.pyramid_beta = options.pyramid_beta;
+  config.sequence.adaptive_floor = options.adaptive_floor;
   // Attention reads the slot table's runs per KV head on the pool's threads (attend_kv_head).
   config.sequence.attention_views = false;
   return config;

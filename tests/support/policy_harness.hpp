@@ -108,6 +108,12 @@ class Harness {
   Harness(int layers, int q_heads, int kv_heads, std::unique_ptr<kvevict::Policy> policy,
           std::optional<Granularity> granularity = std::nullopt)
       : sequence_(config(layers, q_heads, kv_heads, granularity), std::move(policy)) {}
+  /// With the sequence settings `adjust` makes to the harness's own (a budget, an allocation).
+  template <class Adjust>
+  Harness(int layers, int q_heads, int kv_heads, std::unique_ptr<kvevict::Policy> policy,
+          std::optional<Granularity> granularity, const Adjust& adjust)
+      : sequence_(adjusted(config(layers, q_heads, kv_heads, granularity), adjust),
+                  std::move(policy)) {}
 
   // One forward of `tokens` tokens. per_layer[l] holds that layer's rows (one entry: the same rows
   // in every layer). The rows are those of the chunk's last rows().size() queries.
@@ -139,8 +145,14 @@ class Harness {
   }
   [[nodiscard]] const SequenceStats& stats() const { return sequence_.stats(); }
   [[nodiscard]] const Sequence& sequence() const { return sequence_; }
+  [[nodiscard]] Sequence& sequence() { return sequence_; }
 
  private:
+  template <class Adjust>
+  static SequenceConfig adjusted(SequenceConfig c, const Adjust& adjust) {
+    adjust(c);
+    return c;
+  }
   static SequenceConfig config(int layers, int q_heads, int kv_heads,
                                std::optional<Granularity> granularity) {
     SequenceConfig c;

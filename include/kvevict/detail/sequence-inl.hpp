@@ -22,6 +22,7 @@
 #include "kvevict/decision.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/granularity.hpp"
+#include "kvevict/policies/allocated.hpp"
 #include "kvevict/policy.hpp"
 #include "kvevict/positions.hpp"
 #include "kvevict/signals.hpp"
@@ -48,6 +49,14 @@ class SequenceCore {
     position_mode_ = config_.position_mode.value_or(policy_->default_position_mode());
     layout_ = UnitLayout(config_.layers, config_.kv_heads,
                          config_.granularity.value_or(policy_->default_granularity()));
+    if (config_.budget_tokens > 0 || config_.budget_bytes > 0 ||
+        config_.allocation != Allocation::uniform) {
+      policy_ = std::make_unique<Allocated>(
+          std::move(policy_),
+          AllocationConfig{config_.allocation, config_.budget_tokens, config_.budget_bytes,
+                           config_.token_bytes, config_.pyramid_beta, config_.adaptive_floor},
+          layout_);
+    }
     if (layout_.granularity().kind() == Granularity::Kind::block && !policy_->supports_blocks()) {
       throw Error("policy '" + std::string(policy_->name()) + "' has no block form of its keep " +
                   "rule, so granularity " + to_string(layout_.granularity()) +
@@ -350,6 +359,7 @@ class SequenceCore {
     KVEVICT_REQUIRE(config.head_dim >= 0, "Sequence: negative head_dim");
     KVEVICT_REQUIRE(config.max_pending_rotations >= 0,
                     "Sequence: max_pending_rotations must be >= 0");
+    KVEVICT_REQUIRE(config.token_bytes >= 0, "Sequence: negative token_bytes");
     return config;
   }
 

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <kvevict/allocation.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/evicting_cache.hpp>
 #include <kvevict/granularity.hpp>
@@ -74,6 +75,14 @@ struct DecoderOptions {
   std::optional<PositionMode> position_mode;
   /// Overrides the policy's default granularity.
   std::optional<Granularity> granularity;
+  /// One budget for the whole sequence and its split over the units (SequenceConfig's fields of
+  /// the same names, policies/allocated.hpp): key and value bytes in kv_type, or tokens summed over
+  /// every (layer, KV head); 0 and uniform: the policy alone.
+  std::int64_t budget_bytes = 0;
+  std::int64_t budget_tokens = 0;
+  Allocation allocation = Allocation::uniform;
+  int pyramid_beta = 20;
+  double adaptive_floor = 0.2;
   /// Largest chunk forward() accepts (feed() splits longer inputs). With the policy's
   /// retained_limit() it sizes the cache, so that a bounded policy never reallocates.
   int max_chunk = 64;

@@ -53,6 +53,9 @@ class HeavyHitterPolicy final : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override { return heavy_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    return ScoreRule{kScore, heavy_, {}};
+  }
 
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
     check_attention_rows(slots, layer, rows, "h2o");
@@ -71,7 +74,7 @@ class HeavyHitterPolicy final : public Policy {
 
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
-      (void)worst_.evict(context.slots, unit, context.protection, heavy_,
+      (void)worst_.evict(context.slots, unit, context.protection, context.keep(unit, heavy_),
                          context.slots.scores(unit, kScore), decision, context.max_live);
     }
   }

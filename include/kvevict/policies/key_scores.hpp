@@ -83,14 +83,19 @@ class KeyScoredPolicy : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    return ScoreRule{kScore, budget_, {}};
+  }
+  void update_scores(SlotTable& slots, int unit) override { score_unit(slots, unit); }
 
   void select(const EvictionContext& context, Decision& decision) override {
     SlotTable& slots = context.slots;
     for (int unit = 0; unit < slots.units(); ++unit) {
+      const int keep = context.keep(unit, budget_);
       // Nothing to evict: no scores needed.
-      if (slots.live(unit) <= std::min(budget_, context.max_live)) continue;
+      if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
       score_unit(slots, unit);
-      (void)worst_.evict(slots, unit, context.protection, budget_, slots.scores(unit, kScore),
+      (void)worst_.evict(slots, unit, context.protection, keep, slots.scores(unit, kScore),
                          decision, context.max_live);
     }
   }

@@ -47,6 +47,10 @@ class PolicyDecorator : public Policy {
   [[nodiscard]] bool supports_blocks() const override { return inner_->supports_blocks(); }
   [[nodiscard]] bool supports_pressure() const override { return inner_->supports_pressure(); }
   [[nodiscard]] int min_retained() const override { return inner_->min_retained(); }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    return inner_->score_rule();
+  }
+  void update_scores(SlotTable& slots, int unit) override { inner_->update_scores(slots, unit); }
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return inner_->retained_limit();
   }
@@ -100,6 +104,11 @@ class ProtectOldest final : public PolicyDecorator {
   [[nodiscard]] int min_retained() const override {
     return *plus(inner().min_retained(), count_, name());
   }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    std::optional<ScoreRule> rule = inner().score_rule();
+    if (rule) rule->protection.oldest = std::max(rule->protection.oldest, count_);
+    return rule;
+  }
   void select(const EvictionContext& context, Decision& decision) override {
     EvictionContext protected_context = context;
     protected_context.protection.oldest = std::max(context.protection.oldest, count_);
@@ -133,6 +142,11 @@ class ProtectNewest final : public PolicyDecorator {
   [[nodiscard]] int min_retained() const override {
     return *ProtectOldest::plus(inner().min_retained(), count_, name());
   }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    std::optional<ScoreRule> rule = inner().score_rule();
+    if (rule) rule->protection.newest = std::max(rule->protection.newest, count_);
+    return rule;
+  }
   void select(const EvictionContext& context, Decision& decision) override {
     EvictionContext protected_context = context;
     protected_context.protection.newest = std::max(context.protection.newest, count_);
@@ -157,6 +171,11 @@ class ProtectAnchors final : public PolicyDecorator {
   [[nodiscard]] std::optional<int> retained_limit() const override { return std::nullopt; }
   /// Anchors accumulate and are never evicted: no pool can press the sequence below them.
   [[nodiscard]] bool supports_pressure() const override { return false; }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    std::optional<ScoreRule> rule = inner().score_rule();
+    if (rule) rule->protection.flags |= slot_flag::anchor;
+    return rule;
+  }
   [[nodiscard]] std::uint8_t flags_for(std::int32_t token_id) const override {
     const bool anchor = std::binary_search(anchor_ids_.begin(), anchor_ids_.end(), token_id);
     return static_cast<std::uint8_t>(inner().flags_for(token_id) |
@@ -199,6 +218,8 @@ class SlotCap final : public PolicyDecorator {
   [[nodiscard]] int min_retained() const override {
     return std::min(inner().min_retained(), max_slots_);
   }
+  /// The cap adds a rule beyond the top-k: not of that form.
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override { return std::nullopt; }
   void select(const EvictionContext& context, Decision& decision) override {
     if (inner().triggers().contains(context.trigger)) inner().select(context, decision);
     const SlotTable& slots = context.slots;

@@ -56,6 +56,9 @@ class TovaPolicy final : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    return ScoreRule{kScore, budget_, {}};
+  }
 
   /// The score is this forward's: cleared as the chunk comes in, then summed from every layer.
   void on_append(SlotTable& slots, const ChunkInfo& /*chunk*/) override {
@@ -85,7 +88,7 @@ class TovaPolicy final : public Policy {
 
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
-      (void)worst_.evict(context.slots, unit, context.protection, budget_,
+      (void)worst_.evict(context.slots, unit, context.protection, context.keep(unit, budget_),
                          context.slots.scores(unit, kScore), decision, context.max_live);
     }
   }

@@ -26,6 +26,14 @@ ggml_type ggml_cell_type(KvType type) {
 }  // namespace
 
 harness::PolicySetup make_setup(const harness::PolicyOptions& options, const LlamaModel& model) {
+  // llama.cpp's cells are shared by every layer and KV head: one keep-set, so only a token budget
+  // applies (--budget, or --budget-bytes as the --budget it holds per head).
+  if (options.allocation != "uniform") {
+    throw Error("--allocation " + options.allocation +
+                ": llama.cpp's cells are shared by every layer and KV head (one keep-set per "
+                "token), so a per-layer or per-head split has no memory to free there; only "
+                "uniform applies (kvevict's own decoder takes pyramid and adaptive)");
+  }
   // The setup reads only the model's tokenizer and shape (--kv-type checks the head size); a
   // vocabulary kvevict does not hold gets a byte-level stand-in without an anchor (AnLLM then asks
   // for --param anchor_ids) and llama.cpp tokenizes the catalyst.

@@ -1,0 +1,292 @@
+// Allocated: one budget for the whole sequence, split over its decision units by an allocation
+// (kvevict/allocation.hpp), around any policy whose keep rule is "the protected slots plus the top
+// `keep` of one score column per unit" (Policy::score_rule(): H2O, TOVA, K-norm, KeyDiff). The
+// inner policy keeps its scoring and its protection; the decorator replaces each unit's `keep`
+// with its share (EvictionContext::unit_keep) and the inner rule selects as before.
+//
+// The sequence budget. In tokens (AllocationConfig::budget_tokens: live tokens summed over every
+// (layer, KV head)) or in bytes (budget_bytes: their keys and values in the engine's KV type,
+// token_bytes per token and head, Q8_0 scales included). A unit of h heads costs h heads' rows per
+// token, so the budget holds T = budget / (h * token_bytes) unit-tokens, M = T / U per unit on
+// average (U units). Each unit keeps its protected set P (sinks + recent window) outside the split;
+// the scored part S = T - U * P is split, m = S / U per unit on average. Without either budget the
+// sequence budget is the policy's own: T = U * (P + keep), and `uniform` is then exactly the inner
+// policy (every unit_keep equals its keep). Sequence wraps the policy when SequenceConfig asks for
+// a budget or an allocation (engine.hpp), so engines set it there.
+//
+//   uniform   every unit keeps m.
+//   pyramid   unit of layer l keeps pyramid_budgets(L, m', beta, no clamp)[l] (PyramidKV's
+//             arithmetic schedule, layer 0 the largest), with m' the largest mean <= m whose
+//             schedule fits in S: the authors' floored step can hand out more than L * m (their
+//             4 layers, mean 16, beta 5 give 68 for 64), which a byte budget cannot take; m' is
+//             m whenever it fits. The schedule is fixed: computed once.
+//   adaptive  per layer, its H KV heads share H * m slots (Ada-KV). Each head first keeps its own
+//             best f = floor(floor * m) candidates (Ada-KV's floor, int(m * floor) as the authors
+//             compute it), then the H * m - (sum of those) best remaining candidates of the whole
+//             layer win, whichever head they are in (ties: the older token, then the lower head).
+//             Recomputed at every decision from the current scores. Needs granularity head.
+//             The authors' code compresses once, at the prompt, and mixes winner counts with the
+//             floor, round((1 - floor) * n + f), which hands out (1 - floor) * H * m + H * f <= H
+//             * m slots (and up to H / 2 more by rounding); applied at every decode step, that mix
+//             would shrink a heavy head by about floor * n - f tokens per step and drive every
+//             head back to the uniform m. kvevict applies the paper's safeguard exactly instead
+//             (the floor first, then the layer-wide top-k), which keeps the layer at H * m. The
+//             authors' one-shot form is the `adakv` policy (policies/prompt_compression.hpp),
+//             which the replay fixtures pin.
+//
+// A KV pool's pressure (EvictionContext::max_live) passes through: the inner rule keeps
+// min(unit_keep, grant). Errors, before any work: no score rule, anchors (they accumulate beyond
+// any budget), both budgets, a byte budget without token_bytes, a budget below one token per unit
+// or not above the protected set, pyramid below per-layer units or with one layer, adaptive below
+// per-head units, a floor outside [0, 1], beta < 1.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvevict/allocation.hpp"
+#include "kvevict/checked.hpp"
+#include "kvevict/error.hpp"
+#include "kvevict/granularity.hpp"
+#include "kvevict/policies/protection.hpp"
+#include "kvevict/policy.hpp"
+#include "kvevict/selection.hpp"
+#include "kvevict/slot_table.hpp"
+
+namespace kvevict {
+
+struct AllocationConfig {
+  Allocation allocation = Allocation::uniform;
+  /// Live tokens summed over every (layer, KV head); 0: budget_bytes, or the policy's own.
+  std::int64_t budget_tokens = 0;
+  /// Key and value bytes summed over every (layer, KV head); 0: budget_tokens, or the policy's own.
+  std::int64_t budget_bytes = 0;
+  /// Key + value bytes of one token of one KV head in the engine's KV type (a byte budget).
+  std::int64_t token_bytes = 0;
+  int beta = 20;       ///< pyramid: lo = m // beta, >= 1 (KVCache-Factory's default)
+  double floor = 0.2;  ///< adaptive: each head's floor share, in [0, 1] (AdaKV's floor_alpha)
+};
+
+class Allocated final : public PolicyDecorator {
+ public:
+  /// `layout`: the sequence's units (Sequence passes its own).
+  Allocated(std::unique_ptr<Policy> inner, const AllocationConfig& config, const UnitLayout& layout)
+      : PolicyDecorator(std::move(inner), {}), config_(config), layout_(layout) {
+    const std::string what = "allocation " + std::string(to_string(config.allocation)) +
+                             ": policy '" + std::string(this->inner().name()) + "'";
+    const std::optional<ScoreRule> rule = this->inner().score_rule();
+    KVEVICT_REQUIRE(rule.has_value(),
+                    what +
+                        " has no keep rule of the form \"protected plus the top k of one score "
+                        "column\" to split a budget over (h2o, tova, knorm and keydiff have "
+                        "one; pyramidkv and adakv are SnapKV under the two allocations)");
+    rule_ = *rule;
+    KVEVICT_REQUIRE(rule_.protection.flags == 0,
+                    what + " protects anchors, which accumulate beyond any sequence budget");
+    KVEVICT_REQUIRE(config.budget_tokens >= 0 && config.budget_bytes >= 0,
+                    what + ": a negative budget");
+    KVEVICT_REQUIRE(config.budget_tokens == 0 || config.budget_bytes == 0,
+                    what + ": give the sequence budget in tokens or in bytes, not both (" +
+                        std::to_string(config.budget_tokens) + " tokens, " +
+                        std::to_string(config.budget_bytes) + " bytes)");
+    KVEVICT_REQUIRE(config.allocation != Allocation::pyramid || config.beta >= 1,
+                    what + ": pyramid beta must be >= 1, got " + std::to_string(config.beta));
+    KVEVICT_REQUIRE(
+        config.allocation != Allocation::adaptive || (config.floor >= 0.0 && config.floor <= 1.0),
+        what + ": adaptive floor must be in [0, 1], got " + number_text(config.floor));
+    const std::int64_t units = layout.units();
+    const std::int64_t heads_per_unit = layout.heads_per_unit();
+    protected_ = rule_.protection.oldest + rule_.protection.newest;
+    // T: the budget in unit-tokens.
+    std::int64_t total = 0;
+    std::string budget_text;
+    if (config.budget_bytes > 0) {
+      KVEVICT_REQUIRE(config.token_bytes > 0,
+                      what +
+                          ": a byte budget needs the bytes of one token's key and value "
+                          "(SequenceConfig::token_bytes)");
+      const std::int64_t row =
+          checked_product({config.token_bytes, heads_per_unit}, "allocation: bytes per unit-token");
+      total = config.budget_bytes / row;
+      budget_text = std::to_string(config.budget_bytes) + " bytes (" + std::to_string(row) +
+                    " per token of a unit)";
+      KVEVICT_REQUIRE(total >= units,
+                      what + ": a byte budget of " + budget_text + " is smaller than one row per " +
+                          "unit: " + std::to_string(units) + " units need at least " +
+                          std::to_string(units * row) + " bytes");
+    } else if (config.budget_tokens > 0) {
+      total = config.budget_tokens / heads_per_unit;
+      budget_text = std::to_string(config.budget_tokens) + " tokens";
+      KVEVICT_REQUIRE(total >= units, what + ": a budget of " + budget_text +
+                                          " is smaller than one token per " + "unit (" +
+                                          std::to_string(units * heads_per_unit) + " at least)");
+    } else {
+      total = units * (protected_ + rule_.keep);
+      budget_text = "its own budget";
+    }
+    const std::int64_t per_unit = total / units;
+    KVEVICT_REQUIRE(per_unit > protected_,
+                    what + ": " + budget_text + " leaves " + std::to_string(per_unit) +
+                        " tokens per unit, not more than the " + std::to_string(protected_) +
+                        " it protects (sinks and recent window): nothing would be chosen by score");
+    const std::int64_t scored = total - units * protected_;
+    KVEVICT_REQUIRE(scored / units <= SlotTable::kMaxCapacity,
+                    what + ": " + budget_text + " gives each unit more than " +
+                        std::to_string(SlotTable::kMaxCapacity) + " slots");
+    mean_ = static_cast<int>(scored / units);
+    keep_.assign(static_cast<std::size_t>(units), mean_);
+    switch (config.allocation) {
+      case Allocation::uniform:
+        break;
+      case Allocation::pyramid:
+        KVEVICT_REQUIRE(
+            layout.granularity() == Granularity::head || layout.granularity() == Granularity::layer,
+            what + " decides with granularity " + to_string(layout.granularity()) +
+                ": pyramid gives every layer its own budget, so it needs per-layer "
+                "or per-head units (granularity layer or head)");
+        KVEVICT_REQUIRE(layout.layers() >= 2, what + ": pyramid needs at least 2 layers, got " +
+                                                  std::to_string(layout.layers()));
+        set_pyramid(scored);
+        break;
+      case Allocation::adaptive:
+        KVEVICT_REQUIRE(layout.granularity() == Granularity::head,
+                        what + " decides with granularity " + to_string(layout.granularity()) +
+                            ": adaptive lets the KV heads of a layer compete for its budget, so "
+                            "it needs one keep-set per KV head (granularity head" +
+                            (this->inner().name() == "tova" ? "; tova: head_wise=1" : "") + ")");
+        floor_count_ = static_cast<int>(static_cast<double>(mean_) * config.floor);
+        break;
+    }
+  }
+
+  [[nodiscard]] Allocation allocation() const { return config_.allocation; }
+  /// The mean of the scored shares (m; pyramid: the schedule's m').
+  [[nodiscard]] int mean() const { return mean_; }
+  /// Tokens each unit protects besides its share (P).
+  [[nodiscard]] int protected_per_unit() const { return protected_; }
+  /// Each unit's share of the scored budget at the last decision (fixed for uniform and pyramid).
+  [[nodiscard]] std::span<const int> unit_keep() const { return keep_; }
+
+  [[nodiscard]] std::optional<int> retained_limit() const override {
+    if (config_.allocation == Allocation::adaptive) {
+      return checked_int(std::int64_t{layout_.kv_heads()} * mean_ + protected_,
+                         "allocation: retained limit");
+    }
+    return *std::max_element(keep_.begin(), keep_.end()) + protected_;
+  }
+  [[nodiscard]] bool supports_blocks() const override {
+    return config_.allocation == Allocation::uniform && inner().supports_blocks();
+  }
+  /// The split is this decorator's: not a rule another allocation can wrap.
+  [[nodiscard]] std::optional<ScoreRule> score_rule() const override { return std::nullopt; }
+
+  void select(const EvictionContext& context, Decision& decision) override {
+    if (config_.allocation == Allocation::adaptive) share_layers(context);
+    EvictionContext allocated = context;
+    allocated.unit_keep = keep_;
+    inner().select(allocated, decision);
+  }
+
+ private:
+  // 1.5, not 1.500000.
+  static std::string number_text(double value) {
+    char text[32];
+    (void)std::snprintf(text, sizeof text, "%g", value);
+    return text;
+  }
+
+  struct Candidate {
+    float score;
+    std::int64_t original;
+    std::int32_t unit;
+  };
+
+  void set_pyramid(std::int64_t scored) {
+    const int layers = layout_.layers();
+    const std::int64_t units_per_layer = layout_.units() / layers;
+    for (int mean = mean_; mean >= 0; --mean) {
+      const std::vector<int> budgets =
+          pyramid_budgets(layers, mean, config_.beta, std::numeric_limits<int>::max());
+      std::int64_t sum = 0;
+      for (const int b : budgets) sum += std::int64_t{b} * units_per_layer;
+      if (sum > scored) continue;
+      mean_ = mean;
+      for (int unit = 0; unit < layout_.units(); ++unit) {
+        keep_[static_cast<std::size_t>(unit)] =
+            budgets[static_cast<std::size_t>(unit / units_per_layer)];
+      }
+      return;
+    }
+  }
+
+  // Ada-KV's split of each layer's H * m slots over its heads, from the current scores.
+  void share_layers(const EvictionContext& context) {
+    SlotTable& slots = context.slots;
+    Protection protection = context.protection;
+    protection.oldest = std::max(protection.oldest, rule_.protection.oldest);
+    protection.newest = std::max(protection.newest, rule_.protection.newest);
+    protection.flags |= rule_.protection.flags;
+    const auto better = [](const Candidate& a, const Candidate& b) {
+      if (a.score != b.score) return a.score > b.score;
+      if (a.original != b.original) return a.original < b.original;
+      return a.unit < b.unit;
+    };
+    const int heads = layout_.kv_heads();
+    for (int layer = 0; layer < layout_.layers(); ++layer) {
+      pool_.clear();
+      std::int64_t floors = 0;
+      for (int g = 0; g < heads; ++g) {
+        const int unit = layout_.unit_of(layer, g);
+        inner().update_scores(slots, unit);
+        const std::span<const float> scores = slots.scores(unit, rule_.column);
+        const std::span<const std::int32_t> order = slots.stream_order(unit);
+        const std::span<const std::int64_t> originals = slots.original_positions(unit);
+        const std::span<const std::uint8_t> flags = slots.flags(unit);
+        const int live = static_cast<int>(order.size());
+        const int first = std::min(protection.oldest, live);
+        const int last = live - std::min(protection.newest, live - first);
+        unit_candidates_.clear();
+        for (int i = first; i < last; ++i) {
+          const std::int32_t slot = order[static_cast<std::size_t>(i)];
+          if ((flags[static_cast<std::size_t>(slot)] & protection.flags) != 0) continue;
+          const float score = scores[static_cast<std::size_t>(slot)];
+          const std::int64_t original = originals[static_cast<std::size_t>(slot)];
+          require_number(score, original);
+          unit_candidates_.push_back({score, original, static_cast<std::int32_t>(unit)});
+        }
+        const int floor = std::min(floor_count_, static_cast<int>(unit_candidates_.size()));
+        std::nth_element(unit_candidates_.begin(), unit_candidates_.begin() + floor,
+                         unit_candidates_.end(), better);
+        pool_.insert(pool_.end(), unit_candidates_.begin() + floor, unit_candidates_.end());
+        keep_[static_cast<std::size_t>(unit)] = floor;
+        floors += floor;
+      }
+      const std::int64_t rest = std::int64_t{heads} * mean_ - floors;
+      if (rest < static_cast<std::int64_t>(pool_.size())) {
+        std::nth_element(pool_.begin(), pool_.begin() + rest, pool_.end(), better);
+        pool_.resize(static_cast<std::size_t>(rest));
+      }
+      for (const Candidate& winner : pool_) ++keep_[static_cast<std::size_t>(winner.unit)];
+    }
+  }
+
+  AllocationConfig config_;
+  UnitLayout layout_;
+  ScoreRule rule_;
+  int protected_ = 0;
+  int mean_ = 0;
+  int floor_count_ = 0;
+  std::vector<int> keep_;  // [units] each unit's scored share
+  std::vector<Candidate> unit_candidates_;
+  std::vector<Candidate> pool_;
+};
+
+}  // namespace kvevict

@@ -1,0 +1,343 @@
+// The Allocated decorator (policies/allocated.hpp): one sequence budget split over the units by
+// uniform, pyramid or adaptive, around a policy with a score rule. Expected keep-sets are worked
+// out by hand in the comments from the attention rows fed; then the bad inputs, a KV pool's
+// pressure, and the byte bound over random streams.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <kvevict/allocation.hpp>
+#include <kvevict/engine.hpp>
+#include <kvevict/kv_type.hpp>
+#include <kvevict/policies/allocated.hpp>
+#include <kvevict/policies/h2o.hpp>
+#include <kvevict/policies/streaming_llm.hpp>
+#include <kvevict/policies/tova.hpp>
+#include <kvevict/policy_registry.hpp>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/expect_error.hpp"
+#include "support/policy_harness.hpp"
+
+#define KVEVICT_EXPECT_ERROR(action, fragment) \
+  kvevict::test::expect_error([&] { action; }, fragment)
+
+namespace {
+
+using kvevict::Allocated;
+using kvevict::Allocation;
+using kvevict::Granularity;
+using kvevict::SequenceConfig;
+using kvevict::test::Harness;
+using kvevict::test::HeadRows;
+using kvevict::test::LayerRows;
+using kvevict::test::Positions;
+
+std::unique_ptr<kvevict::Policy> tova(int budget, int sinks = 0, bool head_wise = false) {
+  return kvevict::make_tova({budget, sinks, head_wise});
+}
+
+const Allocated& allocated(const Harness& run) {
+  return dynamic_cast<const Allocated&>(run.sequence().policy());
+}
+
+// One row over 10 tokens; by score: 7 (.25), 1 (.20), 3 (.15), 5 (.12), 8 (.10), 9 (.07),
+// 2 (.05), 6 (.03), 4 (.02), 0 (.01).
+const HeadRows kTen{{0.01f, 0.20f, 0.05f, 0.15f, 0.02f, 0.12f, 0.03f, 0.25f, 0.10f, 0.07f}};
+
+TEST(Allocation, UniformWithoutABudgetIsThePolicyItself) {
+  // TOVA budget 4 over 4 layers: T = 4 units x 4, m = 4 in every unit, as without the decorator.
+  Harness bare(4, 1, 1, tova(4));
+  Harness uniform(4, 1, 1, tova(4), std::nullopt, [](SequenceConfig& c) { c.budget_tokens = 16; });
+  bare.feed(10, kTen);
+  uniform.feed(10, kTen);
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(uniform.kept(l), (Positions{1, 3, 5, 7})) << l;
+    EXPECT_EQ(uniform.kept(l), bare.kept(l)) << l;
+  }
+  EXPECT_EQ(uniform.sequence().policy().retained_limit(), 4);
+}
+
+TEST(Allocation, PyramidGivesLowerLayersMore) {
+  // 4 layers, mean m = 4, beta 4: lo = 4 // 4 = 1, hi = 2 * 4 - 1 = 7, step = (7 - 1) // 3 = 2:
+  // 7, 5, 3, 1 (sum 16 = 4 x 4, so m' = m). Each layer keeps its top-k by the row above.
+  Harness run(4, 1, 1, tova(4), std::nullopt, [](SequenceConfig& c) {
+    c.allocation = Allocation::pyramid;
+    c.pyramid_beta = 4;
+  });
+  run.feed(10, kTen);
+  EXPECT_EQ(run.kept(0), (Positions{1, 2, 3, 5, 7, 8, 9}));  // 7, 1, 3, 5, 8, 9, 2
+  EXPECT_EQ(run.kept(1), (Positions{1, 3, 5, 7, 8}));
+  EXPECT_EQ(run.kept(2), (Positions{1, 3, 7}));
+  EXPECT_EQ(run.kept(3), (Positions{7}));
+  EXPECT_EQ(allocated(run).mean(), 4);
+  EXPECT_EQ(run.sequence().policy().retained_limit(), 7);
+}
+
+TEST(Allocation, PyramidLowersTheMeanUntilTheAuthorsScheduleFits) {
+  // beta 20 (the default), m = 4: lo = 0, hi = 8, step = 8 // 3 = 2: 8, 6, 4, 2 = 20 > 16 slots.
+  // m' = 3: lo = 0, hi = 6, step = 2: 6, 4, 2, 0 = 12 <= 16: the largest mean that fits.
+  Harness run(4, 1, 1, tova(4), std::nullopt,
+              [](SequenceConfig& c) { c.allocation = Allocation::pyramid; });
+  EXPECT_EQ(allocated(run).mean(), 3);
+  EXPECT_EQ(std::vector<int>(allocated(run).unit_keep().begin(), allocated(run).unit_keep().end()),
+            (std::vector<int>{6, 4, 2, 0}));
+  // Per head: the two KV heads of a layer share its budget.
+  Harness heads(2, 2, 2, tova(4, 0, true), std::nullopt, [](SequenceConfig& c) {
+    c.allocation = Allocation::pyramid;
+    c.pyramid_beta = 2;
+  });
+  // U = 4, m = 4: lo = 2, hi = 6, step = 4: 6, 2 per layer, 2 heads each: 16 = 4 x 4.
+  EXPECT_EQ(
+      std::vector<int>(allocated(heads).unit_keep().begin(), allocated(heads).unit_keep().end()),
+      (std::vector<int>{6, 6, 2, 2}));
+}
+
+// Two KV heads of one layer (one query head each), TOVA-head budget 3: the layer has 6 slots.
+// Head 0 by score: 0 (.30), 1 (.25), 2 (.20), 3 (.10), 4 (.05), 5 (.04), 6 (.03), 7 (.03).
+// Head 1: 7 (.80), 6 (.08), then 0..5 at .02 (ties: the older first).
+const LayerRows kTwoHeads{
+    HeadRows{{0.30f, 0.25f, 0.20f, 0.10f, 0.05f, 0.04f, 0.03f, 0.03f}},
+    HeadRows{{0.02f, 0.02f, 0.02f, 0.02f, 0.02f, 0.02f, 0.08f, 0.80f}},
+};
+
+Harness adaptive_run(double floor) {
+  return Harness(1, 2, 2, tova(3, 0, true), std::nullopt, [floor](SequenceConfig& c) {
+    c.allocation = Allocation::adaptive;
+    c.adaptive_floor = floor;
+  });
+}
+
+TEST(Allocation, AdaptiveHeadsOfALayerShareItsBudget) {
+  // floor 0.4: f = int(3 * 0.4) = 1. Floors: head 0 keeps 0 (.30), head 1 keeps 7 (.80). The
+  // other 6 - 2 = 4 slots go to the layer's best remaining: .25 (h0 1), .20 (h0 2), .10 (h0 3),
+  // .08 (h1 6). Head 0 keeps 4, head 1 keeps 2 (uniform would keep 3 and 3).
+  Harness run = adaptive_run(0.4);
+  run.feed(8, {kTwoHeads});
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 1, 2, 3}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{6, 7}));
+  EXPECT_EQ(run.sequence().policy().retained_limit(), 6);  // H x m: one head could take all
+}
+
+TEST(Allocation, AdaptiveWithFloorOneIsUniform) {
+  // floor 1: f = 3 per head, nothing left to share: head 0 {0, 1, 2}, head 1 {7, 6, and the
+  // oldest .02: 0}.
+  Harness run = adaptive_run(1.0);
+  run.feed(8, {kTwoHeads});
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 1, 2}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{0, 6, 7}));
+}
+
+TEST(Allocation, AdaptiveWithoutFloorIsTheLayerTopK) {
+  // floor 0: the layer's 6 best over both heads: .80 (h1 7), .30, .25, .20, .10 (h0 0-3), .08
+  // (h1 6). Then a decode token whose row gives h0's newest 0 and h1's newest .5: head 1's new
+  // token (.5) beats head 0's worst kept (.10 at 3), so the layer's 6 become h0 {0, 1, 2} (its row
+  // below: .3, .25, .2, .1, ...), h1 {6, 7, 8}.
+  Harness run = adaptive_run(0.0);
+  run.feed(8, {kTwoHeads});
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 1, 2, 3}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{6, 7}));
+  // Rows over each head's live tokens, oldest first: h0 holds 0, 1, 2, 3, 8; h1 holds 6, 7, 8.
+  run.feed(1, {LayerRows{HeadRows{{0.3f, 0.25f, 0.2f, 0.1f, 0.0f}}, HeadRows{{0.2f, 0.3f, 0.5f}}}});
+  // TOVA's score is this forward's row: h0 .3 (0), .25 (1), .2 (2), .1 (3), 0 (8); h1 .2 (6),
+  // .3 (7), .5 (8). Top 6: .5 (h1 8), .3 (h0 0), .3 (h1 7), .25, .2 (h0 1, 2), .2 (h1 6); .1 goes.
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 1, 2}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{6, 7, 8}));
+}
+
+TEST(Allocation, ByteBudgetCountsRowsOfTheKvType) {
+  // 2 layers x 2 KV heads, f16 rows of head_dim 64: 128 bytes a row, 256 a token's K and V.
+  // TOVA-head budget 4 with 1 sink: P = 1. 5,375 bytes hold 20 tokens (the rest is dropped), 5 per
+  // unit: m = 5 - 1 = 4 scored + the sink.
+  const std::int64_t token_bytes =
+      2 * static_cast<std::int64_t>(kvevict::kv_row_bytes(kvevict::KvType::f16, 64));
+  ASSERT_EQ(token_bytes, 256);
+  Harness run(2, 2, 2, tova(3, 1, true), std::nullopt, [&](SequenceConfig& c) {
+    c.budget_bytes = 20 * 256 + 255;
+    c.token_bytes = token_bytes;
+  });
+  EXPECT_EQ(allocated(run).mean(), 4);
+  EXPECT_EQ(allocated(run).protected_per_unit(), 1);
+  EXPECT_EQ(run.sequence().policy().retained_limit(), 5);
+  // Per layer (2 KV heads a unit): a unit-token costs 512 bytes, so 5,375 bytes hold 10: 5 per
+  // unit, m = 4 again. Under q8_0 (two 34-byte blocks of 32 values a row: 136 bytes a token's K
+  // and V at head_dim 64) they hold 5,375 // (2 x 136) = 19 layer-tokens: 9 per unit, m = 8.
+  Harness layers(2, 2, 2, tova(3, 1), std::nullopt, [&](SequenceConfig& c) {
+    c.budget_bytes = 20 * 256 + 255;
+    c.token_bytes = token_bytes;
+  });
+  EXPECT_EQ(allocated(layers).mean(), 4);
+  const std::int64_t q8 =
+      2 * static_cast<std::int64_t>(kvevict::kv_row_bytes(kvevict::KvType::q8_0, 64));
+  ASSERT_EQ(q8, 136);
+  Harness quantised(2, 2, 2, tova(3, 1), std::nullopt, [&](SequenceConfig& c) {
+    c.budget_bytes = 20 * 256 + 255;
+    c.token_bytes = q8;
+  });
+  EXPECT_EQ(allocated(quantised).mean(), 8);
+}
+
+SequenceConfig small_config() {
+  SequenceConfig c;
+  c.layers = 2;
+  c.q_heads = 2;
+  c.kv_heads = 2;
+  c.max_chunk = 4;
+  c.token_bytes = 256;
+  return c;
+}
+
+TEST(Allocation, BadInputIsRefusedNamingTheValue) {
+  const auto build = [](const SequenceConfig& c, std::unique_ptr<kvevict::Policy> policy) {
+    kvevict::Sequence sequence(c, std::move(policy));
+  };
+  SequenceConfig c = small_config();
+  c.budget_bytes = 3 * 256;  // 3 tokens for 4 units
+  KVEVICT_EXPECT_ERROR(build(c, tova(3, 1, true)), "smaller than one row per unit");
+  c.budget_bytes = 4 * 256;  // 1 token per unit, the sink's
+  KVEVICT_EXPECT_ERROR(build(c, tova(3, 1, true)), "not more than the 1 it protects");
+  c.budget_tokens = 40;
+  KVEVICT_EXPECT_ERROR(build(c, tova(3, 1, true)), "not both (40 tokens, 1024 bytes)");
+  c = small_config();
+  c.token_bytes = 0;
+  c.budget_bytes = 4096;
+  KVEVICT_EXPECT_ERROR(build(c, tova(3, 1, true)), "SequenceConfig::token_bytes");
+  c = small_config();
+  c.allocation = Allocation::pyramid;
+  KVEVICT_EXPECT_ERROR(build(c, kvevict::make_streaming_llm({4, 8})),
+                       "policy 'streaming_llm' has no keep rule");
+  c.allocation = Allocation::adaptive;
+  KVEVICT_EXPECT_ERROR(build(c, tova(4)), "granularity layer: adaptive");
+  KVEVICT_EXPECT_ERROR(build(c, tova(4)), "tova: head_wise=1");
+  c.adaptive_floor = 1.5;
+  KVEVICT_EXPECT_ERROR(build(c, tova(4, 0, true)), "floor must be in [0, 1], got 1.5");
+  c = small_config();
+  c.allocation = Allocation::pyramid;
+  c.granularity = Granularity::token;
+  KVEVICT_EXPECT_ERROR(build(c, tova(4)), "granularity token: pyramid");
+  KVEVICT_EXPECT_ERROR((void)kvevict::parse_allocation("lopsided"),
+                       "unknown allocation 'lopsided'");
+  c = small_config();
+  c.allocation = Allocation::uniform;
+  c.budget_tokens = 16;
+  KVEVICT_EXPECT_ERROR(
+      build(c, kvevict::make_policy("snapkv", kvevict::PolicyParams().set("capacity", 40))),
+      "pyramidkv and adakv");
+}
+
+TEST(Allocation, PressureAndProtectionPassThrough) {
+  // H2O heavy 4 recent 2 under pyramid: the recent window is protected outside the split and a
+  // KV pool's grant still presses every unit (min_retained stays the window).
+  SequenceConfig c = small_config();
+  c.allocation = Allocation::pyramid;
+  c.pyramid_beta = 2;
+  c.max_chunk = 16;
+  kvevict::Sequence sequence(c, kvevict::make_h2o({4, 2}));
+  EXPECT_TRUE(sequence.policy().supports_pressure());
+  EXPECT_EQ(sequence.policy().min_retained(), 2);
+  // m = 4, lo = 2, hi = 6, step = 4: layer 0 keeps 6 + 2, layer 1 keeps 2 + 2.
+  EXPECT_EQ(sequence.policy().retained_limit(), 8);
+  kvevict::test::SlotRows rows;
+  std::vector<std::int32_t> ids(12, 5);
+  sequence.begin_chunk(ids);
+  for (int l = 0; l < 2; ++l) {
+    const HeadRows uniform(12, std::vector<float>(12, 1.0f / 12));
+    kvevict::test::observe_attention(
+        sequence, l, rows.make(sequence, l, kvevict::test::every_head(2, uniform), 0));
+  }
+  sequence.end_forward();
+  EXPECT_EQ(sequence.live(0, 0), 8);
+  EXPECT_EQ(sequence.live(1, 1), 4);
+  sequence.shrink_to(5);  // layer 0 down to 5, layer 1 already below
+  EXPECT_EQ(sequence.live(0, 0), 5);
+  EXPECT_EQ(sequence.live(0, 1), 5);
+  EXPECT_EQ(sequence.live(1, 0), 4);
+  sequence.shrink_to(0);  // only the recent window is left
+  EXPECT_EQ(sequence.max_live(), 2);
+}
+
+// Random softmax rows [q_heads][queries][stride] over each KV head's live slots, causal.
+std::vector<float> random_rows(std::mt19937& rng, const kvevict::Sequence& sequence, int layer,
+                               int queries, int& stride, std::vector<int>& keys) {
+  const SequenceConfig& c = sequence.config();
+  stride = 1;
+  for (int g = 0; g < c.kv_heads; ++g) {
+    keys[static_cast<std::size_t>(g)] = sequence.slot_limit(layer, g);
+    stride = std::max(stride, keys[static_cast<std::size_t>(g)]);
+  }
+  std::vector<float> rows(static_cast<std::size_t>(c.q_heads) * queries * stride, 0.0f);
+  std::exponential_distribution<float> weight(1.0f);
+  for (int h = 0; h < c.q_heads; ++h) {
+    const int unit = sequence.unit_of(layer, h / (c.q_heads / c.kv_heads));
+    const auto order = sequence.slots().stream_order(unit);
+    for (int q = 0; q < queries; ++q) {
+      float* row = rows.data() + (static_cast<std::size_t>(h) * queries + q) * stride;
+      const std::size_t visible = order.size() - static_cast<std::size_t>(queries - q - 1);
+      float sum = 0;
+      for (std::size_t i = 0; i < visible; ++i) sum += row[order[i]] = weight(rng);
+      for (std::size_t i = 0; i < visible; ++i) row[order[i]] /= sum;
+    }
+  }
+  return rows;
+}
+
+// Peak K/V bytes never exceed the byte budget plus one chunk: random streams, every allocation,
+// every KV type, H2O and TOVA-head, budgets from tight to loose.
+TEST(Allocation, PeakBytesStayWithinTheBudgetPlusOneChunk) {
+  constexpr int kLayers = 3;
+  constexpr int kQueryHeads = 4;
+  constexpr int kKvHeads = 2;
+  constexpr int kHeadDim = 64;
+  constexpr int kMaxChunk = 5;
+  std::mt19937 rng(29);
+  int runs = 0;
+  for (const kvevict::KvType type :
+       {kvevict::KvType::f32, kvevict::KvType::f16, kvevict::KvType::bf16, kvevict::KvType::q8_0}) {
+    const auto token_bytes = static_cast<std::int64_t>(2 * kvevict::kv_row_bytes(type, kHeadDim));
+    for (const Allocation allocation :
+         {Allocation::uniform, Allocation::pyramid, Allocation::adaptive}) {
+      for (const bool h2o : {true, false}) {
+        const int tokens_per_head = 6 + static_cast<int>(rng() % 40);
+        SequenceConfig c;
+        c.layers = kLayers;
+        c.q_heads = kQueryHeads;
+        c.kv_heads = kKvHeads;
+        c.max_chunk = kMaxChunk;
+        c.granularity = Granularity::head;
+        c.allocation = allocation;
+        c.adaptive_floor = 0.25 * static_cast<double>(rng() % 5);
+        c.token_bytes = token_bytes;
+        c.budget_bytes = std::int64_t{tokens_per_head} * kLayers * kKvHeads * token_bytes +
+                         static_cast<std::int64_t>(rng() % 1000);
+        kvevict::Sequence sequence(
+            c, h2o ? kvevict::make_h2o({4, 2}) : kvevict::make_tova({4, 1, true}));
+        std::vector<int> keys(kKvHeads);
+        int stride = 0;
+        for (int step = 0; step < 300; ++step) {
+          const int n = 1 + static_cast<int>(rng() % kMaxChunk);
+          sequence.begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 7));
+          const int queries = sequence.attention_queries();
+          for (int l = 0; l < kLayers; ++l) {
+            const std::vector<float> rows = random_rows(rng, sequence, l, queries, stride, keys);
+            sequence.observe_attention(l, rows.data(), queries, stride);
+          }
+          sequence.end_forward();
+          const std::int64_t bytes = sequence.slots().total_live() * token_bytes;
+          ASSERT_LE(bytes, c.budget_bytes) << to_string(allocation) << " step " << step;
+        }
+        const std::int64_t chunk_bytes = std::int64_t{kMaxChunk} * kLayers * kKvHeads * token_bytes;
+        EXPECT_LE(sequence.slots().peak_total_live() * token_bytes, c.budget_bytes + chunk_bytes)
+            << to_string(type) << " " << to_string(allocation) << (h2o ? " h2o" : " tova");
+        EXPECT_GT(sequence.stats().evicted_slots, 0);
+        ++runs;
+      }
+    }
+  }
+  EXPECT_EQ(runs, 24);
+}
+
+}  // namespace
