@@ -52,7 +52,10 @@
 //    every sequence in the same steps. Reported per step (medians): wall time, tokens/s of all
 //    sequences together and its ratio to plain, and kvevict's time (StageClock's policy +
 //    reposition over all sequences: scoring, the rows gathered from cells to each sequence's
-//    slots, selection, llama_memory_seq_rm / seq_add) and its share of the step.
+//    slots, selection, llama_memory_seq_rm / seq_add), its reposition part alone, and their
+//    shares of the step (`own share`: without the reposition, i.e. kvevict's own work). With
+//    --granularity block:B every policy run decides in blocks (those without a block form are
+//    skipped), as docs/engines.md recommends for the re-numbering policies.
 //
 // 4. A pool under pressure (--pool-trace FILE): 16 sequences of one LlamaSequenceSet share a
 //    KvPool that holds 4 of them at full length (4 x (budget + 4) cells, budget the first of
@@ -491,10 +494,12 @@ constexpr int kBatchChunk = 16;  // mode 3's fill chunk per sequence
 
 struct BatchRow {
   std::string name;
-  double step = 0;   // median step, seconds
-  double own = 0;    // median kvevict time per step (policy + reposition), seconds
-  double share = 0;  // median of own / step
-  int cells = 0;     // cells held by all sequences after the steps
+  double step = 0;        // median step, seconds
+  double policy = 0;      // median kvevict time per step (policy + reposition), seconds
+  double reposition = 0;  // median of its reposition part (llama_memory_seq_rm / seq_add)
+  double share = 0;       // median of policy / step
+  double own_share = 0;   // median of (policy - reposition) / step: kvevict's own work
+  int cells = 0;          // cells held by all sequences after the steps
 };
 
 // Plain llama.cpp: `n` sequences of one unified cache, each filled with budget - steps/2 tokens,
@@ -586,21 +591,28 @@ BatchRow run_policy_batch(const kvevict::llama_cli::LlamaModel& model, const std
   };
   for (int filled = 0; filled < budget + 128; filled += kBatchChunk) step(kBatchChunk);
   std::vector<double> steps;
-  std::vector<double> own;
+  std::vector<double> policy_times;
+  std::vector<double> repositions;
   std::vector<double> shares;
+  std::vector<double> own_shares;
   for (int s = 0; s < options.steps; ++s) {
     const double before = eviction_seconds(clock);
+    const double reposition_before = clock.seconds(Stage::reposition);
     const Clock::time_point start = Clock::now();
     step(1);
     steps.push_back(seconds_since(start));
-    own.push_back(eviction_seconds(clock) - before);
-    shares.push_back(own.back() / steps.back());
+    policy_times.push_back(eviction_seconds(clock) - before);
+    repositions.push_back(clock.seconds(Stage::reposition) - reposition_before);
+    shares.push_back(policy_times.back() / steps.back());
+    own_shares.push_back((policy_times.back() - repositions.back()) / steps.back());
   }
   BatchRow row;
-  row.name = policy;
+  row.name = policy + (options.granularity.empty() ? "" : " " + options.granularity);
   row.step = median(steps);
-  row.own = median(own);
+  row.policy = median(policy_times);
+  row.reposition = median(repositions);
   row.share = median(shares);
+  row.own_share = median(own_shares);
   for (int s = 0; s < n; ++s) row.cells += set.live_cells(s);
   return row;
 }
@@ -611,15 +623,18 @@ void run_sequences(const kvevict::llama_cli::LlamaModel& model, const Options& o
   for (const int budget : options.budgets) {
     std::cout << fmt::format(
         "\n### budget {} per sequence, one token per sequence per step\n\n"
-        "| sequences | run | cells | step ms | tokens/s | vs plain | kvevict µs/step | "
-        "kvevict share |\n|---:|---|---:|---:|---:|---:|---:|---:|\n",
+        "| sequences | run | cells | step ms | tokens/s | vs plain | kvevict µs/step | of which "
+        "reposition | kvevict share | own share "
+        "|\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "\n",
         budget);
     for (const int n : options.sequences) {
       const BatchRow plain = run_plain_batch(model.get(), n, budget, options);
       const auto print = [&](const BatchRow& row) {
-        std::cout << fmt::format("| {} | {} | {} | {:.3f} | {:.0f} | {:.2f} | {:.1f} | {:.2f}% |\n",
-                                 n, row.name, row.cells, row.step * 1e3, n / row.step,
-                                 plain.step / row.step, row.own * 1e6, row.share * 100);
+        std::cout << fmt::format(
+            "| {} | {} | {} | {:.3f} | {:.0f} | {:.2f} | {:.1f} | {:.1f} | {:.2f}% | {:.2f}% |\n",
+            n, row.name, row.cells, row.step * 1e3, n / row.step, plain.step / row.step,
+            row.policy * 1e6, row.reposition * 1e6, row.share * 100, row.own_share * 100);
       };
       print(plain);
       for (const std::string& policy : policies) {

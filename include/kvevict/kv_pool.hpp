@@ -116,13 +116,17 @@ class KvPool {
   /// then calls make_room again.
   class CutFailure : public Error {
    public:
-    CutFailure(int member, const std::string& what)
-        : Error("KV pool: cutting member " + std::to_string(member) + " failed: " + what),
-          member_(member) {}
+    CutFailure(int member, const std::string& reason)
+        : Error("KV pool: cutting member " + std::to_string(member) + " failed: " + reason),
+          member_(member),
+          reason_(reason) {}
     [[nodiscard]] int member() const { return member_; }
+    /// What the member's cut threw.
+    [[nodiscard]] const std::string& reason() const { return reason_; }
 
    private:
     int member_;
+    std::string reason_;
   };
 
   explicit KvPool(std::int64_t cells) : cells_(cells) {

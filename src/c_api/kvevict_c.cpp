@@ -623,15 +623,18 @@ kvevict_status kvevict_pool_make_room(kvevict_pool* pool, const kvevict_pool_fee
     }
     try {
       p.pool.make_room(p.feeds);
-    } catch (const BackendError& error) {
-      // A cut's apply() failed: name the member whose backend it was.
+    } catch (const kvevict::KvPool::CutFailure& failure) {
+      // Name the member by its C id; a failed apply() is the backend's error.
       for (std::size_t id = 0; id < p.members.size(); ++id) {
         const std::optional<kvevict_pool::Member>& m = p.members[id];
-        if (m && m->sequence != nullptr && m->sequence->unusable()) {
-          throw BackendError("KV pool: make_room: member " + std::to_string(id) +
-                             ", cut to make room: " + error.what() +
+        if (!m || m->inner != failure.member()) continue;
+        const std::string message = "KV pool: make_room: member " + std::to_string(id) +
+                                    ", cut to make room: " + failure.reason();
+        if (m->sequence != nullptr && m->sequence->unusable()) {
+          throw BackendError(message +
                              " (the sequence is unusable: kvevict_pool_leave it and destroy it)");
         }
+        throw kvevict::Error(message);
       }
       throw;
     }
