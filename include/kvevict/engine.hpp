@@ -243,6 +243,8 @@ class Sequence {
   [[nodiscard]] int capacity() const;
   /// Tokens of the current chunk (or catalyst prompt); 0 between forwards.
   [[nodiscard]] int chunk_size() const;
+  /// True between forwards: no chunk and no catalyst prompt (even an empty one) is open.
+  [[nodiscard]] bool idle() const;
   /// Live tokens of head (layer, kv_head).
   [[nodiscard]] int live(int layer, int kv_head) const;
   /// The most live tokens any head holds: the sequence's cells in an engine whose cells are

@@ -29,6 +29,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvevict/engine.hpp"
@@ -116,17 +117,20 @@ class KvPool {
   /// then calls make_room again.
   class CutFailure : public Error {
    public:
-    CutFailure(int member, const std::string& reason)
+    CutFailure(int member, const std::string& reason, std::exception_ptr cause)
         : Error("KV pool: cutting member " + std::to_string(member) + " failed: " + reason),
           member_(member),
-          reason_(reason) {}
+          reason_(reason),
+          cause_(std::move(cause)) {}
     [[nodiscard]] int member() const { return member_; }
-    /// What the member's cut threw.
+    /// What the member's cut threw: its message, and the exception itself.
     [[nodiscard]] const std::string& reason() const { return reason_; }
+    [[nodiscard]] const std::exception_ptr& cause() const { return cause_; }
 
    private:
     int member_;
     std::string reason_;
+    std::exception_ptr cause_;
   };
 
   explicit KvPool(std::int64_t cells) : cells_(cells) {
@@ -143,7 +147,7 @@ class KvPool {
         std::none_of(members_.begin(), members_.end(),
                      [&](const std::optional<Member>& m) { return m && m->sequence == &sequence; }),
         who + ": the sequence is a member already");
-    KVEVICT_REQUIRE(sequence.chunk_size() == 0,
+    KVEVICT_REQUIRE(sequence.idle(),
                     who + ": the sequence is inside a forward (join between forwards)");
     const int chunk = sequence.config().max_chunk;
     const std::optional<int> bound = policy.retained_limit();
@@ -245,7 +249,7 @@ class KvPool {
     const std::vector<std::int64_t> grants = pool_grants(cells_, claims_);
     for (std::size_t i = 0; i < claims_.size(); ++i) {
       KVEVICT_REQUIRE(grants[i] == claims_[i].cells ||
-                          members_[static_cast<std::size_t>(ids_[i])]->sequence->chunk_size() == 0,
+                          members_[static_cast<std::size_t>(ids_[i])]->sequence->idle(),
                       "KV pool: make_room: member " + std::to_string(ids_[i]) +
                           " must be cut but is inside a forward (end it first)");
     }
@@ -257,7 +261,7 @@ class KvPool {
         try {
           m.sequence->shrink_to(static_cast<int>(grants[i]));
         } catch (const std::exception& error) {
-          throw CutFailure(ids_[i], error.what());
+          throw CutFailure(ids_[i], error.what(), std::current_exception());
         }
         pressed = true;
         ++stats_.cuts;

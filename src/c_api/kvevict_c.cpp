@@ -602,7 +602,7 @@ kvevict_status kvevict_pool_make_room(kvevict_pool* pool, const kvevict_pool_fee
                       who +
                           "'s sequence is unusable (its backend failed): kvevict_pool_leave it "
                           "and destroy it");
-      KVEVICT_REQUIRE(m->sequence->sequence.chunk_size() == 0,
+      KVEVICT_REQUIRE(m->sequence->sequence.idle(),
                       who + " is inside a forward (end it first: make_room runs between steps)");
     }
     p.feeds.clear();
@@ -630,11 +630,14 @@ kvevict_status kvevict_pool_make_room(kvevict_pool* pool, const kvevict_pool_fee
         if (!m || m->inner != failure.member()) continue;
         const std::string message = "KV pool: make_room: member " + std::to_string(id) +
                                     ", cut to make room: " + failure.reason();
-        if (m->sequence != nullptr && m->sequence->unusable()) {
+        try {
+          std::rethrow_exception(failure.cause());
+        } catch (const BackendError&) {
           throw BackendError(message +
                              " (the sequence is unusable: kvevict_pool_leave it and destroy it)");
+        } catch (...) {
+          throw kvevict::Error(message);
         }
-        throw kvevict::Error(message);
       }
       throw;
     }

@@ -159,6 +159,7 @@ class SequenceCore {
 
   /// Tokens of the current chunk (or catalyst prompt); 0 between forwards.
   [[nodiscard]] int chunk_size() const { return state_ == State::idle ? 0 : chunk_size_; }
+  [[nodiscard]] bool idle() const { return state_ == State::idle; }
 
   void observe_attention(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
     require_usable();
@@ -808,6 +809,7 @@ inline PositionMode Sequence::position_mode() const { return core_->position_mod
 inline Granularity Sequence::granularity() const { return core_->granularity(); }
 inline int Sequence::capacity() const { return core_->capacity(); }
 inline int Sequence::chunk_size() const { return core_->chunk_size(); }
+inline bool Sequence::idle() const { return core_->idle(); }
 inline int Sequence::live(int layer, int kv_head) const { return core_->live(layer, kv_head); }
 inline int Sequence::max_live() const { return core_->slots().max_live(); }
 inline int Sequence::unit_of(int layer, int kv_head) const {
