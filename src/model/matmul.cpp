@@ -66,7 +66,7 @@ void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::
                       std::to_string(y.cols()) + "]");
   const std::int64_t n = x.rows();
   if (n == 0) return;
-  if (n == 1) {
+  if (n == 1 && !settings.rows_independent) {
     matvec(w, x.data(), y.data(), settings);  // one row: the fused dequantise-and-dot
     return;
   }

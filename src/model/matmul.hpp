@@ -26,13 +26,16 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 struct ProductSettings {
   ThreadPool* pool = nullptr;
   DecodeActivations decode_activations = DecodeActivations::f32;
+  /// matmul multiplies one row with the panel kernel too, so that every row's bits are the same
+  /// whatever the number of rows (a DecoderBatch's sequences alone and together).
+  bool rows_independent = false;
 };
 
 /// y = W x: `x` has W.cols values, `y` W.rows values (they must not overlap).
 void matvec(const WeightMatrix& w, const float* x, float* y, const ProductSettings& settings = {});
 
 /// Y = X W^T, X [n, W.cols], Y [n, W.rows] (row i of Y is W times row i of X). n == 1 takes the
-/// matvec path.
+/// matvec path unless settings.rows_independent.
 void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::Ref<RowMatrix> y,
             const ProductSettings& settings = {});
 

@@ -1,12 +1,13 @@
 // Reference Llama decoder over a kvevict::EvictingCache: one sequence, f32 math, Eigen, and
-// DecoderOptions::threads threads.
+// DecoderOptions::threads threads. Many sequences decoded together: DecoderBatch
+// (decoder_batch.hpp), whose batch of one this is.
 //
-// Written like llama2.c: forward() is one plain loop (embedding, then per layer RMSNorm, grouped-
-// query attention with RoPE over the evicting cache, SwiGLU MLP, then the output head and the
-// surprisal), every buffer is reused, and the only thing it talks to besides the weights is its
-// cache: begin_chunk, write_chunk per (layer, KV head), the signals the policy declared (attention
-// rows of all queries or of the last one, surprisal), end_forward, and the catalyst prompt when an
-// InfiniPot-style policy has filled its pot.
+// Written like llama2.c: the forward (src/model/decoder_batch.cpp) is one plain loop (embedding,
+// then per layer RMSNorm, grouped-query attention with RoPE over the evicting cache, SwiGLU MLP,
+// then the output head and the surprisal), every buffer is reused, and the only thing it talks to
+// besides the weights is its cache: begin_chunk, write_chunk per (layer, KV head), the signals the
+// policy declared (attention rows of all queries or of the last one, surprisal), end_forward, and
+// the catalyst prompt when an InfiniPot-style policy has filled its pot.
 //
 // Positions: the chunk's queries of query head h sit at the positions of their own tokens in the
 // cache of KV head h / group (cache.position). Post-RoPE keys are stored rotated to their key
@@ -129,8 +130,7 @@ struct DecoderStats {
   std::size_t peak_kv_bytes = 0;   ///< largest live key + value bytes, taken right after appends
 };
 
-class ThreadPool;        // src/model/thread_pool.hpp
-struct ProductSettings;  // src/model/matmul.hpp
+class DecoderBatch;  // decoder_batch.hpp
 
 class Decoder {
  public:
@@ -154,47 +154,20 @@ class Decoder {
   /// attention: the "w/o CaP" ablation). Required before the pot first fills.
   void set_catalyst(std::vector<std::int32_t> tokens);
 
-  [[nodiscard]] EvictingCache& cache() { return cache_; }
-  [[nodiscard]] const EvictingCache& cache() const { return cache_; }
+  [[nodiscard]] EvictingCache& cache();
+  [[nodiscard]] const EvictingCache& cache() const;
   [[nodiscard]] const Model& model() const { return model_; }
   [[nodiscard]] const DecoderOptions& options() const { return options_; }
-  [[nodiscard]] const DecoderStats& stats() const { return stats_; }
+  [[nodiscard]] const DecoderStats& stats() const;
 
  private:
-  enum class Pass { stream, catalyst };
-  struct AttentionScratch;  // src/model/decoder.cpp
-
-  void transformer(std::span<const std::int32_t> tokens, Pass pass);
-  void attention(int layer, int n, Pass pass);
-  void output_head(int n, bool all_rows);
-  void run_catalyst();
-  void reserve_rows(int rows);
   void check_tokens(std::span<const std::int32_t> tokens, const char* what) const;
-  void note_kv_bytes();
 
   const Model& model_;
   DecoderOptions options_;
-  EvictingCache cache_;
-  std::optional<std::vector<std::int32_t>> catalyst_;
-  DecoderStats stats_;
-  int scratch_rows_ = 0;
-  int logit_rows_ = 0;  // rows of logits_ written by the last forward (0 before the first)
-
-  // Activations, [rows = largest chunk or catalyst] x width, row-major.
-  std::vector<float> x_;    // [n, dim] residual stream
-  std::vector<float> xb_;   // [n, dim] normed input of a block / block output
-  std::vector<float> q_;    // [n, heads * head_dim]
-  std::vector<float> k_;    // [n, kv_heads * head_dim]
-  std::vector<float> v_;    // [n, kv_heads * head_dim]
-  std::vector<float> att_;  // [n, heads * head_dim] attention output
-  std::vector<float> hb_;   // [n, hidden_dim] gate
-  std::vector<float> hb2_;  // [n, hidden_dim] up
-  // Sized by what a forward asks for, on first use.
-  std::vector<float> logits_;                      // [rows, vocab]
-  std::vector<float> surprisal_;                   // [n]
-  std::unique_ptr<AttentionScratch> attention_;    // sized on first use by the slot limit
-  std::unique_ptr<ThreadPool> pool_;               // options.threads > 1
-  [[nodiscard]] ProductSettings products() const;  // pool_ and options_.decode_activations
+  // The forward itself: a DecoderBatch of one sequence (id 0) that multiplies one row by matvec
+  // and throws a failure at once (decoder_batch.hpp).
+  std::unique_ptr<DecoderBatch> batch_;
   // feed(): every chunk's logits / surprisal when asked for.
   std::vector<float> feed_logits_;
   std::vector<float> feed_surprisal_;
