@@ -348,17 +348,20 @@ void DecoderBatch::step(std::span<const DecoderFeed> feeds) {
   pool_feeds_.clear();
   for (const DecoderFeed& feed : feeds) {
     Member& m = member(feed.sequence, "step");
-    const std::string who = "DecoderBatch::step: sequence " + std::to_string(feed.sequence);
-    KVEVICT_REQUIRE(!m.failed, who + " failed (" + m.failed.value_or("") + "): close it");
+    // The message is formed only for an error (a decode step checks this at every token).
+    const auto who = [&] {
+      return "DecoderBatch::step: sequence " + std::to_string(feed.sequence);
+    };
+    KVEVICT_REQUIRE(!m.failed, who() + " failed (" + m.failed.value_or("") + "): close it");
     KVEVICT_REQUIRE(std::find(fed_.begin(), fed_.end(), &m) == fed_.end(),
-                    who + " is fed twice in one step");
+                    who() + " is fed twice in one step");
     const int n = static_cast<int>(feed.tokens.size());
-    KVEVICT_REQUIRE(n > 0 && n <= m.options.max_chunk, who + ": a chunk holds 1 to " +
+    KVEVICT_REQUIRE(n > 0 && n <= m.options.max_chunk, who() + ": a chunk holds 1 to " +
                                                            std::to_string(m.options.max_chunk) +
                                                            " tokens, got " + std::to_string(n));
     for (std::size_t i = 0; i < feed.tokens.size(); ++i) {
       KVEVICT_REQUIRE(feed.tokens[i] >= 0 && feed.tokens[i] < vocab,
-                      who + ": token id " + std::to_string(feed.tokens[i]) + " at index " +
+                      who() + ": token id " + std::to_string(feed.tokens[i]) + " at index " +
                           std::to_string(i) + " is out of range [0, " + std::to_string(vocab) +
                           ")");
     }
