@@ -194,6 +194,23 @@ class KvPool {
     return id;
   }
 
+  /// make_room for an engine that fails a member whose cut fails and goes on with the others:
+  /// `drop(failure)` (the engine frees that member's cells and marks it failed), then the member
+  /// leaves, its feed is taken out of `feeds`, and make_room runs again until the step fits.
+  template <class Drop>
+  void make_room_dropping_failed_cuts(std::vector<Feed>& feeds, Drop&& drop) {
+    while (true) {
+      try {
+        make_room(feeds);
+        return;
+      } catch (const CutFailure& failure) {
+        drop(failure);
+        leave(failure.member());
+        std::erase_if(feeds, [&](const Feed& feed) { return feed.member == failure.member(); });
+      }
+    }
+  }
+
   /// Removes a member; its cells are the engine's to free. The id may be given to a later join.
   void leave(int member) {
     const Member& m = checked(member, "leave");

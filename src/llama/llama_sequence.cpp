@@ -997,12 +997,9 @@ void LlamaSequenceSet::step(std::span<const LlamaFeed> feeds) {
     fed_.push_back(&m);
     if (pool_) pool_feeds_.push_back({m.pool_member, n});
   }
-  while (pool_) {
-    try {
-      pool_->make_room(pool_feeds_);
-      break;
-    } catch (const KvPool::CutFailure& failure) {
-      // That sequence alone fails: its cells are freed and it leaves the pool; the others go on.
+  if (pool_) {
+    // A member whose cut fails fails alone: its cells are freed and it leaves the pool.
+    pool_->make_room_dropping_failed_cuts(pool_feeds_, [&](const KvPool::CutFailure& failure) {
       const auto cut = std::find_if(members_.begin(), members_.end(), [&](const auto& m) {
         return m && m->pool_member == failure.member();
       });
@@ -1010,11 +1007,8 @@ void LlamaSequenceSet::step(std::span<const LlamaFeed> feeds) {
       Member& m = **cut;
       m.failed = failure.what();
       llama_memory_seq_rm(llama_get_memory(context_), m.id, -1, -1);
-      pool_->leave(m.pool_member);
-      std::erase_if(pool_feeds_,
-                    [&](const KvPool::Feed& feed) { return feed.member == m.pool_member; });
       m.pool_member = -1;
-    }
+    });
   }
   for (std::size_t i = 0; i < feeds.size(); ++i) {
     Member& m = *fed_[i];

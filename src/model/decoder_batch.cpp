@@ -368,23 +368,16 @@ void DecoderBatch::step(std::span<const DecoderFeed> feeds) {
     fed_.push_back(&m);
     if (pool_) pool_feeds_.push_back({m.pool_member, n});
   }
-  while (pool_) {
-    try {
-      pool_->make_room(pool_feeds_);
-      break;
-    } catch (const KvPool::CutFailure& failure) {
-      // That sequence alone fails and leaves the pool; the others go on.
+  if (pool_) {
+    // A member whose cut fails fails alone; the others go on.
+    pool_->make_room_dropping_failed_cuts(pool_feeds_, [&](const KvPool::CutFailure& failure) {
       const auto cut = std::find_if(members_.begin(), members_.end(), [&](const auto& m) {
         return m && m->pool_member == failure.member();
       });
       KVEVICT_REQUIRE(cut != members_.end(), failure.what());
-      Member& m = **cut;
-      m.failed = failure.what();
-      pool_->leave(m.pool_member);
-      std::erase_if(pool_feeds_,
-                    [&](const KvPool::Feed& feed) { return feed.member == m.pool_member; });
-      m.pool_member = -1;
-    }
+      (*cut)->failed = failure.what();
+      (*cut)->pool_member = -1;
+    });
   }
 
   // 1. Slots for every chunk (a policy may evict first, before a turn); each chunk's rows follow
