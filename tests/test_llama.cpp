@@ -724,8 +724,8 @@ TestCells make_test_cells(kvevict::llama::kernels::CellType type, int rows, int 
             std::uint8_t* block = row + static_cast<std::size_t>(j / 32) * 34;
             std::memcpy(block, &bits, 2);
             for (int i = j; i < j + 32; ++i) {
-              const auto q = static_cast<std::int8_t>(
-                  std::clamp(std::lround(value[i] / scale), -127L, 127L));
+              const auto q =
+                  static_cast<std::int8_t>(std::clamp(std::lround(value[i] / scale), -127L, 127L));
               block[2 + i - j] = static_cast<std::uint8_t>(q);
               value[i] = static_cast<float>(q) * scale;
             }
@@ -781,8 +781,8 @@ TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
               }
             }
             // k products of |x|, |key| <= 1 summed in float: well under k * 2^-24 * k.
-            EXPECT_LE(worst, 1e-4) << "type " << static_cast<int>(type) << " k " << k << " m " << m
-                                   << " n " << n;
+            EXPECT_LE(worst, 1e-4)
+                << "type " << static_cast<int>(type) << " k " << k << " m " << m << " n " << n;
           }
         }
       }

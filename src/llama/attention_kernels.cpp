@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #ifndef HWY_DISABLED_TARGETS
 #define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128 | HWY_RVV)
@@ -23,7 +22,6 @@
 #define HWY_TARGET_INCLUDE "llama/attention_kernels.cpp"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // foreach_target.h must come first.
-#include <hwy/cache_control.h>
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
@@ -50,17 +48,9 @@ HWY_INLINE std::uint16_t bits_at(const std::uint8_t* p) {
 
 // A row reader: values [j, j + lanes) of a K row as f32, and value j alone (the scalar path).
 struct F32Row {
-  static std::size_t bytes(std::int64_t k) { return static_cast<std::size_t>(k) * 4; }
   static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
     return hn::LoadU(d, reinterpret_cast<const float*>(row) + j);
   }
-#if HWY_TARGET != HWY_SCALAR
-  static HWY_INLINE V load_pair(D d, const std::uint8_t* a, const std::uint8_t* b, std::int64_t j) {
-    const hn::Half<D> h;
-    return hn::Combine(d, hn::LoadU(h, reinterpret_cast<const float*>(b) + j),
-                       hn::LoadU(h, reinterpret_cast<const float*>(a) + j));
-  }
-#endif
   static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
     float v;
     std::memcpy(&v, row + 4 * j, 4);
@@ -69,41 +59,20 @@ struct F32Row {
 };
 
 struct F16Row {
-  static std::size_t bytes(std::int64_t k) { return static_cast<std::size_t>(k) * 2; }
   static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
     return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::float16_t, D>(),
                                       reinterpret_cast<const hwy::float16_t*>(row) + j));
   }
-#if HWY_TARGET != HWY_SCALAR
-  // Two rows' halves joined before the conversion (one conversion per vector).
-  static HWY_INLINE V load_pair(D d, const std::uint8_t* a, const std::uint8_t* b, std::int64_t j) {
-    const hn::Rebind<hwy::float16_t, D> dh;
-    const hn::Half<decltype(dh)> h;
-    return hn::PromoteTo(
-        d, hn::Combine(dh, hn::LoadU(h, reinterpret_cast<const hwy::float16_t*>(b) + j),
-                       hn::LoadU(h, reinterpret_cast<const hwy::float16_t*>(a) + j)));
-  }
-#endif
   static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
     return detail::f16_to_float(bits_at(row + 2 * j));
   }
 };
 
 struct BF16Row {
-  static std::size_t bytes(std::int64_t k) { return static_cast<std::size_t>(k) * 2; }
   static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
     return hn::PromoteTo(d, hn::LoadU(hn::Rebind<hwy::bfloat16_t, D>(),
                                       reinterpret_cast<const hwy::bfloat16_t*>(row) + j));
   }
-#if HWY_TARGET != HWY_SCALAR
-  static HWY_INLINE V load_pair(D d, const std::uint8_t* a, const std::uint8_t* b, std::int64_t j) {
-    const hn::Rebind<hwy::bfloat16_t, D> dh;
-    const hn::Half<decltype(dh)> h;
-    return hn::PromoteTo(
-        d, hn::Combine(dh, hn::LoadU(h, reinterpret_cast<const hwy::bfloat16_t*>(b) + j),
-                       hn::LoadU(h, reinterpret_cast<const hwy::bfloat16_t*>(a) + j)));
-  }
-#endif
   static HWY_INLINE float value(const std::uint8_t* row, std::int64_t j) {
     return detail::bf16_to_float(bits_at(row + 2 * j));
   }
@@ -111,9 +80,6 @@ struct BF16Row {
 
 // A vector never straddles two blocks (its lane count divides 32).
 struct Q8_0Row {
-  static std::size_t bytes(std::int64_t k) {
-    return static_cast<std::size_t>(k / kQ8_0Values) * kQ8_0Bytes;
-  }
   static HWY_INLINE V load(D d, const std::uint8_t* row, std::int64_t j) {
     const std::uint8_t* block = row + static_cast<std::size_t>(j / kQ8_0Values) * kQ8_0Bytes;
     const auto* q = reinterpret_cast<const std::int8_t*>(block + 2) + j % kQ8_0Values;
@@ -126,20 +92,6 @@ struct Q8_0Row {
     return static_cast<float>(static_cast<std::int8_t>(block[2 + j % kQ8_0Values])) *
            detail::f16_to_float(bits_at(block));
   }
-#if HWY_TARGET != HWY_SCALAR
-  static HWY_INLINE V load_pair(D d, const std::uint8_t* a, const std::uint8_t* b, std::int64_t j) {
-    const std::size_t at = static_cast<std::size_t>(j / kQ8_0Values) * kQ8_0Bytes;
-    const std::size_t in_block = 2 + static_cast<std::size_t>(j % kQ8_0Values);
-    const hn::Rebind<std::int8_t, D> d8;
-    const hn::Half<decltype(d8)> h8;
-    const hn::Half<D> h;
-    const auto q = hn::Combine(d8, hn::LoadU(h8, reinterpret_cast<const std::int8_t*>(b + at + in_block)),
-                               hn::LoadU(h8, reinterpret_cast<const std::int8_t*>(a + at + in_block)));
-    const V values = hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<std::int32_t, D>(), q));
-    return hn::Mul(values, hn::Combine(d, hn::Set(h, detail::f16_to_float(bits_at(b + at))),
-                                       hn::Set(h, detail::f16_to_float(bits_at(a + at)))));
-  }
-#endif
 };
 
 // Y[r][s] = X[r] . K[cells[s]], one key at a time (rows whose length is not a multiple of the
@@ -205,65 +157,6 @@ HWY_INLINE void key_tile(const float* x, std::ptrdiff_t x_stride, const std::uin
   }
 }
 
-// 512-bit targets: pair tiles (below).
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-#define KVEVICT_PAIR_TILES 1
-#else
-#define KVEVICT_PAIR_TILES 0
-#endif
-
-#if KVEVICT_PAIR_TILES
-// Merges two vectors of partial sums: lanes [0, L/2) hold A's adjacent lanes added in pairs,
-// lanes [L/2, L) B's (a segment of s lanes summing to one result becomes one of s / 2 lanes).
-HWY_INLINE V merge(D d, V a, V b) {
-  return hn::Add(hn::ConcatEven(d, b, a), hn::ConcatOdd(d, b, a));
-}
-
-// 16 lanes, four rows of X: Y[r][g] = X[r] . K_g for the 8 K rows keys[g] of a tile, each
-// vector holding half a lane's worth of two K rows (lanes [0, 8): K_2p, [8, 16): K_2p+1, over
-// dimensions j..j+8), so that the sums across lanes merge two results per vector: 14 merges for
-// 32 products instead of 15 for 16 (key_tile). x2 holds each row of X with every 8 values
-// repeated ([x_j..x_j+8, x_j..x_j+8]), rows x2_stride apart; k = kVecs * 8 (kVecs 0: at run
-// time). The first `count` results of each row are stored.
-template <class Row, int kVecs>
-HWY_INLINE void pair_tile(const float* x2, std::ptrdiff_t x2_stride,
-                          const std::uint8_t* const* keys, std::int64_t k, float* y,
-                          std::ptrdiff_t y_stride, int count) {
-  constexpr int kRows = 4;
-  constexpr int kPairs = 4;
-  const D d;
-  const std::int64_t vecs = kVecs > 0 ? kVecs : k / 8;
-  V sums[kRows * kPairs];
-  for (V& sum : sums) sum = hn::Zero(d);
-#pragma GCC unroll 8
-  for (std::int64_t jv = 0; jv < vecs; ++jv) {
-    V kv[kPairs];
-    for (int p = 0; p < kPairs; ++p) kv[p] = Row::load_pair(d, keys[2 * p], keys[2 * p + 1], jv * 8);
-    for (int r = 0; r < kRows; ++r) {
-      const V xv = hn::LoadU(d, x2 + r * x2_stride + jv * 16);
-      for (int p = 0; p < kPairs; ++p) {
-        sums[r * kPairs + p] = hn::MulAdd(xv, kv[p], sums[r * kPairs + p]);
-      }
-    }
-  }
-  // Row r's 8 results in lane order K_0..K_7 (two lanes each), then rows 0 and 1 (2 and 3) into
-  // one vector, a lane each.
-  V per_row[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    per_row[r] = merge(d, merge(d, sums[r * kPairs], sums[r * kPairs + 1]),
-                       merge(d, sums[r * kPairs + 2], sums[r * kPairs + 3]));
-  }
-  HWY_ALIGN float tile[2 * kLanes];
-  hn::Store(merge(d, per_row[0], per_row[1]), d, tile);
-  hn::Store(merge(d, per_row[2], per_row[3]), d, tile + kLanes);
-  if (count == 8) {
-    for (int r = 0; r < kRows; ++r) std::memcpy(y + r * y_stride, tile + r * 8, 8 * sizeof(float));
-  } else {
-    for (int r = 0; r < kRows; ++r) std::copy_n(tile + r * 8, count, y + r * y_stride);
-  }
-}
-#endif  // KVEVICT_PAIR_TILES
-
 // Y[r][s] = X[r] . K[cells[s]], k a multiple of the lanes: blocks of kLanes gathered K rows (read
 // from memory once, then from L1 by every group of four rows of X). Not prefetched in software, as
 // tiles-inl.hpp's key_blocks are: the cells were read by llama.cpp's flash-attention kernel just
@@ -277,40 +170,13 @@ void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const C
   constexpr auto kBlock = static_cast<std::int64_t>(kLanes);
   constexpr int kTileKeys = static_cast<int>(kBlock) / kRows;
   const std::size_t row_bytes = keys.row_bytes;
-  const std::size_t read_bytes = Row::bytes(k);
   const std::uint8_t* rows[kLanes];
-  // Pair tiles (16 lanes): X's rows with every 8 values repeated, for the groups of four rows.
-  constexpr bool kPaired = KVEVICT_PAIR_TILES != 0;
-  const std::int64_t paired_rows = kPaired ? m / kRows * kRows : 0;
-  thread_local std::vector<float> x2;
-  if (paired_rows > 0) {
-    x2.resize(static_cast<std::size_t>(paired_rows * 2 * k));
-    for (std::int64_t r = 0; r < paired_rows; ++r) {
-      for (std::int64_t j = 0; j < k; j += 8) {
-        float* to = x2.data() + r * 2 * k + 2 * j;
-        std::copy_n(x + r * x_stride + j, 8, to);
-        std::copy_n(x + r * x_stride + j, 8, to + 8);
-      }
-    }
-  }
   for (std::int64_t c = 0; c < n; c += kBlock) {
     const int count = static_cast<int>(std::min(kBlock, n - c));
     for (int g = 0; g < static_cast<int>(kBlock); ++g) {
       rows[g] = keys.base + static_cast<std::size_t>(cells[c + std::min(g, count - 1)]) * row_bytes;
     }
-    for (std::int64_t g = c + 2 * kBlock; g < std::min(n, c + 3 * kBlock); ++g) {
-      const std::uint8_t* ahead = keys.base + static_cast<std::size_t>(cells[g]) * row_bytes;
-      for (std::size_t b = 0; b < read_bytes; b += 64) hwy::Prefetch(ahead + b);
-    }
     std::int64_t i = 0;
-#if KVEVICT_PAIR_TILES
-    for (; i < paired_rows; i += kRows) {
-      for (int g = 0; g < count; g += 8) {
-        pair_tile<Row, kVecs * 2>(x2.data() + i * 2 * k, 2 * k, rows + g, k,
-                                  y + i * y_stride + c + g, y_stride, std::min(8, count - g));
-      }
-    }
-#endif
     for (; i + kRows <= m; i += kRows) {
       for (int g = 0; g < count; g += kTileKeys) {
         key_tile<Row, kRows, kVecs>(x + i * x_stride, x_stride, rows + g, k,
@@ -379,8 +245,9 @@ constexpr float kExpScale = 0x1p64f;
 HWY_INLINE V exp_scaled(D d, V x) {
   const V lower = hn::Set(d, -104.0f);
   const V clamped = hn::Max(x, lower);
-  const V n = V{_mm512_roundscale_ps(hn::Mul(clamped, hn::Set(d, 1.442695040888963407359924681f)).raw,
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  const V n =
+      V{_mm512_roundscale_ps(hn::Mul(clamped, hn::Set(d, 1.442695040888963407359924681f)).raw,
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
   V r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);
   r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
   const V r2 = hn::Mul(r, r);
