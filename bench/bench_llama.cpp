@@ -67,6 +67,17 @@
 //
 //      build/release/bin/bench_llama --budgets 128 --pool-trace pool.csv
 //
+// 5. The flash-attention row kernels alone (--kernels): kvevict's q.K pass and softmax
+//    (src/llama/attention_kernels.cpp) on the rows TOVA reads in a decode step of the default
+//    model, no llama.cpp: per layer (8) and KV head (2), the 4 query rows of its group against
+//    every cell (gathered_scores, head_dim 64, f16 cells laid out as llama.cpp's K cache: a cell's
+//    two heads side by side), then each row's softmax (scale 1/8, nothing masked). For each of
+//    --budgets (the cells), with queries drawn N(0, 1) (logits within a few units) and N(0, 30^2)
+//    (logits spread over about +-100: most probabilities under 2^-126, float's subnormals); the
+//    fastest of 200 repetitions, as the pass would run on a quiet core:
+//
+//      build/release/bin/bench_llama --kernels --budgets 1024,4096
+//
 // Model (--model): a GGUF, or any model kvevict loads (written to a temporary GGUF by kvevict's
 // writer). Default: the random Llama of bench_decode_step (dim 512, 8 layers, 8 query / 2 KV
 // heads, hidden 1536, vocabulary 259, f32, seed 512). Tokens: bench_decode_step's stream (bytes
@@ -83,6 +94,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <kvevict/detail/half.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
 #include <kvevict/llama/llama_sequence_set.hpp>
@@ -90,14 +102,18 @@
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <kvevict/timing.hpp>
+#include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "harness/policy_setup.hpp"
+#include "llama/attention_kernels.hpp"
 #include "llama/cli/llama_model.hpp"
 #include "llama/cli/llama_options.hpp"
 #include "model/model_io.hpp"
@@ -128,6 +144,7 @@ struct Options {
   std::vector<int> sequences;           // mode 3: sequences per context
   std::string pool_trace;               // mode 4: CSV of every sequence's cells per step
   int pool_steps = 400;
+  bool kernels = false;  // mode 5: the flash-attention row kernels alone
 };
 
 llama_flash_attn_type flash_type(const std::string& flash) {
@@ -727,6 +744,81 @@ void run_pool_trace(const kvevict::llama_cli::LlamaModel& model, const Options& 
 
 }  // namespace
 
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// Mode 5 (header comment): the flash-attention row kernels on TOVA's rows of a decode step.
+void run_kernels(const Options& options) {
+  namespace kernels = kvevict::llama::kernels;
+  constexpr int kLayers = 8;
+  constexpr int kKvHeads = 2;
+  constexpr int kGroup = 4;  // query heads per KV head: TOVA's rows of one KV head
+  constexpr int kDim = 64;
+  constexpr int kRepetitions = 200;
+  constexpr float kScale = 0.125f;  // 1 / sqrt(head_dim)
+  using Clock = std::chrono::steady_clock;
+  std::cout << "\n| cells | queries | q.K µs/step | G multiply-adds/s | softmax µs/step |\n"
+               "|---:|---|---:|---:|---:|\n";
+  for (const int cells : options.budgets) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const auto layer_values = static_cast<std::size_t>(cells) * kKvHeads * kDim;
+    std::vector<std::vector<std::uint16_t>> keys(kLayers, std::vector<std::uint16_t>(layer_values));
+    for (auto& layer : keys) {
+      for (std::uint16_t& value : layer) value = kvevict::detail::float_to_f16(normal(rng));
+    }
+    std::vector<std::int32_t> index(static_cast<std::size_t>(cells));
+    std::iota(index.begin(), index.end(), 0);
+    const std::vector<float> bias(static_cast<std::size_t>(cells), 0.0f);
+    std::vector<float> rows(static_cast<std::size_t>(kGroup) * cells);
+    for (const float spread : {1.0f, 30.0f}) {
+      // q rounded to f16, as against f16 cells.
+      std::vector<float> queries(static_cast<std::size_t>(kLayers) * kKvHeads * kGroup * kDim);
+      for (float& value : queries) {
+        value = kvevict::detail::f16_to_float(kvevict::detail::float_to_f16(spread * normal(rng)));
+      }
+      double best_scores = std::numeric_limits<double>::infinity();
+      double best_softmax = best_scores;
+      for (int repetition = 0; repetition < kRepetitions; ++repetition) {
+        double scores = 0.0;
+        double softmax = 0.0;
+        for (int layer = 0; layer < kLayers; ++layer) {
+          for (int head = 0; head < kKvHeads; ++head) {
+            const kernels::CellRows cell_rows{
+                kernels::CellType::f16,
+                reinterpret_cast<const std::uint8_t*>(keys[static_cast<std::size_t>(layer)].data() +
+                                                      static_cast<std::size_t>(head) * kDim),
+                static_cast<std::size_t>(kKvHeads) * kDim * 2};
+            const float* q =
+                queries.data() + static_cast<std::size_t>(layer * kKvHeads + head) * kGroup * kDim;
+            const auto start = Clock::now();
+            kernels::gathered_scores(q, kDim, kGroup, cell_rows, index.data(), cells, kDim,
+                                     rows.data(), cells);
+            const auto scored = Clock::now();
+            for (int r = 0; r < kGroup; ++r) {
+              kernels::softmax_row(rows.data() + static_cast<std::size_t>(r) * cells, bias.data(),
+                                   kScale, cells);
+            }
+            const auto done = Clock::now();
+            scores += std::chrono::duration<double>(scored - start).count();
+            softmax += std::chrono::duration<double>(done - scored).count();
+          }
+        }
+        best_scores = std::min(best_scores, scores);
+        best_softmax = std::min(best_softmax, softmax);
+      }
+      const double multiply_adds = static_cast<double>(kLayers) * kKvHeads * kGroup * cells * kDim;
+      std::cout << fmt::format("| {} | {} | {:.1f} | {:.1f} | {:.1f} |\n", cells,
+                               spread == 1.0f ? "N(0, 1)" : "N(0, 30^2)", 1e6 * best_scores,
+                               multiply_adds / best_scores / 1e9, 1e6 * best_softmax);
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   Options options;
   CLI::App app("kvevict over llama.cpp: decode-step cost per policy, memory over a long stream");
@@ -774,8 +866,17 @@ int main(int argc, char** argv) {
   app.add_option("--pool-steps", options.pool_steps)
       ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
+  app.add_flag("--kernels", options.kernels,
+               "the flash-attention row kernels alone, on TOVA's rows (cells: --budgets)");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (options.kernels) {
+      std::cout << fmt::format("kvevict's flash-attention row kernels, load average {}\n",
+                               load_average());
+      run_kernels(options);
+      std::cout << "\nload average at the end: " << load_average() << '\n';
+      return 0;
+    }
     kvevict::llama_cli::quiet_llama_log();
     llama_backend_init();
     const ModelFile file(options.model);

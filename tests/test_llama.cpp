@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -668,12 +669,85 @@ TEST(LlamaErrors, AttentionPoliciesRunWithFlashAttentionForcedOn) {
   }
 }
 
+// K rows of one cell type for the kernel tests: cells x heads rows of k values drawn from
+// `uniform`, stored in ggml's layout of the type, and the values they decode to (the reference's).
+struct TestCells {
+  std::vector<std::uint8_t> bytes;
+  std::vector<float> values;  // [cells * heads][k]
+  std::size_t row_bytes = 0;  // one head's row
+};
+
+TestCells make_test_cells(kvevict::llama::kernels::CellType type, int rows, int k,
+                          std::mt19937& rng) {
+  using kvevict::llama::kernels::CellType;
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  TestCells cells;
+  cells.values.resize(static_cast<std::size_t>(rows) * k);
+  for (float& v : cells.values) v = uniform(rng);
+  switch (type) {
+    case CellType::f32:
+      cells.row_bytes = static_cast<std::size_t>(k) * 4;
+      break;
+    case CellType::f16:
+    case CellType::bf16:
+      cells.row_bytes = static_cast<std::size_t>(k) * 2;
+      break;
+    case CellType::q8_0:
+      cells.row_bytes = static_cast<std::size_t>(k / 32) * 34;  // an f16 scale, 32 int8
+      break;
+  }
+  cells.bytes.resize(static_cast<std::size_t>(rows) * cells.row_bytes);
+  for (int r = 0; r < rows; ++r) {
+    float* value = cells.values.data() + static_cast<std::size_t>(r) * k;
+    std::uint8_t* row = cells.bytes.data() + static_cast<std::size_t>(r) * cells.row_bytes;
+    for (int j = 0; j < k; ++j) {
+      std::uint16_t bits = 0;
+      switch (type) {
+        case CellType::f32:
+          std::memcpy(row + 4 * j, &value[j], 4);
+          break;
+        case CellType::f16:
+          bits = kvevict::detail::float_to_f16(value[j]);
+          value[j] = kvevict::detail::f16_to_float(bits);
+          std::memcpy(row + 2 * j, &bits, 2);
+          break;
+        case CellType::bf16:
+          bits = kvevict::detail::float_to_bf16(value[j]);
+          value[j] = kvevict::detail::bf16_to_float(bits);
+          std::memcpy(row + 2 * j, &bits, 2);
+          break;
+        case CellType::q8_0:
+          if (j % 32 == 0) {  // a block: scale = max |v| / 127, the values rounded to int8
+            float largest = 0.0f;
+            for (int i = j; i < j + 32; ++i) largest = std::max(largest, std::abs(value[i]));
+            bits = kvevict::detail::float_to_f16(largest / 127.0f);
+            const float scale = kvevict::detail::f16_to_float(bits);
+            std::uint8_t* block = row + static_cast<std::size_t>(j / 32) * 34;
+            std::memcpy(block, &bits, 2);
+            for (int i = j; i < j + 32; ++i) {
+              const auto q =
+                  static_cast<std::int8_t>(std::clamp(std::lround(value[i] / scale), -127L, 127L));
+              block[2 + i - j] = static_cast<std::uint8_t>(q);
+              value[i] = static_cast<float>(q) * scale;
+            }
+          }
+          break;
+      }
+    }
+  }
+  return cells;
+}
+
 // The kernels of the flash-attention rows on every SIMD target Highway built and this CPU runs
 // (AVX-512, AVX2, SSE4 and the scalar fallback on x86-64), against double-precision references:
-// gathered f16 cells over row lengths that are and are not multiples of the lanes, and tile
-// counts with and without a partial tile; the softmax with masked (-inf) cells, which read 0.
+// gathered K cells of every type the kernel reads (f32, f16, bf16, Q8_0) over row lengths that
+// are and are not multiples of the lanes, row counts with and without a group of four (the
+// 512-bit targets' pair tiles) and tile counts with and without a partial tile; the softmax with
+// masked (-inf) cells, which read 0, and with logits spread over 110 (results down to float's
+// subnormals, which must still be exp's, not 0).
 TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
   namespace kernels = kvevict::llama::kernels;
+  using kernels::CellType;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   constexpr int kCells = 400;
@@ -681,55 +755,69 @@ TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
   for (const std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
     hwy::SetSupportedTargetsForTest(target);
     SCOPED_TRACE(hwy::TargetName(target));
-    for (const int k : {16, 20, 64, 128}) {
-      std::vector<std::uint16_t> cells(static_cast<std::size_t>(kCells) * kHeads * k);
-      for (std::uint16_t& v : cells) v = kvevict::detail::float_to_f16(uniform(rng));
-      const kernels::CellRows keys{kernels::CellType::f16,
-                                   reinterpret_cast<const std::uint8_t*>(cells.data() + k),
-                                   static_cast<std::size_t>(kHeads * k) * 2};
-      for (const int m : {1, 4, 5, 64}) {
-        for (const int n : {1, 7, 33, 300}) {
-          std::vector<float> x(static_cast<std::size_t>(m) * k);
-          for (float& v : x) v = uniform(rng);
-          std::vector<std::int32_t> index(static_cast<std::size_t>(n));
-          for (int c = 0; c < n; ++c) index[c] = (c * 37 + 5) % kCells;
-          std::vector<float> y(static_cast<std::size_t>(m) * n);
-          kernels::gathered_scores(x.data(), k, m, keys, index.data(), n, k, y.data(), n);
-          double worst = 0.0;
-          for (int r = 0; r < m; ++r) {
-            for (int c = 0; c < n; ++c) {
-              double want = 0.0;
-              for (int j = 0; j < k; ++j) {
-                want += static_cast<double>(x[static_cast<std::size_t>(r * k + j)]) *
-                        kvevict::detail::f16_to_float(
-                            cells[static_cast<std::size_t>(index[c]) * kHeads * k + k + j]);
+    for (const CellType type : {CellType::f32, CellType::f16, CellType::bf16, CellType::q8_0}) {
+      for (const int k : {16, 20, 32, 64, 128}) {
+        if (type == CellType::q8_0 && k % 32 != 0) continue;  // whole blocks only
+        const TestCells cells = make_test_cells(type, kCells * kHeads, k, rng);
+        const kernels::CellRows keys{type, cells.bytes.data() + cells.row_bytes,
+                                     kHeads * cells.row_bytes};
+        for (const int m : {1, 4, 5, 8, 64}) {
+          for (const int n : {1, 7, 9, 33, 300}) {
+            std::vector<float> x(static_cast<std::size_t>(m) * k);
+            for (float& v : x) v = uniform(rng);
+            std::vector<std::int32_t> index(static_cast<std::size_t>(n));
+            for (int c = 0; c < n; ++c) index[c] = (c * 37 + 5) % kCells;
+            std::vector<float> y(static_cast<std::size_t>(m) * n);
+            kernels::gathered_scores(x.data(), k, m, keys, index.data(), n, k, y.data(), n);
+            double worst = 0.0;
+            for (int r = 0; r < m; ++r) {
+              for (int c = 0; c < n; ++c) {
+                const float* key =
+                    cells.values.data() + (static_cast<std::size_t>(index[c]) * kHeads + 1) * k;
+                double want = 0.0;
+                for (int j = 0; j < k; ++j) {
+                  want += static_cast<double>(x[static_cast<std::size_t>(r * k + j)]) * key[j];
+                }
+                worst = std::max(worst, std::abs(want - y[static_cast<std::size_t>(r * n + c)]));
               }
-              worst = std::max(worst, std::abs(want - y[static_cast<std::size_t>(r * n + c)]));
             }
+            // k products of |x|, |key| <= 1 summed in float: well under k * 2^-24 * k.
+            EXPECT_LE(worst, 1e-4)
+                << "type " << static_cast<int>(type) << " k " << k << " m " << m << " n " << n;
           }
-          EXPECT_LE(worst, 1e-4) << "k " << k << " m " << m << " n " << n;
         }
       }
     }
-    for (const int n : {1, 7, 33, 300}) {
-      std::vector<float> row(static_cast<std::size_t>(n));
-      std::vector<float> bias(static_cast<std::size_t>(n));
-      for (int c = 0; c < n; ++c) {
-        row[c] = 20.0f * uniform(rng);
-        bias[c] = c % 3 == 1 ? -std::numeric_limits<float>::infinity() : 0.5f * uniform(rng);
-      }
-      std::vector<double> want(static_cast<std::size_t>(n), 0.0);
-      double max = -std::numeric_limits<double>::infinity();
-      for (int c = 0; c < n; ++c) max = std::max(max, 0.125 * row[c] + bias[c]);
-      double sum = 0.0;
-      for (int c = 0; c < n; ++c) sum += want[c] = std::exp(0.125 * row[c] + bias[c] - max);
-      kernels::softmax_row(row.data(), bias.data(), 0.125f, n);
-      for (int c = 0; c < n; ++c) {
-        if (c % 3 == 1) {
-          EXPECT_EQ(row[c], 0.0f) << "n " << n << " masked cell " << c;
-        } else {
-          EXPECT_NEAR(row[c], want[c] / sum, 1e-6 * want[c] / sum + 1e-9)
-              << "n " << n << " cell " << c;
+    for (const float spread : {20.0f, 880.0f}) {  // scale 0.125: logits within 2.5, then 110
+      for (const int n : {1, 7, 33, 300}) {
+        std::vector<float> row(static_cast<std::size_t>(n));
+        std::vector<float> bias(static_cast<std::size_t>(n));
+        for (int c = 0; c < n; ++c) {
+          row[c] = spread * uniform(rng);
+          bias[c] = c % 3 == 1 ? -std::numeric_limits<float>::infinity() : 0.5f * uniform(rng);
+        }
+        std::vector<double> want(static_cast<std::size_t>(n), 0.0);
+        double max = -std::numeric_limits<double>::infinity();
+        for (int c = 0; c < n; ++c) max = std::max(max, 0.125 * row[c] + bias[c]);
+        double sum = 0.0;
+        // The kernel forms the logits in float: each off by up to an ulp of its size, which exp
+        // turns into that much relative error (besides exp's own and the sum's, under 1e-6).
+        std::vector<double> logit_error(static_cast<std::size_t>(n));
+        for (int c = 0; c < n; ++c) {
+          const double logit = 0.125 * row[c] + bias[c];
+          sum += want[c] = std::exp(logit - max);
+          logit_error[c] = (std::abs(logit) + std::abs(max)) * 0x1p-23;
+        }
+        kernels::softmax_row(row.data(), bias.data(), 0.125f, n);
+        for (int c = 0; c < n; ++c) {
+          const double p = want[c] / sum;
+          if (c % 3 == 1) {
+            EXPECT_EQ(row[c], 0.0f) << "n " << n << " masked cell " << c;
+          } else {  // a subnormal float's result (p < 2^-126) too, within a few of its steps
+            EXPECT_NEAR(row[c], p,
+                        (1e-6 + logit_error[c]) * p + 4 * std::numeric_limits<float>::denorm_min())
+                << "n " << n << " cell " << c << " spread " << spread;
+          }
         }
       }
     }

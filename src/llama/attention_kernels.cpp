@@ -229,51 +229,133 @@ void GatheredScores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, con
   }
 }
 
+// The softmax's exp. Results below 2^-126 are subnormal floats, and on x86 an instruction that
+// writes a subnormal (or reads one) is finished by a microcode assist, some hundred cycles: rows
+// whose logits spread over more than 87 (a peaked attention: most cells under 2^-126 of the top
+// one) took 10-20 times longer. On 512-bit targets the exps are therefore formed times 2^64
+// (exp_scaled, normal down to exp(-104)), and the division by the sum brings them back with
+// integer operations (unscale): the exponent field lowered by 64 where the result is normal, the
+// subnormal's bits from an integer conversion where not. Elsewhere Highway's Exp and a product.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr float kExpScale = 0x1p64f;
+
+// exp(x) * 2^64 for x <= 0: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2 (Highway's
+// reduction and polynomial), 2^(n + 64) applied by vscalefps; exactly 0 below -104 (exp(-104) is
+// under half the least subnormal) and for -inf (a masked cell).
+HWY_INLINE V exp_scaled(D d, V x) {
+  const V lower = hn::Set(d, -104.0f);
+  const V clamped = hn::Max(x, lower);
+  const V n =
+      V{_mm512_roundscale_ps(hn::Mul(clamped, hn::Set(d, 1.442695040888963407359924681f)).raw,
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  V r = hn::MulAdd(n, hn::Set(d, -0.693145751953125f), clamped);
+  r = hn::MulAdd(n, hn::Set(d, -1.428606765330187045e-6f), r);
+  const V r2 = hn::Mul(r, r);
+  const V p01 = hn::MulAdd(hn::Set(d, +0.166666671633720397949219f), r, hn::Set(d, +0.5f));
+  const V p23 = hn::MulAdd(hn::Set(d, +0.00833336077630519866943359f), r,
+                           hn::Set(d, +0.0416664853692054748535156f));
+  const V p45 = hn::MulAdd(hn::Set(d, +0.000198527617612853646278381f), r,
+                           hn::Set(d, +0.00139304355252534151077271f));
+  const V poly = hn::MulAdd(hn::MulAdd(p45, r2, p23), r2, p01);
+  const V y = hn::Add(hn::MulAdd(poly, r2, r), hn::Set(d, 1.0f));
+  const V e = V{_mm512_scalef_ps(y.raw, hn::Add(n, hn::Set(d, 64.0f)).raw)};
+  return hn::IfThenElseZero(hn::Ge(x, lower), e);
+}
+
+// v * 2^-64 for 0 <= v <= 2^64 without a subnormal operation: v's exponent lowered by 64 where
+// the result is normal (v >= 2^-62), else the subnormal whose bits are v * 2^85 rounded to an
+// integer (the multiple of 2^-149 nearest v * 2^-64).
+HWY_INLINE V unscale(D d, V v) {
+  const hn::RebindToSigned<D> di;
+  const auto normal = hn::Sub(hn::BitCast(di, v), hn::Set(di, 64 << 23));
+  const auto subnormal = hn::NearestInt(hn::Mul(v, hn::Set(d, 0x1p85f)));
+  return hn::BitCast(
+      d, hn::IfThenElse(hn::RebindMask(di, hn::Lt(v, hn::Set(d, 0x1p-62f))), subnormal, normal));
+}
+#else
+constexpr float kExpScale = 1.0f;
+
+HWY_INLINE V exp_scaled(D d, V x) {
+  // -inf is raised to the lowest float, whose Exp is exactly 0.
+  return hn::Exp(d, hn::Max(x, hn::Set(d, std::numeric_limits<float>::lowest())));
+}
+
+HWY_INLINE V unscale(D /*d*/, V v) { return v; }
+#endif
+
 void SoftmaxRow(float* row, const float* bias, float scale, std::int64_t n) {
   const D d;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
   constexpr float kInfinity = std::numeric_limits<float>::infinity();
-  // t = scale * row + bias, and its max.
+  // t = scale * row + bias, and its max (four running maxima, so that the pass is not bound by
+  // the latency of one).
   const V scale_v = hn::Set(d, scale);
-  V max_v = hn::Set(d, -kInfinity);
+  V max_v[4] = {hn::Set(d, -kInfinity), hn::Set(d, -kInfinity), hn::Set(d, -kInfinity),
+                hn::Set(d, -kInfinity)};
   std::int64_t j = 0;
+  for (; j + 4 * lanes <= n; j += 4 * lanes) {
+    for (int u = 0; u < 4; ++u) {
+      const V t = hn::MulAdd(hn::LoadU(d, row + j + u * lanes), scale_v,
+                             hn::LoadU(d, bias + j + u * lanes));
+      hn::StoreU(t, d, row + j + u * lanes);
+      max_v[u] = hn::Max(max_v[u], t);
+    }
+  }
   for (; j + lanes <= n; j += lanes) {
     const V t = hn::MulAdd(hn::LoadU(d, row + j), scale_v, hn::LoadU(d, bias + j));
     hn::StoreU(t, d, row + j);
-    max_v = hn::Max(max_v, t);
+    max_v[0] = hn::Max(max_v[0], t);
   }
-  float max = hn::GetLane(hn::MaxOfLanes(d, max_v));
+  float max = hn::GetLane(
+      hn::MaxOfLanes(d, hn::Max(hn::Max(max_v[0], max_v[1]), hn::Max(max_v[2], max_v[3]))));
   for (; j < n; ++j) {
     row[j] = scale * row[j] + bias[j];
     max = std::max(max, row[j]);
   }
-  // exp(t - max): -inf (a masked cell) is raised to the lowest float, whose Exp is exactly 0.
+  // exp(t - max) * kExpScale, exactly 0 for a masked cell (-inf); summed in f32 over four vectors
+  // at a time, those partial sums accumulated in double.
   const V shift = hn::Set(d, max);
-  const V lowest = hn::Set(d, std::numeric_limits<float>::lowest());
   double sum = 0.0;
+#if HWY_TARGET != HWY_SCALAR
+  const hn::Half<D> half;
+  const hn::Rebind<double, hn::Half<D>> dd;
+  auto sum_v = hn::Zero(dd);
+#endif
   V partial = hn::Zero(d);
   int in_partial = 0;
   for (j = 0; j + lanes <= n; j += lanes) {
-    const V e = hn::Exp(d, hn::Max(hn::Sub(hn::LoadU(d, row + j), shift), lowest));
+    const V e = exp_scaled(d, hn::Sub(hn::LoadU(d, row + j), shift));
     hn::StoreU(e, d, row + j);
     partial = hn::Add(partial, e);
     if (++in_partial == 4) {
-      sum += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, partial)));
+#if HWY_TARGET != HWY_SCALAR
+      sum_v = hn::Add(sum_v, hn::Add(hn::PromoteTo(dd, hn::LowerHalf(half, partial)),
+                                     hn::PromoteTo(dd, hn::UpperHalf(half, partial))));
+#else
+      sum += static_cast<double>(hn::GetLane(partial));
+#endif
       partial = hn::Zero(d);
       in_partial = 0;
     }
   }
-  sum += static_cast<double>(hn::GetLane(hn::SumOfLanes(d, partial)));
+#if HWY_TARGET != HWY_SCALAR
+  sum_v = hn::Add(sum_v, hn::Add(hn::PromoteTo(dd, hn::LowerHalf(half, partial)),
+                                 hn::PromoteTo(dd, hn::UpperHalf(half, partial))));
+  sum = hn::GetLane(hn::SumOfLanes(dd, sum_v));
+#else
+  sum += static_cast<double>(hn::GetLane(partial));
+#endif
   for (; j < n; ++j) {
-    row[j] = row[j] == -kInfinity ? 0.0f : std::exp(row[j] - max);
+    row[j] = row[j] == -kInfinity ? 0.0f : std::exp(row[j] - max) * kExpScale;
     sum += static_cast<double>(row[j]);
   }
-  const auto inverse = static_cast<float>(1.0 / sum);
+  // e / sum: kExpScale * (true e / true sum), brought back by unscale.
+  const auto inverse = static_cast<float>(static_cast<double>(kExpScale) / sum);
   const V inverse_v = hn::Set(d, inverse);
   for (j = 0; j + lanes <= n; j += lanes) {
-    hn::StoreU(hn::Mul(hn::LoadU(d, row + j), inverse_v), d, row + j);
+    hn::StoreU(unscale(d, hn::Mul(hn::LoadU(d, row + j), inverse_v)), d, row + j);
   }
-  for (; j < n; ++j) row[j] *= inverse;
+  for (; j < n; ++j) row[j] = row[j] * inverse / kExpScale;
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)

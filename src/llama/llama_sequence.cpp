@@ -142,12 +142,14 @@ struct GraphTap {
     flash_prepared = false;
   }
 
-  void mark(int layer, const std::string& source) {
-    KVEVICT_REQUIRE(layer >= 0 && layer < layers, source + " is layer " + std::to_string(layer) +
+  // `source()` names the node in an error (built only then: this runs for every layer).
+  template <class Source>
+  void mark(int layer, const Source& source) {
+    KVEVICT_REQUIRE(layer >= 0 && layer < layers, source() + " is layer " + std::to_string(layer) +
                                                       ", the model has " + std::to_string(layers));
     auto& once = seen[static_cast<std::size_t>(layer)];
     KVEVICT_REQUIRE(once == 0, "llama.cpp's graph computed the attention of layer " +
-                                   std::to_string(layer) + " twice in one forward (" + source +
+                                   std::to_string(layer) + " twice in one forward (" + source() +
                                    "): kvevict maps one attention per layer to its cells");
     once = 1;
   }
@@ -308,7 +310,7 @@ struct GraphTap {
     KVEVICT_REQUIRE(softmax.ne[2] == q_heads && softmax.ne[3] == 1,
                     "kq_soft_max-" + std::to_string(layer) + " has an unexpected shape");
     const StageScope scope(sequence->observer(), Stage::policy);
-    mark(layer, "kq_soft_max-" + std::to_string(layer));
+    mark(layer, [layer] { return "kq_soft_max-" + std::to_string(layer); });
     if (!gather_ready) build_gather();
     const int first = token_offset + (all_queries || catalyst ? 0 : token_count - 1);
     const int queries = token_offset + token_count - first;
@@ -338,6 +340,10 @@ struct GraphTap {
     hand_over(layer, rows.data(), queries, limit);
   }
 
+  static std::string flash_where(int layer) {
+    return "layer " + std::to_string(layer) + "'s flash attention";
+  }
+
   // Flash attention on: the kernel (ggml_flash_attn_ext) never forms the softmax, so kvevict
   // computes the rows the policy reads from the node's own sources once it is computed: q
   // (src[0], after RoPE: [head_dim, tokens, q_heads]), the layer's K cells (src[1]: [head_dim,
@@ -354,42 +360,45 @@ struct GraphTap {
   // q_heads x live cells x head_dim multiply-adds per layer, on the thread that runs the graph
   // callback (timed as the policy stage).
   void observe_flash(const ggml_tensor& node) {
-    const std::string node_name = "flash-attention node '" + std::string(node.name) + "'";
+    // The error messages' names, built only for an error (this runs for every layer).
+    const auto node_name = [&node] {
+      return "flash-attention node '" + std::string(node.name) + "'";
+    };
     const ggml_tensor* q = node.src[0];
     const ggml_tensor* k = node.src[1];
     const ggml_tensor* mask = node.src[3];
-    KVEVICT_REQUIRE(q != nullptr && k != nullptr, node_name + " has no q or K source");
+    KVEVICT_REQUIRE(q != nullptr && k != nullptr, node_name() + " has no q or K source");
     if (k->op == GGML_OP_CPY && k->src[0] != nullptr && k->src[0]->type == GGML_TYPE_F32 &&
         ggml_are_same_shape(k, k->src[0])) {
       k = k->src[0];  // the f32 cells llama.cpp cast to f16 for the kernel
     }
     const int layer = layer_of_keys(*k);
-    KVEVICT_REQUIRE(layer >= 0, node_name + " reads its keys from '" + std::string(k->name) +
+    KVEVICT_REQUIRE(layer >= 0, node_name() + " reads its keys from '" + std::string(k->name) +
                                     "', not a layer's K cache (cache_k_l<layer>): kvevict cannot "
                                     "tell which layer's cells it attends over (use --fa off)");
     flash_seen = true;
-    const std::string where = "layer " + std::to_string(layer) + "'s flash attention";
+    const auto where = [layer] { return flash_where(layer); };
     float params[3] = {};
     std::memcpy(params, node.op_params, sizeof params);
     const float scale = params[0];
-    KVEVICT_REQUIRE(params[1] == 0.0f, where + " applies ALiBi (max_bias " +
+    KVEVICT_REQUIRE(params[1] == 0.0f, where() + " applies ALiBi (max_bias " +
                                            std::to_string(params[1]) +
                                            "), which kvevict does not compute: use --fa off");
-    KVEVICT_REQUIRE(params[2] == 0.0f, where + " caps its logits (softcap " +
+    KVEVICT_REQUIRE(params[2] == 0.0f, where() + " caps its logits (softcap " +
                                            std::to_string(params[2]) +
                                            "), which kvevict does not compute: use --fa off");
     KVEVICT_REQUIRE(node.src[4] == nullptr,
-                    where + " has attention sinks, which kvevict does not compute: use --fa off");
+                    where() + " has attention sinks, which kvevict does not compute: use --fa off");
     KVEVICT_REQUIRE(mask != nullptr && mask->type == GGML_TYPE_F16,
-                    where +
+                    where() +
                         " has no f16 KQ mask: kvevict needs it to know which cells a query "
                         "attends");
     KVEVICT_REQUIRE(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float),
-                    where + ": its queries are not f32 rows");
+                    where() + ": its queries are not f32 rows");
     KVEVICT_REQUIRE(q->ne[2] == q_heads && k->ne[2] == kv_heads && q->ne[3] == 1 && k->ne[3] == 1 &&
                         q->ne[0] == k->ne[0] && mask->ne[0] >= k->ne[1] &&
                         mask->ne[1] >= q->ne[1] && mask->ne[2] == 1,
-                    where + " has an unexpected shape (q " + shape(*q) + ", K " + shape(*k) +
+                    where() + " has an unexpected shape (q " + shape(*q) + ", K " + shape(*k) +
                         ", mask " + shape(*mask) + ")");
     const std::optional<kernels::CellType> cell_type = cell_type_of(k->type);
     const ggml_type_traits_cpu* k_traits = ggml_get_type_traits_cpu(k->type);
@@ -406,7 +415,7 @@ struct GraphTap {
                         (cell_type || k_to_float != nullptr) &&
                         k->nb[0] == ggml_type_size(k->type) && dim % ggml_blck_size(k->type) == 0 &&
                         dim % ggml_blck_size(dot_type) == 0,
-                    where + ": ggml's CPU backend has no dot product for its " +
+                    where() + ": ggml's CPU backend has no dot product for its " +
                         ggml_type_name(k->type) + " K cells");
 
     const StageScope scope(sequence->observer(), Stage::policy);
@@ -421,7 +430,7 @@ struct GraphTap {
     const auto* mask_data = host_data<char>(mask, scratch_mask);
     if (!flash_prepared || prepared_mask != mask_data || prepared_first != first ||
         prepared_queries != queries || prepared_cells != n_kv) {
-      prepare_flash(where, *mask, mask_data, first, queries, n_kv);
+      prepare_flash(layer, *mask, mask_data, first, queries, n_kv);
     }
     const int group = q_heads / kv_heads;
     const std::int64_t group_rows = static_cast<std::int64_t>(group) * queries;
@@ -441,6 +450,12 @@ struct GraphTap {
           float* out = query_floats.data() + static_cast<std::size_t>(m * queries + i) * udim;
           if (dot_type == GGML_TYPE_F32) {
             std::copy_n(q_row, udim, out);
+          } else if (dot_type == GGML_TYPE_F16) {
+            // As ggml's fp32 -> fp16 row conversion (to nearest, ties to even), inline: its call
+            // per row cost more than the rest of the layer's preparation.
+            for (std::size_t j = 0; j < udim; ++j) {
+              out[j] = detail::f16_to_float(detail::float_to_f16(q_row[j]));
+            }
           } else {
             dot_traits->from_float(q_row, rounded_query.data(), dim);
             dot_to_float(rounded_query.data(), out, dim);
@@ -480,12 +495,12 @@ struct GraphTap {
   // (a live one for the free slots, whose scores are computed, then masked), and each query's
   // mask over the slots (-inf for free slots and masked cells). Checks that the sequence holds
   // every cell, and every cell each query attends.
-  void prepare_flash(const std::string& where, const ggml_tensor& mask, const char* mask_data,
-                     int first, int queries, std::int64_t n_kv) {
+  void prepare_flash(int layer, const ggml_tensor& mask, const char* mask_data, int first,
+                     int queries, std::int64_t n_kv) {
     const std::size_t limit = gather.size();
     std::int32_t live_cell = 0;
     for (const std::int32_t cell : gather) {
-      KVEVICT_REQUIRE(cell < n_kv, where + " covers " + std::to_string(n_kv) +
+      KVEVICT_REQUIRE(cell < n_kv, flash_where(layer) + " covers " + std::to_string(n_kv) +
                                        " cells, and the sequence holds cell " +
                                        std::to_string(cell));
       if (cell >= 0) live_cell = cell;
@@ -512,8 +527,8 @@ struct GraphTap {
           ++attended;
         }
       }
-      check_mask(where, mask_row, mask.ne[0], token, attended);
-      KVEVICT_REQUIRE(attended > 0, where + ": query " + std::to_string(token) +
+      check_mask(layer, mask_row, mask.ne[0], token, attended);
+      KVEVICT_REQUIRE(attended > 0, flash_where(layer) + ": query " + std::to_string(token) +
                                         " attends to none of the sequence's cells");
     }
     flash_prepared = true;
@@ -542,14 +557,14 @@ struct GraphTap {
   // The softmax kvevict computes sums over the sequence's cells only: every cell the mask lets
   // `token` attend must be one of them (a single sequence; n_kv is padded with masked cells).
   // Masked cells hold exactly -inf (llama.cpp writes -INFINITY), compared by its f16 bits.
-  static void check_mask(const std::string& where, const ggml_fp16_t* mask_row, std::int64_t n_kv,
-                         int token, std::size_t held) {
+  static void check_mask(int layer, const ggml_fp16_t* mask_row, std::int64_t n_kv, int token,
+                         std::size_t held) {
     std::int64_t open_cells = 0;
     for (std::int64_t c = 0; c < n_kv; ++c) {
       open_cells += static_cast<std::int64_t>(mask_row[c] != kMaskedHalf);
     }
     KVEVICT_REQUIRE(open_cells == static_cast<std::int64_t>(held),
-                    where + ": query " + std::to_string(token) + " attends " +
+                    flash_where(layer) + ": query " + std::to_string(token) + " attends " +
                         std::to_string(open_cells) + " cells, " + std::to_string(held) +
                         " of them the sequence's: its KV cache holds cells kvevict does not map");
   }
