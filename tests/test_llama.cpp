@@ -1193,13 +1193,58 @@ BatchPlan batch_plan(const kvevict::model::Model& model) {
 
 int turn_every(const Case& c) { return c.turn_every > 0 ? c.turn_every : 1 << 30; }
 
-Trace run_alone(const ModelFile& file, const Case& c, const BatchPlan& plan, std::size_t i,
-                bool flash) {
+kvevict::llama::LlamaSequenceOptions sequence_options(const Case& c, int max_chunk) {
   kvevict::llama::LlamaSequenceOptions options;
   options.granularity = c.granularity;
   options.position_mode = c.positions;
-  options.max_chunk = plan.chunks[i];
-  kvevict::llama::LlamaSequence llama(file.llama, batch_params(c.n_ctx, flash), make(c), options);
+  options.max_chunk = max_chunk;
+  return options;
+}
+
+// One sequence's chunk in a step of the plan.
+struct PlanFeed {
+  std::size_t sequence = 0;  // index into plan.streams
+  std::span<const std::int32_t> tokens;
+  bool turn_start = false;
+  std::size_t forward = 0;  // the sequence's forwards before this one
+};
+
+// Walks the plan a step at a time: every sequence that has joined and has tokens left is fed its
+// next chunk. `open(i)` runs when sequence i joins, `close(i)` when it has no tokens left, and
+// `step(feeds)` once per step; the walk stops when no sequence has tokens left or `step` returns
+// false.
+template <class Open, class Close, class Step>
+void walk_plan(const BatchPlan& plan, const Case& c, Open&& open, Close&& close, Step&& step) {
+  enum class State { waiting, open, closed };
+  std::vector<State> states(plan.streams.size(), State::waiting);
+  std::vector<std::size_t> forwards(plan.streams.size(), 0);
+  std::vector<PlanFeed> feeds;
+  for (int s = 0;; ++s) {
+    feeds.clear();
+    for (std::size_t i = 0; i < plan.streams.size(); ++i) {
+      const auto chunk = static_cast<std::size_t>(plan.chunks[i]);
+      const std::size_t offset = forwards[i] * chunk;
+      if (s < plan.joins[i]) continue;
+      if (offset >= plan.streams[i].size()) {
+        if (states[i] == State::open) close(i);
+        states[i] = State::closed;
+        continue;
+      }
+      if (states[i] == State::waiting) open(i);
+      states[i] = State::open;
+      const auto n = std::min(chunk, plan.streams[i].size() - offset);
+      const bool turn = offset % static_cast<std::size_t>(turn_every(c)) < chunk;
+      feeds.push_back({i, std::span<const std::int32_t>(plan.streams[i]).subspan(offset, n), turn,
+                       forwards[i]++});
+    }
+    if (feeds.empty() || !step(std::span<const PlanFeed>(feeds))) return;
+  }
+}
+
+Trace run_alone(const ModelFile& file, const Case& c, const BatchPlan& plan, std::size_t i,
+                bool flash) {
+  kvevict::llama::LlamaSequence llama(file.llama, batch_params(c.n_ctx, flash), make(c),
+                                      sequence_options(c, plan.chunks[i]));
   Trace trace;
   const std::vector<std::int32_t>& stream = plan.streams[i];
   const auto chunk = static_cast<std::size_t>(plan.chunks[i]);
@@ -1233,46 +1278,32 @@ float expect_batch_equals_alone(const ModelFile& file, const Case& c, bool flash
   std::vector<std::size_t> forwards(plan.streams.size(), 0);
   float largest = 0.0f;
   std::vector<kvevict::llama::LlamaFeed> feeds;
-  for (int step = 0;; ++step) {
-    feeds.clear();
-    std::vector<std::size_t> fed;
-    for (std::size_t i = 0; i < plan.streams.size(); ++i) {
-      const auto chunk = static_cast<std::size_t>(plan.chunks[i]);
-      const std::size_t offset = forwards[i] * chunk;
-      if (step < plan.joins[i]) continue;
-      if (offset >= plan.streams[i].size()) {
-        if (ids[i] >= 0) set.close(std::exchange(ids[i], -2));
-        continue;
-      }
-      if (ids[i] == -1) {
-        kvevict::llama::LlamaSequenceOptions options;
-        options.granularity = c.granularity;
-        options.position_mode = c.positions;
-        options.max_chunk = plan.chunks[i];
-        ids[i] = set.open(make(c), options);
-      }
-      const auto n = std::min(chunk, plan.streams[i].size() - offset);
-      const bool turn = offset % static_cast<std::size_t>(turn_every(c)) < chunk;
-      feeds.push_back(
-          {ids[i], std::span<const std::int32_t>(plan.streams[i]).subspan(offset, n), turn, false});
-      fed.push_back(i);
-    }
-    if (feeds.empty()) break;
-    set.step(feeds);
-    for (const std::size_t i : fed) {
-      const int id = ids[i];
-      EXPECT_FALSE(set.failed(id).has_value()) << *set.failed(id);
-      const std::size_t f = forwards[i]++;
-      if (kept(set.sequence(id)) != alone[i].kept[f]) {
-        ADD_FAILURE() << "sequence " << i << ": the keep-sets differ after forward " << f;
-        return largest;
-      }
-      const std::span<const float> logits = set.logits(id).last();
-      for (std::size_t v = 0; v < logits.size(); ++v) {
-        largest = std::max(largest, std::abs(logits[v] - alone[i].last_logits[f][v]));
-      }
-    }
-  }
+  walk_plan(
+      plan, c,
+      [&](std::size_t i) { ids[i] = set.open(make(c), sequence_options(c, plan.chunks[i])); },
+      [&](std::size_t i) { set.close(ids[i]); },
+      [&](std::span<const PlanFeed> step) {
+        feeds.clear();
+        for (const PlanFeed& f : step)
+          feeds.push_back({ids[f.sequence], f.tokens, f.turn_start, false});
+        set.step(feeds);
+        for (const PlanFeed& f : step) {
+          const int id = ids[f.sequence];
+          EXPECT_FALSE(set.failed(id).has_value()) << *set.failed(id);
+          ++forwards[f.sequence];
+          if (kept(set.sequence(id)) != alone[f.sequence].kept[f.forward]) {
+            ADD_FAILURE() << "sequence " << f.sequence << ": the keep-sets differ after forward "
+                          << f.forward;
+            return false;
+          }
+          const std::span<const float> logits = set.logits(id).last();
+          const std::vector<float>& expected = alone[f.sequence].last_logits[f.forward];
+          for (std::size_t v = 0; v < logits.size(); ++v) {
+            largest = std::max(largest, std::abs(logits[v] - expected[v]));
+          }
+        }
+        return true;
+      });
   for (std::size_t i = 0; i < plan.streams.size(); ++i) {
     EXPECT_EQ(forwards[i], alone[i].kept.size()) << "sequence " << i;
   }
@@ -1382,55 +1413,48 @@ TEST(LlamaBatch, TheReferenceBatchKeepsWhatLlamaCppsBatchKeeps) {
       kvevict::model::DecoderBatch reference(file.model);
       std::vector<int> llama_ids(plan.streams.size(), -1);
       std::vector<int> reference_ids(plan.streams.size(), -1);
-      std::vector<std::size_t> forwards(plan.streams.size(), 0);
       std::vector<kvevict::llama::LlamaFeed> llama_feeds;
       std::vector<kvevict::model::DecoderFeed> reference_feeds;
       float largest = 0.0f;
-      for (int step = 0;; ++step) {
-        llama_feeds.clear();
-        reference_feeds.clear();
-        std::vector<std::size_t> fed;
-        for (std::size_t i = 0; i < plan.streams.size(); ++i) {
-          const auto chunk = static_cast<std::size_t>(plan.chunks[i]);
-          const std::size_t offset = forwards[i] * chunk;
-          if (step < plan.joins[i] || offset >= plan.streams[i].size()) continue;
-          if (llama_ids[i] == -1) {
-            kvevict::llama::LlamaSequenceOptions options;
-            options.granularity = c.granularity;
-            options.position_mode = c.positions;
-            options.max_chunk = plan.chunks[i];
-            llama_ids[i] = set.open(make(c), options);
+      walk_plan(
+          plan, c,
+          [&](std::size_t i) {
+            llama_ids[i] = set.open(make(c), sequence_options(c, plan.chunks[i]));
             kvevict::model::DecoderOptions decoder_options;
             decoder_options.granularity = c.granularity;
             decoder_options.position_mode = c.positions;
             decoder_options.max_chunk = plan.chunks[i];
             reference_ids[i] = reference.open(make(c), decoder_options);
-          }
-          const auto tokens =
-              std::span<const std::int32_t>(plan.streams[i])
-                  .subspan(offset, std::min(chunk, plan.streams[i].size() - offset));
-          const bool turn = offset % static_cast<std::size_t>(turn_every(c)) < chunk;
-          llama_feeds.push_back({llama_ids[i], tokens, turn, false});
-          reference_feeds.push_back({reference_ids[i], tokens, {turn, false}});
-          fed.push_back(i);
-        }
-        if (llama_feeds.empty()) break;
-        set.step(llama_feeds);
-        reference.step(reference_feeds);
-        for (const std::size_t i : fed) {
-          ASSERT_FALSE(set.failed(llama_ids[i]).has_value());
-          ASSERT_FALSE(reference.failed(reference_ids[i]).has_value());
-          ASSERT_EQ(kept(set.sequence(llama_ids[i])),
-                    kept(reference.cache(reference_ids[i]).sequence()))
-              << "sequence " << i << ", forward " << forwards[i];
-          const std::span<const float> expected = reference.result(reference_ids[i]).last();
-          const std::span<const float> actual = set.logits(llama_ids[i]).last();
-          for (std::size_t v = 0; v < expected.size(); ++v) {
-            largest = std::max(largest, std::abs(expected[v] - actual[v]));
-          }
-          ++forwards[i];
-        }
-      }
+          },
+          [](std::size_t /*i*/) {},
+          [&](std::span<const PlanFeed> step) {
+            llama_feeds.clear();
+            reference_feeds.clear();
+            for (const PlanFeed& f : step) {
+              llama_feeds.push_back({llama_ids[f.sequence], f.tokens, f.turn_start, false});
+              reference_feeds.push_back(
+                  {reference_ids[f.sequence], f.tokens, {f.turn_start, false}});
+            }
+            set.step(llama_feeds);
+            reference.step(reference_feeds);
+            for (const PlanFeed& f : step) {
+              const int l = llama_ids[f.sequence];
+              const int r = reference_ids[f.sequence];
+              EXPECT_FALSE(set.failed(l).has_value());
+              EXPECT_FALSE(reference.failed(r).has_value());
+              if (kept(set.sequence(l)) != kept(reference.cache(r).sequence())) {
+                ADD_FAILURE() << "sequence " << f.sequence
+                              << ": the keep-sets differ after forward " << f.forward;
+                return false;
+              }
+              const std::span<const float> expected = reference.result(r).last();
+              const std::span<const float> actual = set.logits(l).last();
+              for (std::size_t v = 0; v < expected.size(); ++v) {
+                largest = std::max(largest, std::abs(expected[v] - actual[v]));
+              }
+            }
+            return true;
+          });
       EXPECT_LE(largest, 1e-3f);
     }
   }
