@@ -116,6 +116,12 @@ std::vector<std::int64_t> kept_positions(const Sequence& sequence) {
   return positions;
 }
 
+// Tokens fed that the cache no longer holds (SequenceStats::evicted_slots counts every layer's and
+// head's slots, where llama.cpp's cells are one per token).
+std::int64_t evicted_tokens(const Sequence& sequence) {
+  return sequence.stats().tokens_fed - sequence.max_live();
+}
+
 }  // namespace
 
 Engine::Engine(const llama_cli::LlamaModel& model, const llama_cli::LlamaOptions& llama,
@@ -203,7 +209,7 @@ bool Engine::end_of_generation(std::int32_t token) const {
 
 void Engine::close_sequence(Slot& slot) {
   if (slot.sequence < 0) return;
-  slot.evicted_closed += set_->sequence(slot.sequence).stats().evicted_slots;
+  slot.evicted_closed += evicted_tokens(set_->sequence(slot.sequence));
   set_->close(slot.sequence);
   slot.sequence = -1;
   slot.history.clear();
@@ -313,7 +319,7 @@ void Engine::finish(Slot& slot, std::string reason) {
   const Sequence& sequence = set_->sequence(slot.sequence);
   slot.usage.completion_tokens = static_cast<int>(slot.generated.size());
   slot.usage.cache_tokens = sequence.max_live();
-  slot.usage.evicted_tokens = sequence.stats().evicted_slots;
+  slot.usage.evicted_tokens = evicted_tokens(sequence);
   const double seconds = std::chrono::duration<double>(Clock::now() - slot.first_token).count();
   slot.tokens_per_second = seconds > 0 && slot.generated.size() > 1
                                ? static_cast<double>(slot.generated.size() - 1) / seconds
@@ -327,8 +333,10 @@ void Engine::finish(Slot& slot, std::string reason) {
     metrics_.generated_tokens += slot.usage.completion_tokens;
   }
   std::string tail = slot.text.substr(slot.sent);
-  slot.job->finish(std::move(reason), slot.usage, slot.generated, std::move(tail));
+  const std::shared_ptr<Job> job = slot.job;
   release(slot);
+  publish();  // before the client hears of the end: /slots and /metrics show it
+  job->finish(std::move(reason), slot.usage, slot.generated, std::move(tail));
 }
 
 void Engine::fail(Slot& slot, RequestError error) {
@@ -337,15 +345,17 @@ void Engine::fail(Slot& slot, RequestError error) {
     const std::lock_guard lock(metrics_mutex_);
     ++metrics_.requests_failed;
   }
-  slot.job->fail(std::move(error));
+  const std::shared_ptr<Job> job = slot.job;
   release(slot);
+  publish();
+  job->fail(std::move(error));
 }
 
 // A sampled token: the end of the request, or text and the next token to feed.
 void Engine::sampled(Slot& slot, std::int32_t token) {
   const Job& job = *slot.job;
   if (slot.generated.empty()) slot.first_token = Clock::now();
-  if (end_of_generation(token)) {
+  if (!job.ignore_eos && end_of_generation(token)) {
     finish(slot, "stop");
     return;
   }
@@ -384,7 +394,7 @@ void Engine::publish() {
       slot.peak_cells = std::max(slot.peak_cells, set_->stats(slot.sequence).peak_cells);
     out.peak_cells = slot.peak_cells;
     out.evicted_tokens =
-        slot.evicted_closed + (out.open ? set_->sequence(slot.sequence).stats().evicted_slots : 0);
+        slot.evicted_closed + (out.open ? evicted_tokens(set_->sequence(slot.sequence)) : 0);
     out.tokens_per_second = slot.tokens_per_second;
     out.requests = slot.requests;
     out.kept_positions = out.open ? slot.kept_positions : std::vector<std::int64_t>{};

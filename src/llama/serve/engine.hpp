@@ -61,6 +61,7 @@ class Job {
   int max_tokens = 1;
   harness::SamplingOptions sampling;
   std::vector<std::string> stop;
+  bool ignore_eos = false;  ///< llama-server's field: end-of-generation tokens are text too
   harness::PolicyOptions policy;
   std::string policy_key;  ///< equal keys: equal policies (slot reuse)
 

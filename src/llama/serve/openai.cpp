@@ -338,6 +338,9 @@ ParsedRequest RequestParser::parse(std::string_view text, Endpoint endpoint) con
       parsed.include_usage = bool_field(*usage, "stream_options.include_usage");
     }
   }
+  if (const json* ignore_eos = field(body, "ignore_eos")) {
+    job.ignore_eos = bool_field(*ignore_eos, "ignore_eos");
+  }
   if (const json* tokens = field(body, "return_tokens")) {
     parsed.return_tokens = bool_field(*tokens, "return_tokens");
   }
