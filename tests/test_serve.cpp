@@ -39,10 +39,10 @@
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 using kvevict::llama_cli::LlamaModel;
-using kvevict::llama_serve::Server;
 using kvevict::llama_serve::ServeOptions;
+using kvevict::llama_serve::Server;
+using nlohmann::json;
 using namespace std::chrono_literals;
 
 class Models : public ::testing::Environment {
@@ -175,7 +175,6 @@ std::vector<std::int32_t> token_range(int count, int seed) {
   return tokens;
 }
 
-
 // A connected loopback socket with a receive timeout, or -1.
 int connect_loopback(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -194,7 +193,8 @@ int connect_loopback(int port) {
 }
 
 // Sends `request` as it is and returns what arrives until `until` or the end (or a timeout).
-std::string raw_exchange(int port, const std::string& request, const std::string& until = "\r\n\r\n") {
+std::string raw_exchange(int port, const std::string& request,
+                         const std::string& until = "\r\n\r\n") {
   const int fd = connect_loopback(port);
   if (fd < 0) return {};
   std::string received;
@@ -305,7 +305,8 @@ void expect_conversation_as_alone(const std::string& policy, int budget) {
   kvevict::harness::PolicySetup setup =
       kvevict::llama_cli::make_setup(policy_options, *Models::random);
   kvevict::llama_cli::LlamaOptions llama = options.llama;
-  const auto alone = kvevict::llama_cli::make_llama_sequence(*Models::random, llama, setup, nullptr);
+  const auto alone =
+      kvevict::llama_cli::make_llama_sequence(*Models::random, llama, setup, nullptr);
 
   std::vector<std::int32_t> conversation;  // what the client sends back
   std::vector<std::int32_t> fed;           // what `alone` has consumed
@@ -378,6 +379,85 @@ TEST(Serve, ConversationMatchesLlamaSequenceAloneH2o) { expect_conversation_as_a
 
 TEST(Serve, ConversationMatchesLlamaSequenceAloneWindow) {
   expect_conversation_as_alone("window", 40);
+}
+
+// Three conversations at once (one llama_decode per step for all): after every turn each keeps
+// exactly the positions LlamaSequence alone keeps when fed the same tokens (the server's own
+// generated tokens: batching may move a logit by llama.cpp's batch-vs-single rounding).
+TEST(Serve, BatchedConversationsKeepWhatEachKeepsAlone) {
+  ServeOptions options = small_options();
+  options.parallel = 3;
+  options.llama.context = 768;
+  RunningServer server(*Models::random, options);
+  const std::vector<std::string> policies = {"h2o", "streaming_llm", "tova"};
+  std::vector<std::vector<std::vector<std::int32_t>>> sent(3);       // [client][turn] prompt
+  std::vector<std::vector<std::vector<std::int32_t>>> generated(3);  // [client][turn]
+  std::vector<std::vector<std::vector<std::int64_t>>> kept(3);       // [client][turn]
+  std::vector<std::string> failures(3);
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3; ++c) {
+    clients.emplace_back([&, c] {
+      std::vector<std::int32_t> conversation;
+      for (int turn = 0; turn < 3; ++turn) {
+        const std::vector<std::int32_t> user = token_range(turn == 0 ? 100 : 30, 7 * c + turn);
+        conversation.insert(conversation.end(), user.begin(), user.end());
+        json request = {
+            {"prompt", conversation}, {"max_tokens", 20},
+            {"ignore_eos", true},     {"kv_policy", policies[static_cast<std::size_t>(c)]},
+            {"kv_budget", 48},        {"return_tokens", true}};
+        if (policies[static_cast<std::size_t>(c)] == "tova")
+          request["kv_positions"] = "cache_index";
+        const Reply reply = post(server, "/v1/completions", request);
+        if (reply.status != 200) {
+          failures[static_cast<std::size_t>(c)] = reply.raw;
+          return;
+        }
+        const auto tokens = reply.body["choices"][0]["tokens"].get<std::vector<std::int32_t>>();
+        const int slot = reply.body["usage"]["kvevict"]["slot"];
+        httplib::Client client = server.client();
+        const httplib::Result slots = client.Get("/slots?kept=1");
+        if (!slots) return;
+        sent[static_cast<std::size_t>(c)].push_back(conversation);
+        generated[static_cast<std::size_t>(c)].push_back(tokens);
+        kept[static_cast<std::size_t>(c)].push_back(
+            json::parse(slots->body)[slot]["kept_positions"].get<std::vector<std::int64_t>>());
+        conversation.insert(conversation.end(), tokens.begin(), tokens.end());
+      }
+    });
+  }
+  for (std::thread& client : clients) client.join();
+  std::int64_t forwards_alone = 0;
+  for (int c = 0; c < 3; ++c) {
+    const auto index = static_cast<std::size_t>(c);
+    ASSERT_EQ(failures[index], "") << policies[index];
+    ASSERT_EQ(kept[index].size(), 3U);
+    kvevict::harness::PolicyOptions policy = options.policy;
+    policy.policy = policies[index];
+    policy.budget = 48;
+    if (policy.policy == "tova") policy.positions = "cache_index";
+    kvevict::harness::PolicySetup setup = kvevict::llama_cli::make_setup(policy, *Models::random);
+    const auto alone =
+        kvevict::llama_cli::make_llama_sequence(*Models::random, options.llama, setup, nullptr);
+    std::size_t fed = 0;
+    for (std::size_t turn = 0; turn < 3; ++turn) {
+      const std::vector<std::int32_t>& prompt = sent[index][turn];
+      (void)alone->feed(std::span<const std::int32_t>(prompt).subspan(fed), true);
+      const std::vector<std::int32_t>& tokens = generated[index][turn];
+      for (std::size_t i = 0; i + 1 < tokens.size(); ++i) {
+        (void)alone->forward(std::span<const std::int32_t>(&tokens[i], 1));
+      }
+      fed = prompt.size() + tokens.size() - 1;
+      std::vector<std::int64_t> expected;
+      const kvevict::SlotTable& table = alone->sequence().slots();
+      for (const std::int32_t s : table.stream_order(0)) {
+        expected.push_back(table.original_positions(0)[static_cast<std::size_t>(s)]);
+      }
+      EXPECT_EQ(kept[index][turn], expected) << policies[index] << " turn " << turn;
+    }
+    forwards_alone += alone->stats().forwards;
+  }
+  // They shared steps: fewer llama_decode calls than the three alone.
+  EXPECT_LT(server.server().engine().metrics().steps, forwards_alone);
 }
 
 // Streams: OpenAI's framing (role first, content deltas, finish_reason, usage when asked, then
@@ -524,13 +604,16 @@ TEST(Serve, BodyLimitsAreEnforcedBeforeReading) {
   // A chunked body has no Content-Length to check: refused.
   const std::string chunk = R"({"prompt":"a","max_tokens":1})";
   std::ostringstream chunked;
-  chunked << "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-          << "Transfer-Encoding: chunked\r\n\r\n"
-          << std::hex << chunk.size() << "\r\n" << chunk << "\r\n0\r\n\r\n";
+  chunked
+      << "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      << "Transfer-Encoding: chunked\r\n\r\n"
+      << std::hex << chunk.size() << "\r\n"
+      << chunk << "\r\n0\r\n\r\n";
   EXPECT_EQ(raw_exchange(server.port(), chunked.str()).rfind("HTTP/1.1 411", 0), 0U);
   // So is a body without a length.
-  EXPECT_EQ(raw_exchange(server.port(), "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                        "Connection: close\r\n\r\n")
+  EXPECT_EQ(raw_exchange(server.port(),
+                         "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         "Connection: close\r\n\r\n")
                 .rfind("HTTP/1.1 411", 0),
             0U);
   EXPECT_EQ(post(server, "/v1/completions", R"({"prompt": "a", "max_tokens": 1})").status, 200);
@@ -562,13 +645,12 @@ TEST(Serve, FullQueueGets503WithRetryAfter) {
   options.parallel = 1;
   options.queue = 1;
   RunningServer server(*Models::random, options);
-  const std::string slow =
-      json{{"prompt", "go"},
-           {"max_tokens", 3000},
-           {"ignore_eos", true},
-           {"kv_policy", "window"},
-           {"kv_budget", 32}}
-          .dump();
+  const std::string slow = json{
+      {"prompt", "go"},
+      {"max_tokens", 3000},
+      {"ignore_eos", true},
+      {"kv_policy", "window"},
+      {"kv_budget", 32}}.dump();
   std::vector<std::thread> clients;
   std::atomic<int> ok{0};
   for (int i = 0; i < 2; ++i) {
@@ -602,9 +684,10 @@ std::size_t resident_bytes() {
 
 // Sends a streaming request on a raw socket, reads until the first event, and closes.
 bool stream_and_leave(int port, const std::string& body) {
-  const std::string request = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                              "Content-Type: application/json\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  const std::string request =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+      "Content-Type: application/json\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
   return raw_exchange(port, request, "data: ").find("data: ") != std::string::npos;
 }
 
@@ -617,13 +700,10 @@ TEST(Serve, ClientsLeavingMidStreamFreeTheirSlots) {
   RunningServer server(*Models::random, options);
   const auto baseline = server.server().engine().metrics();
   EXPECT_EQ(baseline.pool_used, 0);
-  const std::string body = json{{"prompt", "leave me"},
-                                {"max_tokens", 4000},
-                                {"ignore_eos", true},
-                                {"stream", true},
-                                {"kv_policy", "streaming_llm"},
-                                {"kv_budget", 64}}
-                               .dump();
+  const std::string body =
+      json{{"prompt", "leave me"}, {"max_tokens", 4000},           {"ignore_eos", true},
+           {"stream", true},       {"kv_policy", "streaming_llm"}, {"kv_budget", 64}}
+          .dump();
   const auto settle = [&] {
     return eventually([&] {
       const auto metrics = server.server().engine().metrics();
