@@ -474,6 +474,16 @@ Server::Server(const llama_cli::LlamaModel& model, ServeOptions options) {
     options.alias = "model";
   }
   impl_ = std::make_unique<Impl>(model, std::move(options));
+  // The server's own policy must serve a request that names none.
+  const harness::PolicySetup setup = llama_cli::make_setup(impl_->options.policy, model);
+  const std::int64_t cells = impl_->engine.slot_cells();
+  if (const std::optional<int> limit = setup.policy->retained_limit();
+      limit && std::int64_t{*limit} + impl_->options.policy.chunk > cells) {
+    throw Error(fmt::format("--policy {} keeps up to {} tokens: with --chunk {} that exceeds the {} "
+                            "cells a slot may hold ({})",
+                            setup.name, *limit, impl_->options.policy.chunk, cells,
+                            impl_->options.kv_pool > 0 ? "--kv-pool" : "--ctx-size / --parallel"));
+  }
   impl_->routes();
 }
 
