@@ -6,10 +6,12 @@
 #include <llama.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -767,6 +769,80 @@ TEST(Serve, ShutdownDrainsAdmittedRequests) {
   EXPECT_EQ(in_flight.status, 200) << in_flight.raw;
   EXPECT_EQ(in_flight.body["choices"][0]["finish_reason"], "length");
   server.reset();
+}
+
+// The command: SIGTERM lets the request in flight finish, then the process exits with 0.
+TEST(ServeCommand, SigtermDrainsThenExits) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  const std::string model = Models::random_path.string();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::dup2(out[1], STDOUT_FILENO);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::execl(KVEVICT_LLAMA_CLI, KVEVICT_LLAMA_CLI, "serve", model.c_str(), "--port", "0", "-c",
+            "512", "--np", "2", "--chunk", "16", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  // "kvevict-llama serve: listening on http://127.0.0.1:PORT (...)"
+  std::string printed;
+  char buffer[256];
+  while (printed.find('\n') == std::string::npos) {
+    const ssize_t n = ::read(out[0], buffer, sizeof buffer);
+    if (n <= 0) break;
+    printed.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(out[0]);
+  const std::string marker = "http://127.0.0.1:";
+  const std::size_t at = printed.find(marker);
+  if (at == std::string::npos) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+    FAIL() << "no listening line: " << printed;
+  }
+  const int port = std::stoi(printed.substr(at + marker.size()));
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(60, 0);
+  int reply_status = 0;
+  std::string reply_body;
+  std::thread request([&] {
+    const httplib::Result reply = client.Post("/v1/completions",
+                                              json{{"prompt", "drain"},
+                                                   {"max_tokens", 3000},
+                                                   {"ignore_eos", true},
+                                                   {"kv_policy", "window"},
+                                                   {"kv_budget", 32}}
+                                                  .dump(),
+                                              "application/json");
+    if (reply) {
+      reply_status = reply->status;
+      reply_body = reply->body;
+    }
+  });
+  httplib::Client probe("127.0.0.1", port);
+  const bool active = eventually([&] {
+    const httplib::Result metrics = probe.Get("/metrics");
+    return metrics && metrics->body.find("kvevict_requests_active 1") != std::string::npos;
+  });
+  EXPECT_TRUE(active);
+  ::kill(child, SIGTERM);
+  request.join();
+  EXPECT_EQ(reply_status, 200);
+  const json body = json::parse(reply_body, nullptr, false);
+  EXPECT_TRUE(body.is_object() && body.contains("choices") &&
+              body["choices"][0]["finish_reason"] == "length")
+      << reply_body;
+  int status = -1;
+  const bool exited = eventually([&] { return ::waitpid(child, &status, WNOHANG) == child; });
+  if (!exited) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+  }
+  EXPECT_TRUE(exited);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
 }  // namespace
