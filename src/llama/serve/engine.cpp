@@ -103,6 +103,7 @@ struct Engine::Slot {
   double tokens_per_second = 0;
   std::int64_t requests = 0;
   std::vector<std::int64_t> kept_positions;
+  bool kept_changed = false;  // kept_positions not yet published
 };
 
 namespace {
@@ -215,6 +216,8 @@ void Engine::close_sequence(Slot& slot) {
   slot.history.clear();
   slot.policy_key.clear();
   slot.policy_name.clear();
+  slot.kept_positions.clear();
+  slot.kept_changed = true;
 }
 
 bool Engine::open_sequence(Slot& slot, const Job& job, std::string& failure) {
@@ -325,6 +328,7 @@ void Engine::finish(Slot& slot, std::string reason) {
                                ? static_cast<double>(slot.generated.size() - 1) / seconds
                                : 0.0;
   slot.kept_positions = kept_positions(sequence);
+  slot.kept_changed = true;
   {
     const std::lock_guard lock(metrics_mutex_);
     ++metrics_.requests_finished;
@@ -397,7 +401,12 @@ void Engine::publish() {
         slot.evicted_closed + (out.open ? evicted_tokens(set_->sequence(slot.sequence)) : 0);
     out.tokens_per_second = slot.tokens_per_second;
     out.requests = slot.requests;
-    out.kept_positions = out.open ? slot.kept_positions : std::vector<std::int64_t>{};
+    if (!out.open) {
+      out.kept_positions.clear();
+    } else if (slot.kept_changed) {
+      out.kept_positions = slot.kept_positions;  // copied once per request, not per step
+      slot.kept_changed = false;
+    }
   }
   if (const KvPool* pool = set_->pool()) {
     metrics_.pool_used = pool->used();
