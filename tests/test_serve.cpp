@@ -531,7 +531,7 @@ TEST(Serve, StopStringEndsTheTextBeforeIt) {
     content += json::parse(stream.raw.substr(at + 6, end - at - 6))["choices"][0].value(
         "text", std::string());
   }
-  EXPECT_EQ(content, text.substr(0, first));
+  EXPECT_EQ(content, text.substr(0, first)) << stream.raw;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ Job::Update Job::wait(std::chrono::milliseconds timeout) {
   return update;
 }
 
-void Job::wait_started() {
+bool Job::wait_started() {
   std::unique_lock lock(mutex_);
   changed_.wait(lock, [&] { return started_ || done_; });
+  return started_;
 }
 
 void Job::start() {

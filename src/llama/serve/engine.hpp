@@ -73,8 +73,8 @@ class Job {
   };
   /// Waits up to `timeout` for new text, the start or the end; takes the new text.
   Update wait(std::chrono::milliseconds timeout);
-  /// Waits until the job has a slot (or has ended).
-  void wait_started();
+  /// Waits until the job has a slot (or has ended); true when it got one.
+  bool wait_started();
   void cancel() { cancelled_.store(true); }
   [[nodiscard]] bool cancelled() const { return cancelled_.load(); }
 

@@ -198,7 +198,7 @@ void Server::Impl::generate(const httplib::Request& request, httplib::Response& 
       send_error(response, {503, "the server is shutting down", "server_error"});
       return;
   }
-  job->wait_started();
+  const bool started = job->wait_started();
   const bool chat = endpoint == Endpoint::chat;
   const std::string id = fmt::format("{}-{}", chat ? "chatcmpl" : "cmpl", next_id.fetch_add(1));
   const std::int64_t created_at = now_seconds();
@@ -229,12 +229,9 @@ void Server::Impl::generate(const httplib::Request& request, httplib::Response& 
                    {"usage", usage_json(job->usage())}});
     return;
   }
-  {
-    const Job::Update first = job->wait(Milliseconds(0));
-    if (first.done && job->error() && !first.started) {
-      send_error(response, *job->error());
-      return;
-    }
+  if (!started) {  // refused before it had a slot: a plain error response
+    send_error(response, *job->error());
+    return;
   }
   // The chunks as OpenAI streams them; `text` is pending output taken from the job.
   const auto chunk = [id, created_at, model_id, chat](const json& delta_or_text,
@@ -479,10 +476,11 @@ Server::Server(const llama_cli::LlamaModel& model, ServeOptions options) {
   const std::int64_t cells = impl_->engine.slot_cells();
   if (const std::optional<int> limit = setup.policy->retained_limit();
       limit && std::int64_t{*limit} + impl_->options.policy.chunk > cells) {
-    throw Error(fmt::format("--policy {} keeps up to {} tokens: with --chunk {} that exceeds the {} "
-                            "cells a slot may hold ({})",
-                            setup.name, *limit, impl_->options.policy.chunk, cells,
-                            impl_->options.kv_pool > 0 ? "--kv-pool" : "--ctx-size / --parallel"));
+    throw Error(
+        fmt::format("--policy {} keeps up to {} tokens: with --chunk {} that exceeds the {} "
+                    "cells a slot may hold ({})",
+                    setup.name, *limit, impl_->options.policy.chunk, cells,
+                    impl_->options.kv_pool > 0 ? "--kv-pool" : "--ctx-size / --parallel"));
   }
   impl_->routes();
 }
