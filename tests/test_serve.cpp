@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <kvevict/error.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
@@ -595,6 +596,23 @@ TEST(Serve, PromptLongerThanTheContext) {
   EXPECT_EQ(usage["kvevict"]["evicted_tokens"], fed - 64);
 }
 
+// A pool cannot hold a policy that keeps every token: refused at startup as the server's own
+// policy, with 400 as a request's.
+TEST(Serve, PoolRefusesUnboundedPolicies) {
+  ServeOptions options = small_options();
+  options.kv_pool = 256;
+  EXPECT_THROW(Server(*Models::random, options), kvevict::Error);
+  options.policy.policy = "window";
+  options.policy.budget = 64;
+  RunningServer server(*Models::random, options);
+  const Reply full =
+      post(server, "/v1/completions", R"({"prompt": "a", "max_tokens": 1, "kv_policy": "full"})");
+  EXPECT_EQ(full.status, 400);
+  EXPECT_NE(error_message(full).find("cannot share the KV pool"), std::string::npos)
+      << error_message(full);
+  EXPECT_EQ(post(server, "/v1/completions", R"({"prompt": "a", "max_tokens": 1})").status, 200);
+}
+
 TEST(Serve, BodyLimitsAreEnforcedBeforeReading) {
   ServeOptions options = small_options();
   options.max_body_bytes = 1000;
@@ -699,6 +717,8 @@ TEST(Serve, ClientsLeavingMidStreamFreeTheirSlots) {
   options.queue = 8;
   options.llama.context = 1024;
   options.kv_pool = 512;
+  options.policy.policy = "streaming_llm";
+  options.policy.budget = 64;
   RunningServer server(*Models::random, options);
   const auto baseline = server.server().engine().metrics();
   EXPECT_EQ(baseline.pool_used, 0);

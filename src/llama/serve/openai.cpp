@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <kvevict/error.hpp>
+#include <kvevict/policy_registry.hpp>
 #include <limits>
 
 namespace kvevict::llama_serve {
@@ -249,9 +250,18 @@ void RequestParser::set_policy(const json& body, Job& job, std::size_t prompt_to
   if (const json* policy = field(body, "kv_policy")) {
     const std::string name = string_field(*policy, "kv_policy");
     if (name != options.policy) {
-      // The server's --param and --sinks belong to its own policy.
+      // The server's --param and --sinks belong to its own policy, and so does --budget when
+      // the request's policy takes none (full).
       options.params.clear();
       options.sinks_given = false;
+      try {
+        if (policy_spec(name).budget == nullptr) {
+          options.budget.reset();
+          options.budget_bytes.reset();
+        }
+      } catch (const Error&) {
+        // An unknown name: validate_policy_options says so below.
+      }
     }
     options.policy = name;
     given += fmt::format(" kv_policy \"{}\"", name);

@@ -474,8 +474,14 @@ Server::Server(const llama_cli::LlamaModel& model, ServeOptions options) {
   // The server's own policy must serve a request that names none.
   const harness::PolicySetup setup = llama_cli::make_setup(impl_->options.policy, model);
   const std::int64_t cells = impl_->engine.slot_cells();
-  if (const std::optional<int> limit = setup.policy->retained_limit();
-      limit && std::int64_t{*limit} + impl_->options.policy.chunk > cells) {
+  const std::optional<int> limit = setup.policy->retained_limit();
+  if (!limit && impl_->options.kv_pool > 0) {
+    throw Error(
+        fmt::format("--policy {} keeps every token, so it cannot share --kv-pool: give a "
+                    "bounded policy (--policy with --budget) as the server's default",
+                    setup.name));
+  }
+  if (limit && std::int64_t{*limit} + impl_->options.policy.chunk > cells) {
     throw Error(
         fmt::format("--policy {} keeps up to {} tokens: with --chunk {} that exceeds the {} "
                     "cells a slot may hold ({})",
