@@ -463,6 +463,34 @@ TEST(Serve, BatchedConversationsKeepWhatEachKeepsAlone) {
   EXPECT_LT(server.server().engine().metrics().steps, forwards_alone);
 }
 
+// A chat client re-sends the whole conversation, the assistant's answer included: the second turn
+// continues the slot (the chatml rendering of turn one is a prefix of turn two's, and toy-base
+// writes ASCII, one token per byte), and feeds only what is new.
+TEST(Serve, ChatSecondTurnReusesTheSlot) {
+  RunningServer server(*Models::toy, small_options());
+  json messages = {{{"role", "user"}, {"content", "Once upon a time"}}};
+  const json first_request = {{"messages", messages},
+                              {"max_tokens", 20},
+                              {"kv_policy", "streaming_llm"},
+                              {"kv_budget", 64}};
+  const Reply first = post(server, "/v1/chat/completions", first_request);
+  ASSERT_EQ(first.status, 200) << first.raw;
+  const std::string answer = first.body["choices"][0]["message"]["content"];
+  const int completion = first.body["usage"]["completion_tokens"];
+  ASSERT_EQ(answer.size(), static_cast<std::size_t>(completion));  // one byte per token
+  // What the slot consumed: the prompt and the answer, but its last token when cut by length.
+  const int consumed = first.body["usage"]["prompt_tokens"].get<int>() + completion -
+                       (first.body["choices"][0]["finish_reason"] == "length" ? 1 : 0);
+  messages.push_back({{"role", "assistant"}, {"content", answer}});
+  messages.push_back({{"role", "user"}, {"content", "And then?"}});
+  json second_request = first_request;
+  second_request["messages"] = messages;
+  const Reply second = post(server, "/v1/chat/completions", second_request);
+  ASSERT_EQ(second.status, 200) << second.raw;
+  EXPECT_EQ(second.body["usage"]["kvevict"]["reused_prompt_tokens"], consumed);
+  EXPECT_EQ(second.body["usage"]["kvevict"]["slot"], first.body["usage"]["kvevict"]["slot"]);
+}
+
 // Streams: OpenAI's framing (role first, content deltas, finish_reason, usage when asked, then
 // data: [DONE]), and the same text as the request without stream (toy-base writes ASCII).
 TEST(Serve, ChatStreamFramingEndsWithDone) {
