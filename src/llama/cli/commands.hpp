@@ -22,6 +22,7 @@ struct Command {
 Command add_stream_command(CLI::App& parent);
 Command add_generate_command(CLI::App& parent);
 Command add_eval_command(CLI::App& parent);
+Command add_serve_command(CLI::App& parent);
 
 /// The cache report of `kvevict`, from a LlamaSequence: live and peak KV bytes are llama.cpp's
 /// cells in use times the K and V bytes of a cell.

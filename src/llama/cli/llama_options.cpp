@@ -96,15 +96,9 @@ nlohmann::ordered_json policy_json(const harness::PolicySetup& setup,
   return json;
 }
 
-std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,
-                                                          const LlamaOptions& options,
-                                                          harness::PolicySetup& setup,
-                                                          StageObserver* observer) {
+llama_context_params context_params(const LlamaOptions& options, KvType kv_type) {
   if (options.threads < 1) throw Error("--threads must be at least 1");
   if (options.context < 1) throw Error("--ctx-size must be at least 1");
-  if (setup.decoder_options.key_storage != KeyStorage::post_rope) {
-    throw Error("--keys: llama.cpp stores keys after RoPE (post_rope) and re-rotates them itself");
-  }
   llama_context_params params = llama_context_default_params();
   params.n_ctx = static_cast<std::uint32_t>(options.context);
   params.n_threads = options.threads;
@@ -122,8 +116,19 @@ std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& mode
   }
   // --kv-type is the type of llama.cpp's cells, f32 by default as kvevict's own cache (llama.cpp's
   // default f16 alone moves bits/byte by about 1e-4 relative): the same flags, the same cache.
-  params.type_k = ggml_cell_type(setup.decoder_options.kv_type);
+  params.type_k = ggml_cell_type(kv_type);
   params.type_v = params.type_k;
+  return params;
+}
+
+std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,
+                                                          const LlamaOptions& options,
+                                                          harness::PolicySetup& setup,
+                                                          StageObserver* observer) {
+  if (setup.decoder_options.key_storage != KeyStorage::post_rope) {
+    throw Error("--keys: llama.cpp stores keys after RoPE (post_rope) and re-rotates them itself");
+  }
+  const llama_context_params params = context_params(options, setup.decoder_options.kv_type);
   llama::LlamaSequenceOptions sequence_options;
   sequence_options.position_mode = setup.decoder_options.position_mode;
   sequence_options.granularity = setup.decoder_options.granularity;

@@ -63,6 +63,10 @@ inline void add_llama_options(CLI::App& app, LlamaOptions& options) {
 [[nodiscard]] nlohmann::ordered_json policy_json(const harness::PolicySetup& setup,
                                                  const llama::LlamaSequence& sequence);
 
+/// llama.cpp's context parameters from -t, -c, -fa, with K and V cells of `kv_type` (n_seq_max 1:
+/// a LlamaSequenceSet sets its own).
+[[nodiscard]] llama_context_params context_params(const LlamaOptions& options, KvType kv_type);
+
 /// A LlamaSequence over `model` with the setup's policy (moved into it) and catalyst. The setup's
 /// positions and granularity apply; --keys must be post_rope (llama.cpp stores keys rotated).
 [[nodiscard]] std::unique_ptr<llama::LlamaSequence> make_llama_sequence(const LlamaModel& model,

@@ -1,5 +1,6 @@
 // `kvevict-llama`: kvevict's eviction policies over llama.cpp, with the options and reports of
-// `kvevict` (stream, generate, eval) plus llama.cpp's own (-t, -ngl, -c, -fa). Every error is
+// `kvevict` (stream, generate, eval) plus llama.cpp's own (-t, -ngl, -c, -fa), and `serve` (an
+// OpenAI-style HTTP server). Every error is
 // reported as "kvevict-llama: error: ..." with exit code 2.
 #include <CLI/CLI.hpp>
 #include <exception>
@@ -20,6 +21,7 @@ int run(int argc, char** argv) {
       kvevict::llama_cli::add_generate_command(app),
       kvevict::llama_cli::add_stream_command(app),
       kvevict::llama_cli::add_eval_command(app),
+      kvevict::llama_cli::add_serve_command(app),
   };
   try {
     app.parse(argc, argv);
