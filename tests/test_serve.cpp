@@ -17,6 +17,7 @@
 #include <fstream>
 #include <kvevict/error.hpp>
 #include <kvevict/llama/llama_sequence.hpp>
+#include <kvevict/llama/llama_sequence_set.hpp>
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <memory>
@@ -908,6 +909,70 @@ TEST(ServeCommand, SigtermDrainsThenExits) {
   }
   EXPECT_TRUE(exited);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+}  // namespace
+
+namespace {
+
+// Runs `kvevict-llama serve` on the random model with `extra` arguments; returns the line that
+// says it listens (or why it failed), and stops it.
+std::string first_line_of_serve(std::vector<std::string> extra) {
+  int out[2];
+  if (::pipe(out) != 0) return "pipe failed";
+  const std::string model = Models::random_path.string();
+  std::vector<std::string> args{
+      KVEVICT_LLAMA_CLI, "serve", model, "--port", "0", "-c", "512", "--np", "2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(out[1], STDERR_FILENO);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::execv(KVEVICT_LLAMA_CLI, argv.data());
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  std::string printed;
+  char buffer[256];
+  // llama.cpp's loader and the server's notes come first: read until it listens or fails.
+  const auto outcome = [&] {
+    std::size_t at = printed.find("listening on");
+    if (at == std::string::npos) at = printed.find("error:");
+    return at;
+  };
+  while (outcome() == std::string::npos || printed.find('\n', outcome()) == std::string::npos) {
+    const ssize_t n = ::read(out[0], buffer, sizeof buffer);
+    if (n <= 0) break;
+    printed.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(out[0]);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  const std::size_t at = outcome();
+  return at == std::string::npos ? printed : printed.substr(at, printed.find('\n', at) - at);
+}
+
+// --kv-pool-bytes B: the pool is the cells whose K and V fit in B (f32 cells of the random model:
+// layers x 2 x kv_width x 4 bytes each), and a pool given twice or below one cell is refused.
+TEST(ServeCommand, KvPoolInBytesIsTheCellsThatFit) {
+  const std::size_t cell =
+      kvevict::llama::cell_bytes(Models::random->get(), GGML_TYPE_F32, GGML_TYPE_F32);
+  const std::string bytes = std::to_string(100 * cell + cell / 2);
+  EXPECT_NE(first_line_of_serve({"--kv-pool-bytes", bytes, "--policy", "window", "--budget", "32",
+                                 "--kv-type", "f32"})
+                .find("KV pool of 100 cells"),
+            std::string::npos);
+  EXPECT_NE(first_line_of_serve({"--kv-pool-bytes", std::to_string(cell - 1), "--kv-type", "f32"})
+                .find("holds no cell"),
+            std::string::npos);
+  EXPECT_NE(first_line_of_serve({"--kv-pool-bytes", bytes, "--kv-pool", "100"})
+                .find("in cells or in bytes, not both"),
+            std::string::npos);
 }
 
 }  // namespace

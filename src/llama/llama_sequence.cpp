@@ -656,6 +656,13 @@ struct LlamaSequenceSet::Member {
   std::vector<std::int64_t> removed;  // scratch: positions evicted by a decision
 };
 
+std::size_t cell_bytes(const llama_model* model, ggml_type type_k, ggml_type type_v) {
+  const std::int64_t kv_width = std::int64_t{llama_model_n_head_kv(model)} *
+                                (llama_model_n_embd(model) / llama_model_n_head(model));
+  return static_cast<std::size_t>(llama_model_n_layer(model)) *
+         (ggml_row_size(type_k, kv_width) + ggml_row_size(type_v, kv_width));
+}
+
 LlamaSequenceSet::LlamaSequenceSet(llama_model* model, llama_context_params params,
                                    LlamaSequenceSetOptions options)
     : model_(model), options_(options) {
@@ -707,11 +714,7 @@ LlamaSequenceSet::LlamaSequenceSet(llama_model* model, llama_context_params para
     }
     if (options_.pool_cells > 0) pool_.emplace(options_.pool_cells);
     vocab_ = llama_vocab_n_tokens(llama_model_get_vocab(model_));
-    const std::int64_t kv_width = std::int64_t{llama_model_n_head_kv(model_)} *
-                                  (llama_model_n_embd(model_) / llama_model_n_head(model_));
-    bytes_per_cell_ =
-        static_cast<std::size_t>(llama_model_n_layer(model_)) *
-        (ggml_row_size(params.type_k, kv_width) + ggml_row_size(params.type_v, kv_width));
+    bytes_per_cell_ = cell_bytes(model_, params.type_k, params.type_v);
     batch_ = llama_batch_init(batch_capacity_, 0, 1);
     members_.resize(static_cast<std::size_t>(options_.max_sequences));
   } catch (...) {

@@ -45,6 +45,10 @@
 
 namespace kvevict::llama {
 
+/// K and V bytes of one cell of `model` over all its layers, in cell types `type_k` and `type_v`:
+/// what a KV pool of N cells holds is N times this (e.g. to size a pool from bytes).
+[[nodiscard]] std::size_t cell_bytes(const llama_model* model, ggml_type type_k, ggml_type type_v);
+
 struct LlamaSequenceOptions {
   /// Overrides the policy's position mode.
   std::optional<PositionMode> position_mode;

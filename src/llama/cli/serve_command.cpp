@@ -7,9 +7,12 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <filesystem>
 #include <iostream>
 #include <kvevict/error.hpp>
+#include <kvevict/kv_type.hpp>
+#include <kvevict/llama/llama_sequence_set.hpp>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,8 +28,28 @@ namespace {
 struct ServeCommandOptions {
   std::string model;
   llama_serve::ServeOptions serve;
+  std::int64_t kv_pool_bytes = 0;  ///< --kv-pool-bytes: the pool in bytes of K and V
   int drain_seconds = 30;
 };
+
+// --kv-pool-bytes: the cells whose K and V (every layer, the context's cell type) fit in the bytes.
+std::int64_t pool_cells_from_bytes(const LlamaModel& model, const llama_serve::ServeOptions& serve,
+                                   std::int64_t bytes) {
+  if (serve.kv_pool > 0) {
+    throw Error("--kv-pool and --kv-pool-bytes: give the pool in cells or in bytes, not both");
+  }
+  const llama_context_params params =
+      context_params(serve.llama, parse_kv_type(serve.policy.kv_type));
+  const auto per_cell =
+      static_cast<std::int64_t>(llama::cell_bytes(model.get(), params.type_k, params.type_v));
+  if (bytes < per_cell) {
+    throw Error(
+        fmt::format("--kv-pool-bytes {} holds no cell: one cell of this model is {} bytes of K and "
+                    "V ({} cells)",
+                    bytes, per_cell, serve.policy.kv_type));
+  }
+  return bytes / per_cell;
+}
 
 int run_serve(ServeCommandOptions& options) {
   if (options.drain_seconds < 0) throw Error("--drain-seconds must be >= 0");
@@ -44,6 +67,10 @@ int run_serve(ServeCommandOptions& options) {
   std::signal(SIGPIPE, SIG_IGN);  // a client that left is an error of its write, not a signal
 
   const LlamaModel model(options.model, serve.llama.gpu_layers);
+  if (options.kv_pool_bytes != 0) {
+    if (options.kv_pool_bytes < 0) throw Error("--kv-pool-bytes must be positive");
+    serve.kv_pool = pool_cells_from_bytes(model, serve, options.kv_pool_bytes);
+  }
   llama_serve::Server server(model, serve);
   if (const std::string warning = llama_serve::exposure_warning(serve); !warning.empty()) {
     std::cerr << "kvevict-llama serve: " << warning << '\n';
@@ -111,6 +138,10 @@ Command add_serve_command(CLI::App& parent) {
                   "holds at most --ctx-size / --parallel cells")
       ->group(group)
       ->capture_default_str();
+  app->add_option("--kv-pool-bytes", options->kv_pool_bytes,
+                  "the KV pool in bytes of K and V instead of cells: as many cells as fit (every "
+                  "layer's K and V in the context's cell type)")
+      ->group(group);
   app->add_option("--api-key", serve.api_key,
                   "every request but /health needs Authorization: Bearer KEY")
       ->group(group);
