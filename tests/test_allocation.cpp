@@ -17,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -341,3 +342,40 @@ TEST(Allocation, PeakBytesStayWithinTheBudgetPlusOneChunk) {
 }
 
 }  // namespace
+
+TEST(AllocationRules, PyramidWithinTheBudgetLowersTheMeanUntilTheFlooredScheduleFits) {
+  // 4 layers, mean 16, beta 5: lo 3, hi 29, step 26 // 3 = 8: 29 21 13 5 = 68 > 64. Mean 15: lo 3,
+  // hi 27, step 8: 27 19 11 3 = 60 <= 64.
+  EXPECT_EQ(kvevict::pyramid_budgets(4, 16, 5, 1 << 30), (std::vector<int>{29, 21, 13, 5}));
+  EXPECT_EQ(kvevict::pyramid_budgets_within(4, 16, 5), (std::vector<int>{27, 19, 11, 3}));
+  // 2 layers, mean 3, beta 20: lo 0, hi 6, step 6: 6 0 = 6, fits as it is.
+  EXPECT_EQ(kvevict::pyramid_budgets_within(2, 3, 20), (std::vector<int>{6, 0}));
+  EXPECT_EQ(kvevict::pyramid_budgets_within(3, 0, 20), (std::vector<int>{0, 0, 0}));
+}
+
+TEST(AllocationRules, SafeguardedAdaptiveGivesEachUnitItsFloorThenTheLayersBest) {
+  using Scores = std::vector<std::vector<float>>;
+  const auto budgets = [](const Scores& scores, int mean, double floor) {
+    std::vector<std::span<const float>> spans(scores.begin(), scores.end());
+    return kvevict::safeguarded_adaptive_budgets(spans, mean, floor);
+  };
+  // Unit 0 .30 .25 .20 .15 .01, unit 1 .05 .04 .03 .02 .012; mean 3, 6 places.
+  const Scores uneven{{0.30f, 0.25f, 0.20f, 0.15f, 0.01f}, {0.05f, 0.04f, 0.03f, 0.02f, 0.012f}};
+  // Floor 0: the layer's top 6 are unit 0's four and unit 1's .05 .04: 4, 2.
+  EXPECT_EQ(budgets(uneven, 3, 0.0), (std::vector<int>{4, 2}));
+  // Floor 1: f = 3 each, nothing left to share: 3, 3.
+  EXPECT_EQ(budgets(uneven, 3, 1.0), (std::vector<int>{3, 3}));
+  // Floor 0.7: f = int(2.1) = 2 each (.30 .25; .05 .04), then 6 - 4 = 2 of the rest (.20 .15
+  // .01 .03 .02 .012): .20 and .15, both unit 0's: 4, 2. The sum is always 6 (the one-shot mix
+  // would give round(.3 * 4 + 2), round(.3 * 2 + 2) = 3, 3).
+  EXPECT_EQ(budgets(uneven, 3, 0.7), (std::vector<int>{4, 2}));
+  // A unit with fewer candidates than its floor keeps them all and the rest goes to the others:
+  // {.9} and {.5 .4 .3 .2 .1}, mean 2, floor 0.5: f = 1 each, then 4 - 2 = 2 of .4 .3 .2 .1: 1, 3.
+  EXPECT_EQ(budgets(Scores{{0.9f}, {0.5f, 0.4f, 0.3f, 0.2f, 0.1f}}, 2, 0.5),
+            (std::vector<int>{1, 3}));
+  // Fewer candidates than places: every candidate is kept.
+  EXPECT_EQ(budgets(Scores{{0.9f}, {0.5f}}, 2, 0.5), (std::vector<int>{1, 1}));
+  // Ties: the older candidate, then the lower unit (mean 1, floor 0, .9 takes the first place).
+  EXPECT_EQ(budgets(Scores{{0.9f, 0.5f}, {0.5f, 0.1f}}, 1, 0.0), (std::vector<int>{1, 1}));
+  EXPECT_EQ(budgets(Scores{{0.9f, 0.5f}, {0.1f, 0.5f}}, 1, 0.0), (std::vector<int>{2, 0}));
+}
