@@ -379,3 +379,82 @@ TEST(AllocationRules, SafeguardedAdaptiveGivesEachUnitItsFloorThenTheLayersBest)
   EXPECT_EQ(budgets(Scores{{0.9f, 0.5f}, {0.5f, 0.1f}}, 1, 0.0), (std::vector<int>{1, 1}));
   EXPECT_EQ(budgets(Scores{{0.9f, 0.5f}, {0.1f, 0.5f}}, 1, 0.0), (std::vector<int>{2, 0}));
 }
+
+// Adaptive's split against the rule computed from scratch (each head's best min(f, n_u), then the
+// layer's best of the rest, ranking by score, then the older token, then the lower head), on
+// random layers whose scores take few distinct values (so ties are common) and whose heads hold
+// uneven numbers of candidates (so floors bind and the number of evictions varies from 0 to
+// dozens: Allocated's one-scan form and its general form both run).
+TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
+  constexpr int kLayers = 2;
+  constexpr int kHeads = 3;
+  constexpr int kRecent = 2;
+  const kvevict::UnitLayout layout(kLayers, kHeads, Granularity::head);
+  std::mt19937 rng(2929);
+  int cases = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int mean = 1 + static_cast<int>(rng() % 8);
+    const double floor = 0.25 * static_cast<double>(rng() % 5);
+    kvevict::AllocationConfig config;
+    config.allocation = Allocation::adaptive;
+    config.budget_tokens = std::int64_t{kLayers} * kHeads * (kRecent + mean);
+    config.floor = floor;
+    Allocated allocated(kvevict::make_h2o({4, kRecent}), config, layout);
+    ASSERT_EQ(allocated.mean(), mean);
+    kvevict::SlotTable slots(layout, kvevict::PositionMode::original, 64, 1,
+                             kvevict::SlotReuse::lowest_first);
+    for (int unit = 0; unit < layout.units(); ++unit) {
+      const int live = static_cast<int>(rng() % (mean + 1 + (trial % 4) * 6)) + kRecent;
+      std::vector<std::int64_t> originals;
+      for (int i = 0; i < live; ++i) originals.push_back(2 * i + static_cast<int>(rng() % 2));
+      std::vector<std::int32_t> out(originals.size());
+      slots.append(unit, originals, std::vector<std::int32_t>(originals.size(), 7),
+                   std::vector<std::uint8_t>(originals.size(), 0), out);
+      for (const std::int32_t slot : out)
+        slots.scores(unit, 0)[static_cast<std::size_t>(slot)] = static_cast<float>(rng() % 4);
+    }
+    // The rule from scratch: candidates are all but each head's newest kRecent.
+    std::vector<int> expected(static_cast<std::size_t>(layout.units()), 0);
+    const int f = static_cast<int>(static_cast<double>(mean) * floor);
+    for (int layer = 0; layer < kLayers; ++layer) {
+      struct Entry {
+        float score;
+        std::int64_t original;
+        int unit;
+      };
+      const auto better = [](const Entry& a, const Entry& b) {
+        if (a.score != b.score) return a.score > b.score;
+        if (a.original != b.original) return a.original < b.original;
+        return a.unit < b.unit;
+      };
+      std::vector<Entry> rest;
+      int floors = 0;
+      for (int g = 0; g < kHeads; ++g) {
+        const int unit = layout.unit_of(layer, g);
+        std::vector<Entry> mine;
+        const auto order = slots.stream_order(unit);
+        for (std::size_t i = 0; i + kRecent < order.size(); ++i) {
+          mine.push_back({slots.scores(unit, 0)[static_cast<std::size_t>(order[i])],
+                          slots.original_positions(unit)[static_cast<std::size_t>(order[i])],
+                          unit});
+        }
+        std::sort(mine.begin(), mine.end(), better);
+        const int own = std::min(f, static_cast<int>(mine.size()));
+        expected[static_cast<std::size_t>(unit)] = own;
+        floors += own;
+        rest.insert(rest.end(), mine.begin() + own, mine.end());
+      }
+      std::sort(rest.begin(), rest.end(), better);
+      const int places = std::max(0, kHeads * mean - floors);
+      for (int k = 0; k < places && k < static_cast<int>(rest.size()); ++k)
+        ++expected[static_cast<std::size_t>(rest[static_cast<std::size_t>(k)].unit)];
+    }
+    kvevict::Decision decision;
+    decision.reset(layout.units());
+    allocated.select(kvevict::EvictionContext{kvevict::Trigger::after_forward, slots}, decision);
+    const std::span<const int> keep = allocated.unit_keep();
+    ASSERT_EQ(std::vector<int>(keep.begin(), keep.end()), expected) << "trial " << trial;
+    ++cases;
+  }
+  EXPECT_EQ(cases, 400);
+}
