@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <kvevict/allocation.hpp>
 #include <kvevict/engine.hpp>
@@ -457,4 +458,33 @@ TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
     ++cases;
   }
   EXPECT_EQ(cases, 400);
+}
+
+// A NaN among a layer's candidates is an error naming its position, in either form of the split.
+TEST(Allocation, AdaptiveSplitRefusesANanScore) {
+  const kvevict::UnitLayout layout(1, 2, Granularity::head);
+  for (const int live : {6, 30}) {  // 2 or 50 evictions: the one-scan form and the general one
+    kvevict::AllocationConfig config;
+    config.allocation = Allocation::adaptive;
+    config.budget_tokens = 2 * (2 + 3);  // m = 3 beside the 2 recent
+    Allocated allocated(kvevict::make_h2o({4, 2}), config, layout);
+    kvevict::SlotTable slots(layout, kvevict::PositionMode::original, 64, 1,
+                             kvevict::SlotReuse::lowest_first);
+    for (int unit = 0; unit < 2; ++unit) {
+      std::vector<std::int64_t> originals;
+      for (int i = 0; i < live; ++i) originals.push_back(i);
+      std::vector<std::int32_t> out(originals.size());
+      slots.append(unit, originals, std::vector<std::int32_t>(originals.size(), 7),
+                   std::vector<std::uint8_t>(originals.size(), 0), out);
+      for (const std::int32_t slot : out)
+        slots.scores(unit, 0)[static_cast<std::size_t>(slot)] = 1.0f;
+    }
+    slots.scores(1, 0)[static_cast<std::size_t>(slots.stream_order(1)[1])] = std::nanf("");
+    kvevict::Decision decision;
+    decision.reset(2);
+    KVEVICT_EXPECT_ERROR(
+        allocated.select(kvevict::EvictionContext{kvevict::Trigger::after_forward, slots},
+                         decision),
+        "NaN at original position 1");
+  }
 }
