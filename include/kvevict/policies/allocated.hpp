@@ -42,6 +42,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -321,19 +322,46 @@ class Allocated final : public PolicyDecorator {
   // when a head would keep fewer than its floor (the general rule decides then).
   bool share_by_worst(const SlotTable& slots, int layer, const Protection& protection, int worst) {
     worst_.clear();
+    const auto lower = [](const Candidate& a, const Candidate& b) { return better(b, a); };
+    float bound = std::numeric_limits<float>::infinity();  // the highest score in worst_, once full
     const int heads = layout_.kv_heads();
     for (int g = 0; g < heads; ++g) {
-      for_each_candidate(slots, layout_.unit_of(layer, g), protection, [&](const Candidate& c) {
-        // worst_ holds the lowest seen so far, lowest first.
+      const int unit = layout_.unit_of(layer, g);
+      const std::span<const float> scores = slots.scores(unit, rule_.column);
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      const std::span<const std::int64_t> originals = slots.original_positions(unit);
+      const std::span<const std::uint8_t> flags = slots.flags(unit);
+      const int live = static_cast<int>(order.size());
+      const int first = std::min(protection.oldest, live);
+      const int last = live - std::min(protection.newest, live - first);
+      std::uint32_t nan = 0;
+      for (int i = first; i < last; ++i) {
+        const std::int32_t slot = order[static_cast<std::size_t>(i)];
+        if (protection.flags != 0 &&
+            (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0)
+          continue;
+        const float score = scores[static_cast<std::size_t>(slot)];
+        nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
+                                          0x7f800000u);
+        // worst_ holds the lowest seen so far, lowest first; most candidates rank above all.
+        if (score > bound) continue;
+        const Candidate c{score, originals[static_cast<std::size_t>(slot)],
+                          static_cast<std::int32_t>(unit)};
         if (static_cast<int>(worst_.size()) == worst) {
-          if (!better(worst_.back(), c)) return;
+          if (!better(worst_.back(), c)) continue;
           worst_.pop_back();
         }
-        worst_.insert(
-            std::upper_bound(worst_.begin(), worst_.end(), c,
-                             [](const Candidate& a, const Candidate& b) { return better(b, a); }),
-            c);
-      });
+        worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), c, lower), c);
+        if (static_cast<int>(worst_.size()) == worst) bound = worst_.back().score;
+      }
+      if (nan != 0) {  // name the first NaN's position
+        for (int i = first; i < last; ++i) {
+          const std::int32_t slot = order[static_cast<std::size_t>(i)];
+          if ((flags[static_cast<std::size_t>(slot)] & protection.flags) != 0) continue;
+          require_number(scores[static_cast<std::size_t>(slot)],
+                         originals[static_cast<std::size_t>(slot)]);
+        }
+      }
     }
     for (int g = 0; g < heads; ++g) {
       const int unit = layout_.unit_of(layer, g);
