@@ -7,6 +7,13 @@
 // BM_DecodeStepKv/<policy>/<kv_type>/budget:4096: the same step with the cache stored as f32, f16,
 // bf16 or Q8_0 (--kv-type), for full, streaming_llm and h2o.
 //
+// BM_DecodeStepAlloc/<policy>/<allocation>/budget:<N> (N = 1K and 4K): the same step under
+// --allocation uniform, pyramid and adaptive (policies/allocated.hpp) for h2o and tova per KV head
+// (head_wise=1, so that adaptive applies; uniform is the plain policy, bit for bit), the sequence
+// budget being the policy's own (N per head on average). `overhead` is comparable across the three
+// of one policy and budget in one run: adaptive re-splits each layer's budget from the current
+// scores at every decision.
+//
 // BM_DecodeStep/<policy>/budget:<N>, for every policy of the registry: a single-token forward()
 // with the cache full at the budget, so every step of a bounded policy evicts. Policies are
 // configured exactly as `kvevict stream --policy P --budget N` does (harness/policy_setup.hpp:
@@ -80,6 +87,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "harness/policy_setup.hpp"
@@ -122,21 +130,27 @@ struct Running {
   std::string policy;
   int budget = 0;
   std::string kv_type;
+  std::string allocation;
+  std::vector<std::string> params;
   kvevict::StageClock clock;  // the decoder's observer
   std::unique_ptr<Decoder> decoder;
   std::int64_t next = 0;  // index of the next stream token
 };
 
-Running& running_for(const std::string& policy, int budget, const std::string& kv_type) {
+Running& running_for(const std::string& policy, int budget, const std::string& kv_type,
+                     const std::string& allocation = "uniform",
+                     const std::vector<std::string>& params = {}) {
   static Running running;
   if (running.decoder && running.policy == policy && running.budget == budget &&
-      running.kv_type == kv_type) {
+      running.kv_type == kv_type && running.allocation == allocation && running.params == params) {
     return running;
   }
   running.decoder.reset();                  // free the previous cache first
   kvevict::harness::PolicyOptions options;  // chunk 64, keys post_rope, 4 sinks: the CLI's defaults
   options.policy = policy;
   options.kv_type = kv_type;
+  options.allocation = allocation;
+  options.params = params;
   if (policy != "full") options.budget = budget;
   kvevict::harness::PolicySetup setup = kvevict::harness::make_policy_setup(options, model());
   setup.decoder_options.observer = &running.clock;
@@ -144,6 +158,8 @@ Running& running_for(const std::string& policy, int budget, const std::string& k
   running.policy = policy;
   running.budget = budget;
   running.kv_type = kv_type;
+  running.allocation = allocation;
+  running.params = params;
 
   std::vector<std::int32_t> fill(static_cast<std::size_t>(budget));
   for (int i = 0; i < budget; ++i) {
@@ -154,10 +170,11 @@ Running& running_for(const std::string& policy, int budget, const std::string& k
   return running;
 }
 
-void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std::string& kv_type) {
+void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std::string& kv_type,
+                   const std::string& allocation, const std::vector<std::string>& params) {
   using kvevict::Stage;
   const int budget = static_cast<int>(state.range(0));
-  Running& running = running_for(policy, budget, kv_type);
+  Running& running = running_for(policy, budget, kv_type, allocation, params);
   Decoder& decoder = *running.decoder;
   // SirLLM and its baselines (RandomLLM, IntervalLLM) evict before a turn: every step is one.
   const bool turns =
@@ -306,7 +323,8 @@ void register_benchmarks() {
       const std::string policy(name);
       benchmark::internal::Benchmark* b =
           benchmark::RegisterBenchmark(("BM_DecodeStep/" + policy).c_str(), BM_DecodeStep, policy,
-                                       std::string("f32"))
+                                       std::string("f32"), std::string("uniform"),
+                                       std::vector<std::string>{})
               ->ArgNames({"budget"})
               ->Args({budget})
               ->Unit(benchmark::kMicrosecond);
@@ -319,10 +337,25 @@ void register_benchmarks() {
   for (const std::string policy : {"full", "streaming_llm", "h2o"}) {
     for (const std::string kv_type : {"f32", "f16", "bf16", "q8_0"}) {
       benchmark::RegisterBenchmark(("BM_DecodeStepKv/" + policy + "/" + kv_type).c_str(),
-                                   BM_DecodeStep, policy, kv_type)
+                                   BM_DecodeStep, policy, kv_type, std::string("uniform"),
+                                   std::vector<std::string>{})
           ->ArgNames({"budget"})
           ->Args({4096})
           ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  // The three allocations of one budget, per KV head, at 1K and 4K.
+  for (const int budget : {1024, 4096}) {
+    for (const auto& [label, policy, params] :
+         {std::tuple<std::string, std::string, std::vector<std::string>>{"h2o", "h2o", {}},
+          {"tova_head_wise", "tova", {"head_wise=1"}}}) {
+      for (const std::string allocation : {"uniform", "pyramid", "adaptive"}) {
+        benchmark::RegisterBenchmark(("BM_DecodeStepAlloc/" + label + "/" + allocation).c_str(),
+                                     BM_DecodeStep, policy, std::string("f32"), allocation, params)
+            ->ArgNames({"budget"})
+            ->Args({budget})
+            ->Unit(benchmark::kMicrosecond);
+      }
     }
   }
   benchmark::RegisterBenchmark("BM_AttentionVsRead", BM_AttentionVsRead)

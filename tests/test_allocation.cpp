@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <kvevict/allocation.hpp>
 #include <kvevict/engine.hpp>
@@ -17,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -341,3 +343,148 @@ TEST(Allocation, PeakBytesStayWithinTheBudgetPlusOneChunk) {
 }
 
 }  // namespace
+
+TEST(AllocationRules, PyramidWithinTheBudgetLowersTheMeanUntilTheFlooredScheduleFits) {
+  // 4 layers, mean 16, beta 5: lo 3, hi 29, step 26 // 3 = 8: 29 21 13 5 = 68 > 64. Mean 15: lo 3,
+  // hi 27, step 8: 27 19 11 3 = 60 <= 64.
+  EXPECT_EQ(kvevict::pyramid_budgets(4, 16, 5, 1 << 30), (std::vector<int>{29, 21, 13, 5}));
+  EXPECT_EQ(kvevict::pyramid_budgets_within(4, 16, 5), (std::vector<int>{27, 19, 11, 3}));
+  // 2 layers, mean 3, beta 20: lo 0, hi 6, step 6: 6 0 = 6, fits as it is.
+  EXPECT_EQ(kvevict::pyramid_budgets_within(2, 3, 20), (std::vector<int>{6, 0}));
+  EXPECT_EQ(kvevict::pyramid_budgets_within(3, 0, 20), (std::vector<int>{0, 0, 0}));
+}
+
+TEST(AllocationRules, SafeguardedAdaptiveGivesEachUnitItsFloorThenTheLayersBest) {
+  using Scores = std::vector<std::vector<float>>;
+  const auto budgets = [](const Scores& scores, int mean, double floor) {
+    std::vector<std::span<const float>> spans(scores.begin(), scores.end());
+    return kvevict::safeguarded_adaptive_budgets(spans, mean, floor);
+  };
+  // Unit 0 .30 .25 .20 .15 .01, unit 1 .05 .04 .03 .02 .012; mean 3, 6 places.
+  const Scores uneven{{0.30f, 0.25f, 0.20f, 0.15f, 0.01f}, {0.05f, 0.04f, 0.03f, 0.02f, 0.012f}};
+  // Floor 0: the layer's top 6 are unit 0's four and unit 1's .05 .04: 4, 2.
+  EXPECT_EQ(budgets(uneven, 3, 0.0), (std::vector<int>{4, 2}));
+  // Floor 1: f = 3 each, nothing left to share: 3, 3.
+  EXPECT_EQ(budgets(uneven, 3, 1.0), (std::vector<int>{3, 3}));
+  // Floor 0.7: f = int(2.1) = 2 each (.30 .25; .05 .04), then 6 - 4 = 2 of the rest (.20 .15
+  // .01 .03 .02 .012): .20 and .15, both unit 0's: 4, 2. The sum is always 6 (the one-shot mix
+  // would give round(.3 * 4 + 2), round(.3 * 2 + 2) = 3, 3).
+  EXPECT_EQ(budgets(uneven, 3, 0.7), (std::vector<int>{4, 2}));
+  // A unit with fewer candidates than its floor keeps them all and the rest goes to the others:
+  // {.9} and {.5 .4 .3 .2 .1}, mean 2, floor 0.5: f = 1 each, then 4 - 2 = 2 of .4 .3 .2 .1: 1, 3.
+  EXPECT_EQ(budgets(Scores{{0.9f}, {0.5f, 0.4f, 0.3f, 0.2f, 0.1f}}, 2, 0.5),
+            (std::vector<int>{1, 3}));
+  // Fewer candidates than places: every candidate is kept.
+  EXPECT_EQ(budgets(Scores{{0.9f}, {0.5f}}, 2, 0.5), (std::vector<int>{1, 1}));
+  // Ties: the older candidate, then the lower unit (mean 1, floor 0, .9 takes the first place).
+  EXPECT_EQ(budgets(Scores{{0.9f, 0.5f}, {0.5f, 0.1f}}, 1, 0.0), (std::vector<int>{1, 1}));
+  EXPECT_EQ(budgets(Scores{{0.9f, 0.5f}, {0.1f, 0.5f}}, 1, 0.0), (std::vector<int>{2, 0}));
+}
+
+// Adaptive's split against the rule computed from scratch (each head's best min(f, n_u), then the
+// layer's best of the rest, ranking by score, then the older token, then the lower head), on
+// random layers whose scores take few distinct values (so ties are common) and whose heads hold
+// uneven numbers of candidates (so floors bind and the number of evictions varies from 0 to
+// dozens: Allocated's one-scan form and its general form both run).
+TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
+  constexpr int kLayers = 2;
+  constexpr int kHeads = 3;
+  constexpr int kRecent = 2;
+  const kvevict::UnitLayout layout(kLayers, kHeads, Granularity::head);
+  std::mt19937 rng(2929);
+  int cases = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int mean = 1 + static_cast<int>(rng() % 8);
+    const double floor = 0.25 * static_cast<double>(rng() % 5);
+    kvevict::AllocationConfig config;
+    config.allocation = Allocation::adaptive;
+    config.budget_tokens = std::int64_t{kLayers} * kHeads * (kRecent + mean);
+    config.floor = floor;
+    Allocated allocated(kvevict::make_h2o({4, kRecent}), config, layout);
+    ASSERT_EQ(allocated.mean(), mean);
+    kvevict::SlotTable slots(layout, kvevict::PositionMode::original, 64, 1,
+                             kvevict::SlotReuse::lowest_first);
+    for (int unit = 0; unit < layout.units(); ++unit) {
+      const int live = static_cast<int>(rng() % (mean + 1 + (trial % 4) * 6)) + kRecent;
+      std::vector<std::int64_t> originals;
+      for (int i = 0; i < live; ++i) originals.push_back(2 * i + static_cast<int>(rng() % 2));
+      std::vector<std::int32_t> out(originals.size());
+      slots.append(unit, originals, std::vector<std::int32_t>(originals.size(), 7),
+                   std::vector<std::uint8_t>(originals.size(), 0), out);
+      for (const std::int32_t slot : out)
+        slots.scores(unit, 0)[static_cast<std::size_t>(slot)] = static_cast<float>(rng() % 4);
+    }
+    // The rule from scratch: candidates are all but each head's newest kRecent.
+    std::vector<int> expected(static_cast<std::size_t>(layout.units()), 0);
+    const int f = static_cast<int>(static_cast<double>(mean) * floor);
+    for (int layer = 0; layer < kLayers; ++layer) {
+      struct Entry {
+        float score;
+        std::int64_t original;
+        int unit;
+      };
+      const auto better = [](const Entry& a, const Entry& b) {
+        if (a.score != b.score) return a.score > b.score;
+        if (a.original != b.original) return a.original < b.original;
+        return a.unit < b.unit;
+      };
+      std::vector<Entry> rest;
+      int floors = 0;
+      for (int g = 0; g < kHeads; ++g) {
+        const int unit = layout.unit_of(layer, g);
+        std::vector<Entry> mine;
+        const auto order = slots.stream_order(unit);
+        for (std::size_t i = 0; i + kRecent < order.size(); ++i) {
+          mine.push_back({slots.scores(unit, 0)[static_cast<std::size_t>(order[i])],
+                          slots.original_positions(unit)[static_cast<std::size_t>(order[i])],
+                          unit});
+        }
+        std::sort(mine.begin(), mine.end(), better);
+        const int own = std::min(f, static_cast<int>(mine.size()));
+        expected[static_cast<std::size_t>(unit)] = own;
+        floors += own;
+        rest.insert(rest.end(), mine.begin() + own, mine.end());
+      }
+      std::sort(rest.begin(), rest.end(), better);
+      const int places = std::max(0, kHeads * mean - floors);
+      for (int k = 0; k < places && k < static_cast<int>(rest.size()); ++k)
+        ++expected[static_cast<std::size_t>(rest[static_cast<std::size_t>(k)].unit)];
+    }
+    kvevict::Decision decision;
+    decision.reset(layout.units());
+    allocated.select(kvevict::EvictionContext{kvevict::Trigger::after_forward, slots}, decision);
+    const std::span<const int> keep = allocated.unit_keep();
+    ASSERT_EQ(std::vector<int>(keep.begin(), keep.end()), expected) << "trial " << trial;
+    ++cases;
+  }
+  EXPECT_EQ(cases, 400);
+}
+
+// A NaN among a layer's candidates is an error naming its position, in either form of the split.
+TEST(Allocation, AdaptiveSplitRefusesANanScore) {
+  const kvevict::UnitLayout layout(1, 2, Granularity::head);
+  for (const int live : {6, 30}) {  // 2 or 50 evictions: the one-scan form and the general one
+    kvevict::AllocationConfig config;
+    config.allocation = Allocation::adaptive;
+    config.budget_tokens = 2 * (2 + 3);  // m = 3 beside the 2 recent
+    Allocated allocated(kvevict::make_h2o({4, 2}), config, layout);
+    kvevict::SlotTable slots(layout, kvevict::PositionMode::original, 64, 1,
+                             kvevict::SlotReuse::lowest_first);
+    for (int unit = 0; unit < 2; ++unit) {
+      std::vector<std::int64_t> originals;
+      for (int i = 0; i < live; ++i) originals.push_back(i);
+      std::vector<std::int32_t> out(originals.size());
+      slots.append(unit, originals, std::vector<std::int32_t>(originals.size(), 7),
+                   std::vector<std::uint8_t>(originals.size(), 0), out);
+      for (const std::int32_t slot : out)
+        slots.scores(unit, 0)[static_cast<std::size_t>(slot)] = 1.0f;
+    }
+    slots.scores(1, 0)[static_cast<std::size_t>(slots.stream_order(1)[1])] = std::nanf("");
+    kvevict::Decision decision;
+    decision.reset(2);
+    KVEVICT_EXPECT_ERROR(
+        allocated.select(kvevict::EvictionContext{kvevict::Trigger::after_forward, slots},
+                         decision),
+        "NaN at original position 1");
+  }
+}

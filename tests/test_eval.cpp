@@ -780,6 +780,74 @@ TEST_F(Grid, MergeRefusesShardsOfAnotherGridOrIncompleteShards) {
 
 // --- Bad input ----------------------------------------------------------------------------------
 
+TEST_F(Grid, ByteBudgetsAreAnAxisOfEqualMemory) {
+  // The tiny model: 1 layer, 1 KV head of dimension 32 / 2 = 16, f32: a token's key and value are
+  // 2 x 16 x 4 = 128 bytes, so 4096 bytes hold 32 tokens, and a cell peaks at 32 + one chunk of 8
+  // tokens = 5120 bytes.
+  const auto config_with = [](const json& budgets) {
+    json config = tiny_config();
+    config["name"] = "tiny-bytes";
+    config.erase("budgets");
+    config["policies"] = json::array({json{{"policy", "window"}}, json{{"policy", "h2o"}}});
+    config["tasks"] = json::array({json{{"task", "stream_bpb"}, {"tokens", 200}, {"window", 64}}});
+    for (const auto& [key, value] : budgets.items()) config[key] = value;
+    return config;
+  };
+  const EvalConfig bytes = parse(config_with(json{{"budget_bytes", {4096}}}));
+  ASSERT_EQ(bytes.policies.size(), 2u);
+  EXPECT_TRUE(bytes.policies[0].budgets_in_bytes);
+  EXPECT_EQ(bytes.policies[0].options(4096, 8).budget_bytes, 4096);
+  EXPECT_FALSE(bytes.policies[0].options(4096, 8).budget.has_value());
+  EXPECT_EQ(to_json(bytes.policies[0]).at("budget_unit"), "bytes");
+  const EvalConfig tokens = parse(config_with(json{{"budgets", {32}}}));
+  // Token grids keep their normalised form, so their cells keep their hashes.
+  EXPECT_FALSE(to_json(tokens.policies[0]).contains("budget_unit"));
+
+  const GridContext grid = prepare_grid(bytes);
+  ASSERT_EQ(grid.cells.size(), 2u);
+  EXPECT_EQ(grid.cells[0].id, "t0-stream_bpb-window-bytes4096");
+  const GridSummary summary = run(grid, out("bytes"), /*fresh=*/true);
+  ASSERT_TRUE(summary.failures.empty()) << summary.failures.front();
+  const GridSummary same_in_tokens = run(prepare_grid(tokens), out("bytes-as-tokens"), true);
+  ASSERT_TRUE(same_in_tokens.failures.empty());
+  const json results = json::parse(read_text(out("bytes") / "results.json"));
+  const json in_tokens = json::parse(read_text(out("bytes-as-tokens") / "results.json"));
+  for (std::size_t i = 0; i < 2; ++i) {
+    const json& cell = results.at("cells").at(i);
+    EXPECT_EQ(cell.at("budget"), 4096);
+    EXPECT_EQ(cell.at("budget_unit"), "bytes");
+    EXPECT_EQ(cell.at("metrics").at("budget_bytes"), 4096);
+    EXPECT_EQ(cell.at("policy_setup").at("budget_bytes"), 4096);
+    EXPECT_EQ(cell.at("metrics").at("peak_kv_bytes"), 5120) << cell.at("id");
+    // 4096 bytes are budget 32 here: the same cache, the same bits per byte.
+    EXPECT_EQ(cell.at("metrics").at("bits_per_byte"),
+              in_tokens.at("cells").at(i).at("metrics").at("bits_per_byte"));
+  }
+  EXPECT_EQ(results.at("cells").at(0).at("policy_setup").at("params").at("recent"), 32);
+  EXPECT_NE(read_text(out("bytes") / "results.md").find("| 4 KiB |"), std::string::npos);
+  EXPECT_NE(read_text(out("bytes") / "results.csv").find(",budget_bytes"), std::string::npos);
+
+  expect_error(
+      [&] {
+        (void)parse(config_with(json{{"budgets", {32}}, {"budget_bytes", {4096}}}));
+      },
+      "not both");
+  json entry_both = config_with(json{{"budgets", {32}}});
+  entry_both["policies"][1]["budgets"] = json::array({16});
+  entry_both["policies"][1]["budget_bytes"] = json::array({2048});
+  expect_error([&] { (void)parse(entry_both); }, "policies[1].budget_bytes: give");
+  json multiply = config_with(json{{"budget_bytes", {4096}}});
+  multiply["tasks"] = json::array({json{{"task", "passkey"}, {"length_x_budget", {2}}}});
+  expect_error([&] { (void)parse(multiply); }, "budgets in bytes");
+  // An entry's own byte budgets beside the grid's token budgets.
+  json mixed = config_with(json{{"budgets", {32}}});
+  mixed["policies"][1]["budget_bytes"] = json::array({2048});
+  const EvalConfig both = parse(mixed);
+  EXPECT_FALSE(both.policies[0].budgets_in_bytes);
+  EXPECT_TRUE(both.policies[1].budgets_in_bytes);
+  EXPECT_EQ(both.policies[1].budget_text(2048), "budget 2048 bytes");
+}
+
 TEST_F(Grid, BadConfigsAreClearErrors) {
   const auto with = [](const std::string& pointer, const json& value) {
     json config = tiny_config();

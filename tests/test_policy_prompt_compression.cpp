@@ -353,3 +353,99 @@ TEST(SnapKv, CoarserUnitsAverageTheVotesOfEveryQueryHeadTheyCover) {
 }
 
 }  // namespace
+
+// kvpress's decoding re-compression (`interval`): every `interval` tokens after the prompt, each
+// unit goes back to its share from the votes of the stream's last `window` queries.
+std::unique_ptr<kvevict::Policy> recompressing(int capacity, int window, int interval,
+                                               Allocation allocation = Allocation::uniform,
+                                               double floor = 0.2) {
+  PromptCompressionConfig config{capacity,          window,     1,  Pooling::avg,
+                                 GqaLayout::repeat, allocation, 20, floor};
+  config.interval = interval;
+  return std::make_unique<PromptCompressionPolicy>(config);
+}
+
+TEST(SnapKv, IntervalRecompressesFromTheLastWindowQueriesAcrossForwards) {
+  // Capacity 4, window 2 (b = 2), kernel 1, interval 2. A 4-token prompt is kept whole (P <= C).
+  Harness run(1, 1, 1, recompressing(/*capacity=*/4, /*window=*/2, /*interval=*/2));
+  run.feed(4, prompt_rows(4, {{0.5f, 0.5f, 0.0f}, {0.25f, 0.25f, 0.25f, 0.25f}}));
+  EXPECT_EQ(run.kept(), (Positions{0, 1, 2, 3}));
+  // Two tokens (4, 5) in one forward: 2 tokens since the prompt, a re-compression. Window {4, 5};
+  // the votes over positions 0..3 are the rows of queries 4 and 5:
+  //   q4: .10 .40 .05 .30 | .15        q5: .05 .30 .10 .05 | .20 .30
+  //   v : .15 .70 .15 .35  -> the top b = 2 are positions 1 (.70) and 3 (.35).
+  run.feed(
+      2, HeadRows{{0.10f, 0.40f, 0.05f, 0.30f, 0.15f}, {0.05f, 0.30f, 0.10f, 0.05f, 0.20f, 0.30f}});
+  EXPECT_EQ(run.kept(), (Positions{1, 3, 4, 5}));
+  // One token (6): 1 since the last re-compression, below the interval: it only appends, and the
+  // unit holds C + interval - 1 = 5, the retained limit.
+  run.feed(1, HeadRows{{0.30f, 0.05f, 0.25f, 0.10f, 0.30f}});
+  EXPECT_EQ(run.kept(), (Positions{1, 3, 4, 5, 6}));
+  ASSERT_TRUE(run.sequence().policy().retained_limit().has_value());
+  EXPECT_EQ(*run.sequence().policy().retained_limit(), 5);
+  // Token 7: a re-compression. The last 2 queries are 6 (the previous forward) and 7; queries 4
+  // and 5 no longer vote. Window {6, 7}, prefix {1, 3, 4, 5}:
+  //   q6: .30 .05 .25 .10 | .30        q7: .10 .05 .30 .05 | .20 .30
+  //   v : .40 .10 .55 .15  -> positions 4 (.55) and 1 (.40).
+  run.feed(1, HeadRows{{0.10f, 0.05f, 0.30f, 0.05f, 0.20f, 0.30f}});
+  EXPECT_EQ(run.kept(), (Positions{1, 4, 6, 7}));
+  EXPECT_EQ(run.stats().decisions, 2);
+}
+
+TEST(PyramidKv, IntervalRecompressesToTheScheduleThatFitsTheBudget) {
+  // 2 layers, capacity 4, window 1 (b = 3), beta 20, interval 1: pyramid_budgets_within(2, 3, 20)
+  // = lo 0, hi 6, step 6: {6, 0} (sum 6 = 2 b). Layer 0 keeps up to 6 votes, layer 1 only the
+  // window. A 2-token prompt is kept whole (P < C).
+  Harness run(2, 1, 1, recompressing(4, 1, 1, Allocation::pyramid));
+  run.feed(2, prompt_rows(2, {{0.5f, 0.5f}}));
+  // Token 2: layer 0 has a prefix of 2 <= 6 and keeps it; layer 1 keeps its window.
+  run.feed(1, HeadRows{{0.2f, 0.3f, 0.5f}});
+  EXPECT_EQ(run.kept(0), (Positions{0, 1, 2}));
+  EXPECT_EQ(run.kept(1), (Positions{2}));
+  // Retained limit: 2 b - b // beta + window + interval - 1 = 6 - 0 + 1 + 0 = 7.
+  EXPECT_EQ(run.sequence().policy().retained_limit().value_or(-1), 7);
+}
+
+TEST(AdaKv, IntervalRecompressionSharesTheLayerWithTheFloorFirst) {
+  // One layer, 2 heads, capacity 3, window 1 (b = 2, the layer's 2 b = 4 votes), floor 0, interval
+  // 1. A 2-token prompt is not compressed (b <= P - w fails: 2 > 1).
+  Harness run(1, 2, 2, recompressing(3, 1, 1, Allocation::adaptive, /*floor=*/0.0));
+  run.feed(2, prompt_rows(2, {{0.5f, 0.5f}}));
+  // Token 2: 2 candidates per head, 4 in all: everything fits.
+  run.feed(1, HeadRows{{0.3f, 0.3f, 0.4f}});
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 1, 2}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{0, 1, 2}));
+  // Token 3, the votes are q3's rows over positions 0..2:
+  //   head 0: .40 .30 .20 | .10     head 1: .05 .25 .10 | .60
+  // The layer's top 4: .40 .30 .25 .20 -> head 0 keeps 0, 1, 2; head 1 keeps 1.
+  run.feed(1, {LayerRows{HeadRows{{0.40f, 0.30f, 0.20f, 0.10f}},
+                         HeadRows{{0.05f, 0.25f, 0.10f, 0.60f}}}});
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 1, 2, 3}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{1, 3}));
+  // Token 4. Head 0 over {0, 1, 2, 3 | 4}: .10 .10 .10 .50 | .20; head 1 over {1, 3 | 4}: .30 .30 |
+  // .40. Top 4: .50 (head 0, position 3), both of head 1's .30, then one .10 of head 0: the oldest
+  // candidate, position 0. Head 0 keeps {0, 3, 4}, head 1 {1, 3, 4}: 4 votes + 2 windows.
+  run.feed(1, {LayerRows{HeadRows{{0.10f, 0.10f, 0.10f, 0.50f, 0.20f}},
+                         HeadRows{{0.30f, 0.30f, 0.40f}}}});
+  EXPECT_EQ(run.kept(0, 0), (Positions{0, 3, 4}));
+  EXPECT_EQ(run.kept(0, 1), (Positions{1, 3, 4}));
+  // Its share depends on the heads of a layer: no retained limit.
+  EXPECT_FALSE(run.sequence().policy().retained_limit().has_value());
+}
+
+TEST(PromptCompression, IntervalIsARegistryParameterAndNegativeIsAnError) {
+  const auto policy =
+      kvevict::make_policy("snapkv", PolicyParams::parse("capacity=8 window=4 interval=16"));
+  EXPECT_EQ(dynamic_cast<const PromptCompressionPolicy&>(*policy).config().interval, 16);
+  EXPECT_EQ(policy->retained_limit().value_or(-1), 8 + 15);
+  // interval 0 (the default): the authors' one-shot form, unbounded.
+  EXPECT_FALSE(kvevict::make_policy("snapkv", PolicyParams::parse("capacity=8 window=4"))
+                   ->retained_limit()
+                   .has_value());
+  expect_error([] { (void)recompressing(4, 2, -1); }, "interval must be >= 0");
+  expect_error(
+      [] {
+        (void)kvevict::make_policy("adakv", PolicyParams::parse("capacity=8 window=4 interval=-1"));
+      },
+      "interval");
+}

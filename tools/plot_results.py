@@ -13,6 +13,12 @@ One figure per task found in a results file, named <grid name>-<task>.png:
   grocery     item recall vs budget (a panel per turn count)
   cost        tokens/s and process RSS vs tokens streamed (log x), a line per policy @ budget
 
+A grid whose budgets are bytes ("budget_bytes") also gets <grid name>-allocation.png: quality
+(bits/byte, or passkey per-digit accuracy with a row of panels per length) against the measured
+peak K/V bytes, a panel per score rule (h2o, tova, snapkv: pyramidkv and adakv are SnapKV under
+pyramid and adaptive) and a line per allocation (uniform solid, pyramid dashed, adaptive dotted);
+other rows (window, the full cache) are drawn in every panel as references.
+
 Styles: every policy has one colour and one marker in every figure (POLICY_STYLES); rows of the
 same policy in one figure (labels, or budgets in the cost figure) differ by line style and then
 by hollow markers, so no two series look alike. The legend sits right of the panels.
@@ -120,7 +126,8 @@ def plot_vs_budget(ax, cells, metric: str, styles: Styles) -> None:
             style.pop("marker", None)
             ax.axhline(unbounded["metrics"][metric], label=label, **style)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (KV slots per head)")
+    in_bytes = any(c.get("budget_unit") == "bytes" for c in cells)
+    ax.set_xlabel("budget (bytes of keys and values)" if in_bytes else "budget (KV slots per head)")
     ax.grid(alpha=0.3)
 
 
@@ -207,6 +214,70 @@ def plot_cost(name: str, cells, out: Path) -> Path:
     return save(fig, out / f"{name}-cost.png")
 
 
+# SnapKV under the three allocations is three registry policies.
+SNAPKV_ALLOCATIONS = {"snapkv": "uniform", "pyramidkv": "pyramid", "adakv": "adaptive"}
+ALLOCATION_LINESTYLES = {"uniform": "-", "pyramid": "--", "adaptive": ":"}
+
+
+def rule_and_allocation(cell) -> tuple[str, str]:
+    """("h2o", "pyramid"): the score rule and the allocation a cell ran."""
+    if cell["policy"] in SNAPKV_ALLOCATIONS:
+        return "snapkv", SNAPKV_ALLOCATIONS[cell["policy"]]
+    return cell["policy"], cell["config"]["policy"].get("allocation", "uniform")
+
+
+def plot_allocation(name: str, cells, out: Path) -> Path:
+    """Quality against measured peak K/V bytes, a panel per score rule, a line per allocation."""
+    task = cells[0]["task"]
+    metric = "bits_per_byte" if task == "stream_bpb" else "per_digit"
+    rules = [r for r in ("h2o", "tova", "snapkv")
+             if any(rule_and_allocation(c)[0] == r for c in cells)]
+    lengths = sorted({c["variant"]["length"] for c in cells}) if task == "passkey" else [None]
+    fig, grid = plt.subplots(len(lengths), len(rules), figsize=(4.6 * len(rules),
+                             3.4 * len(lengths)), squeeze=False)
+    for row, length in zip(grid, lengths):
+        chosen = [c for c in cells if length is None or c["variant"]["length"] == length]
+        for ax, rule in zip(row, rules):
+            for label in labels_in_order(chosen):
+                mine = [c for c in chosen if c["label"] == label]
+                by_budget = defaultdict(list)
+                for c in mine:
+                    by_budget[c["budget"]].append(c)
+                points = sorted((max(c["metrics"]["peak_kv_bytes"] for c in group) / 1024,
+                                 mean(c["metrics"][metric] for c in group))
+                                for group in by_budget.values())
+                cell_rule, allocation = rule_and_allocation(mine[0])
+                if cell_rule == rule:
+                    colour, marker = POLICY_STYLES.get("tova" if rule == "tova" else
+                                                       "h2o" if rule == "h2o" else "keydiff",
+                                                       UNKNOWN_POLICY_STYLE)
+                    if "per layer" in label:  # TOVA's own per-layer form: hollow, thin
+                        ax.plot(*zip(*points), color=colour, marker=marker, markersize=4,
+                                markerfacecolor="white", linewidth=0.8, linestyle="-.",
+                                label=label)
+                        continue
+                    ax.plot(*zip(*points), color=colour, marker=marker, markersize=4,
+                            linestyle=ALLOCATION_LINESTYLES[allocation], label=label)
+                elif mine[0]["budget"] is None:
+                    # The full cache: a reference for retrieval; on a stream past the trained
+                    # context its bits/byte are off the scale of the bounded rows.
+                    if metric == "per_digit":
+                        ax.axhline(points[0][1], color="black", linewidth=0.8, label=label)
+                elif cell_rule not in ("h2o", "tova", "snapkv"):
+                    ax.plot(*zip(*points), color="tab:gray", marker="x", markersize=4,
+                            linewidth=0.8, label=label)
+            ax.set_xscale("log", base=2)
+            ticks = sorted({c["budget"] / 1024 for c in chosen if c["budget"] is not None})
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.set_xlabel("peak K/V bytes (KiB; ticks at the budgets)")
+            ax.set_ylabel("bits per byte" if metric == "bits_per_byte"
+                          else "passkey per-digit accuracy")
+            where = f", {length} tokens" if length is not None else ""
+            ax.set_title(f"{name}: {rule}{where}")
+            ax.grid(alpha=0.3)
+    return save(fig, out / f"{name}-allocation.png")
+
+
 def save(fig, path: Path) -> Path:
     """One legend for the figure, right of the panels (never over the data)."""
     handles = {}
@@ -241,6 +312,9 @@ def main() -> int:
             by_task[cell["task"]].append(cell)
         for task, cells in by_task.items():
             print(PLOTTERS[task](results["name"], cells, args.out))
+            if task in ("stream_bpb", "passkey") and any(
+                    c.get("budget_unit") == "bytes" for c in cells):
+                print(plot_allocation(results["name"], cells, args.out))
     return 0
 
 

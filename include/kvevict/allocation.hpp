@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -95,6 +96,69 @@ enum class Allocation : std::uint8_t { uniform, pyramid, adaptive };
   std::vector<int> budgets(static_cast<std::size_t>(layers));
   for (int l = 0; l < layers; ++l)
     budgets[static_cast<std::size_t>(l)] = static_cast<int>(hi - l * step);
+  return budgets;
+}
+
+/// PyramidKV's schedule under a budget that must hold: pyramid_budgets(layers, m, beta, no clamp)
+/// at the largest m <= mean whose budgets sum to at most layers * mean (the floored step can hand
+/// out more: 4 layers, mean 16, beta 5 give 29 + 21 + 13 + 5 = 68; m = 15 gives 27 + 19 + 11 + 3 =
+/// 60). Decoding re-compression uses it (policies/prompt_compression.hpp), where no prompt length
+/// is left to clamp to.
+[[nodiscard]] inline std::vector<int> pyramid_budgets_within(int layers, int mean, int beta) {
+  for (int m = mean; m > 0; --m) {
+    const std::vector<int> budgets =
+        pyramid_budgets(layers, m, beta, std::numeric_limits<int>::max());
+    std::int64_t sum = 0;
+    for (const int b : budgets) sum += b;
+    if (sum <= std::int64_t{layers} * mean) return budgets;
+  }
+  return std::vector<int>(static_cast<std::size_t>(std::max(layers, 0)), 0);
+}
+
+/// Ada-KV's safeguarded split, for a split applied again and again: each unit first keeps its own
+/// best min(f, candidates) with f = floor(floor * mean) (int(mean * floor), as the authors), then
+/// the U * mean - (sum of those) best remaining candidates of all units win, whichever unit they
+/// are in (ties: the older candidate, then the lower unit). Sums to min(U * mean, candidates)
+/// exactly; a unit may have fewer candidates than `mean`. `scores[u]`: unit u's candidates, oldest
+/// first. NaN scores are an error.
+[[nodiscard]] inline std::vector<int> safeguarded_adaptive_budgets(
+    std::span<const std::span<const float>> scores, int mean, double floor) {
+  KVEVICT_REQUIRE(mean >= 0, "adaptive allocation: negative mean budget " + std::to_string(mean));
+  KVEVICT_REQUIRE(std::isfinite(floor) && floor >= 0.0 && floor <= 1.0,
+                  "adaptive allocation: floor must be in [0, 1], got " + std::to_string(floor));
+  struct Entry {
+    float score;
+    std::int32_t index;
+    std::int32_t unit;
+  };
+  const auto better = [](const Entry& a, const Entry& b) {
+    if (a.score != b.score) return a.score > b.score;
+    if (a.index != b.index) return a.index < b.index;
+    return a.unit < b.unit;
+  };
+  const auto floor_count = static_cast<std::ptrdiff_t>(static_cast<double>(mean) * floor);
+  std::vector<int> budgets(scores.size(), 0);
+  std::vector<Entry> pool;
+  std::vector<Entry> unit;
+  for (std::size_t u = 0; u < scores.size(); ++u) {
+    unit.clear();
+    for (std::size_t i = 0; i < scores[u].size(); ++i) {
+      KVEVICT_REQUIRE(!std::isnan(scores[u][i]), "adaptive allocation: score " + std::to_string(i) +
+                                                     " of unit " + std::to_string(u) + " is NaN");
+      unit.push_back({scores[u][i], static_cast<std::int32_t>(i), static_cast<std::int32_t>(u)});
+    }
+    const std::ptrdiff_t own = std::min(floor_count, static_cast<std::ptrdiff_t>(unit.size()));
+    std::nth_element(unit.begin(), unit.begin() + own, unit.end(), better);
+    budgets[u] = static_cast<int>(own);
+    pool.insert(pool.end(), unit.begin() + own, unit.end());
+  }
+  std::int64_t rest = static_cast<std::int64_t>(scores.size()) * mean;
+  for (const int b : budgets) rest -= b;
+  if (rest < static_cast<std::int64_t>(pool.size())) {
+    std::nth_element(pool.begin(), pool.begin() + rest, pool.end(), better);
+    pool.resize(static_cast<std::size_t>(rest));
+  }
+  for (const Entry& winner : pool) ++budgets[static_cast<std::size_t>(winner.unit)];
   return budgets;
 }
 

@@ -56,8 +56,9 @@ OrderedJson CellSpec::variant_json() const {
 }
 
 std::string CellSpec::describe(const EvalConfig& config) const {
-  std::string text = fmt::format("{} {} budget={}", to_string(config.tasks[task_index].kind),
-                                 config.policies[policy_index].label,
+  const PolicyEntry& entry = config.policies[policy_index];
+  std::string text = fmt::format("{} {} {}={}", to_string(config.tasks[task_index].kind),
+                                 entry.label, entry.budgets_in_bytes ? "budget_bytes" : "budget",
                                  budget ? std::to_string(*budget) : std::string("-"));
   if (length) text += fmt::format(" length={}", *length);
   if (depth) text += fmt::format(" depth={}", *depth);
@@ -91,7 +92,9 @@ std::vector<CellSpec> enumerate_cells(const EvalConfig& config) {
         base.budget = budget;
         const std::string prefix =
             fmt::format("t{}-{}-{}-{}", t, to_string(task.kind), slug(entry.label),
-                        budget ? fmt::format("b{}", *budget) : std::string("full"));
+                        !budget                  ? std::string("full")
+                        : entry.budgets_in_bytes ? fmt::format("bytes{}", *budget)
+                                                 : fmt::format("b{}", *budget));
         switch (task.kind) {
           case TaskKind::stream_bpb:
           case TaskKind::cost:

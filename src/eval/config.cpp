@@ -165,6 +165,8 @@ class ObjectReader {
 constexpr std::int64_t kMaxStreamTokens = std::int64_t{1} << 32;    // stream_bpb, cost tokens
 constexpr std::int64_t kMaxDocumentTokens = std::int64_t{1} << 20;  // passkey, grocery lengths
 constexpr int kMaxBudget = 1 << 20;
+// A byte budget of 1 GiB is 512K tokens per head of the smallest model here: far past any grid.
+constexpr int kMaxBudgetBytes = 1 << 30;
 constexpr int kMaxChunk = 4096;
 constexpr int kMaxTurns = (1 << 16) - 1;
 constexpr int kMaxDocuments = 100000;
@@ -188,10 +190,12 @@ std::string default_label(const PolicyEntry& entry) {
 // (labels of the non-f32 ones get " kv=TYPE").
 std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& source,
                                       const std::string& path, const std::vector<int>& grid_budgets,
-                                      int chunk, const std::vector<std::string>& kv_types) {
-  const ObjectReader reader(json, source, path,
-                            {"policy", "label", "sinks", "params", "positions", "granularity",
-                             "keys", "kv_type", "catalyst", "budgets", "allocation"});
+                                      bool grid_budgets_in_bytes, int chunk,
+                                      const std::vector<std::string>& kv_types) {
+  const ObjectReader reader(
+      json, source, path,
+      {"policy", "label", "sinks", "params", "positions", "granularity", "keys", "kv_type",
+       "catalyst", "budgets", "budget_bytes", "allocation"});
   PolicyEntry entry;
   entry.policy = reader.string("policy", std::nullopt);
   const std::vector<std::string_view> names = policy_names();
@@ -213,17 +217,25 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
   } catch (const Error& error) {
     reader.fail(reader.child("allocation"), error.what());
   }
+  if (reader.has("budgets") && reader.has("budget_bytes")) {
+    reader.fail(reader.child("budget_bytes"),
+                "give \"budgets\" (tokens) or \"budget_bytes\" (bytes), not both");
+  }
+  const char* own_key = reader.has("budget_bytes") ? "budget_bytes" : "budgets";
   if (entry.policy == "full") {
-    if (reader.has("budgets") && !reader.array("budgets", true).empty()) {
-      reader.fail(reader.child("budgets"), "policy 'full' has no budget");
+    if (reader.has(own_key) && !reader.array(own_key, true).empty()) {
+      reader.fail(reader.child(own_key), "policy 'full' has no budget");
     }
-  } else if (reader.has("budgets")) {
-    for (const std::int64_t budget : reader.integers("budgets", true, 1, kMaxBudget)) {
+  } else if (reader.has(own_key)) {
+    entry.budgets_in_bytes = reader.has("budget_bytes");
+    for (const std::int64_t budget :
+         reader.integers(own_key, true, 1, entry.budgets_in_bytes ? kMaxBudgetBytes : kMaxBudget)) {
       entry.budgets.push_back(static_cast<int>(budget));
     }
-    reader.require_distinct("budgets", entry.budgets);
+    reader.require_distinct(own_key, entry.budgets);
   } else {
     entry.budgets = grid_budgets;
+    entry.budgets_in_bytes = grid_budgets_in_bytes;
   }
   entry.label = reader.string("label", default_label(entry));
   if (entry.label.empty()) reader.fail(reader.child("label"), "must not be empty");
@@ -245,10 +257,9 @@ std::vector<PolicyEntry> parse_policy(const Json& json, const std::string& sourc
       try {
         harness::validate_policy_options(typed.options(budget, chunk));
       } catch (const Error& error) {
-        reader.fail(path,
-                    fmt::format("policy '{}'{}: {}", typed.policy,
-                                budget ? fmt::format(" at budget {}", *budget) : std::string(),
-                                error.what()));
+        reader.fail(path, fmt::format("policy '{}'{}: {}", typed.policy,
+                                      budget ? " at " + typed.budget_text(*budget) : std::string(),
+                                      error.what()));
       }
     }
   }
@@ -370,6 +381,12 @@ TaskConfig parse_task(const Json& json, const std::string& source, const std::st
       std::optional<int> min_budget;
       std::optional<int> max_budget;
       for (const PolicyEntry& policy : policies) {
+        if (policy.budgets_in_bytes && policy.bounded()) {
+          reader.fail(reader.child("length_x_budget"),
+                      fmt::format("policy '{}' has budgets in bytes, which are no token count to "
+                                  "multiply: give \"lengths\"",
+                                  policy.label));
+        }
         for (const int budget : policy.budgets) {
           min_budget = std::min(budget, min_budget.value_or(budget));
           max_budget = std::max(budget, max_budget.value_or(budget));
@@ -447,10 +464,19 @@ std::string_view to_string(TaskKind kind) {
   return "unknown";
 }
 
+std::string PolicyEntry::budget_text(int budget) const {
+  return budgets_in_bytes ? fmt::format("budget {} bytes", budget)
+                          : fmt::format("budget {}", budget);
+}
+
 harness::PolicyOptions PolicyEntry::options(std::optional<int> budget, int chunk) const {
   harness::PolicyOptions options;
   options.policy = policy;
-  options.budget = budget;
+  if (budget && budgets_in_bytes) {
+    options.budget_bytes = *budget;
+  } else {
+    options.budget = budget;
+  }
   if (sinks) {
     options.sinks = *sinks;
     options.sinks_given = true;
@@ -496,7 +522,7 @@ std::int64_t grocery_template_tokens(int items, int turns) {
 EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& source) {
   const ObjectReader reader(json, source, "",
                             {"name", "model", "text", "seed", "chunk", "anchors", "policies",
-                             "budgets", "kv_types", "tasks"});
+                             "budgets", "budget_bytes", "kv_types", "tasks"});
   EvalConfig config;
   config.source = source;
   config.name = reader.string("name", std::nullopt);
@@ -518,11 +544,19 @@ EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& sour
       reader.integer("seed", 1, 0, std::numeric_limits<std::int64_t>::max()));
   config.chunk = static_cast<int>(reader.integer("chunk", 16, 1, kMaxChunk));
   config.anchors = reader.boolean("anchors", false);
-  if (reader.has("budgets")) {
-    for (const std::int64_t budget : reader.integers("budgets", true, 1, kMaxBudget)) {
+  if (reader.has("budgets") && reader.has("budget_bytes")) {
+    reader.fail("budget_bytes", "give \"budgets\" (tokens) or \"budget_bytes\" (bytes), not both");
+  }
+  // "budget_bytes": the grid's budgets are bytes of each sequence's keys and values, over every
+  // layer and KV head in the entry's K/V type (--budget-bytes): the axis of equal memory.
+  config.budgets_in_bytes = reader.has("budget_bytes");
+  const char* budgets_key = config.budgets_in_bytes ? "budget_bytes" : "budgets";
+  if (reader.has(budgets_key)) {
+    for (const std::int64_t budget : reader.integers(
+             budgets_key, true, 1, config.budgets_in_bytes ? kMaxBudgetBytes : kMaxBudget)) {
       config.budgets.push_back(static_cast<int>(budget));
     }
-    reader.require_distinct("budgets", config.budgets);
+    reader.require_distinct(budgets_key, config.budgets);
   }
   // The K/V storage axis: every policy entry without its own "kv_type" runs once per type.
   std::vector<std::string> kv_types{"f32"};
@@ -543,11 +577,13 @@ EvalConfig parse_eval_config(const nlohmann::json& json, const std::string& sour
   std::set<std::string> labels;
   for (std::size_t i = 0; i < policies.size(); ++i) {
     const std::string path = fmt::format("policies[{}]", i);
-    for (PolicyEntry& entry :
-         parse_policy(policies[i], source, path, config.budgets, config.chunk, kv_types)) {
-      if (entry.policy != "full" && !policies[i].contains("budgets") && config.budgets.empty()) {
-        reader.fail(path, fmt::format("policy '{}' needs a budget: give the grid's \"budgets\" or "
-                                      "the entry's own (\"budgets\": [] runs it unbounded)",
+    for (PolicyEntry& entry : parse_policy(policies[i], source, path, config.budgets,
+                                           config.budgets_in_bytes, config.chunk, kv_types)) {
+      if (entry.policy != "full" && !policies[i].contains("budgets") &&
+          !policies[i].contains("budget_bytes") && config.budgets.empty()) {
+        reader.fail(path, fmt::format("policy '{}' needs a budget: give the grid's \"budgets\" "
+                                      "or \"budget_bytes\", or the entry's own (\"budgets\": [] "
+                                      "runs it unbounded)",
                                       entry.policy));
       }
       if (!labels.insert(entry.label).second) {
@@ -601,6 +637,8 @@ nlohmann::ordered_json to_json(const PolicyEntry& entry) {
   if (entry.allocation != "uniform") json["allocation"] = entry.allocation;
   json["catalyst"] =
       entry.catalyst ? nlohmann::ordered_json(*entry.catalyst) : nlohmann::ordered_json(nullptr);
+  // Only for bytes, so that the cells of token grids keep their hashes.
+  if (entry.budgets_in_bytes) json["budget_unit"] = "bytes";
   json["budgets"] = entry.budgets;
   return json;
 }
@@ -647,7 +685,7 @@ nlohmann::ordered_json to_json(const EvalConfig& config) {
   json["seed"] = config.seed;
   json["chunk"] = config.chunk;
   json["anchors"] = config.anchors;
-  json["budgets"] = config.budgets;
+  json[config.budgets_in_bytes ? "budget_bytes" : "budgets"] = config.budgets;
   json["policies"] = nlohmann::ordered_json::array();
   for (const PolicyEntry& entry : config.policies) json["policies"].push_back(to_json(entry));
   json["tasks"] = nlohmann::ordered_json::array();

@@ -41,12 +41,19 @@ struct PolicyEntry {
   std::optional<std::string> catalyst;  ///< InfiniPot's prompt; default: the task's question
   /// --allocation: uniform (default), pyramid or adaptive (policies/allocated.hpp)
   std::string allocation = "uniform";
-  /// The budgets this policy runs with: the grid's, or the entry's own "budgets"; empty = no
-  /// budget (`full` always; e.g. an unbounded anllm), run once per task variant.
+  /// The budgets this policy runs with: the grid's, or the entry's own "budgets" /
+  /// "budget_bytes"; empty = no budget (`full` always; e.g. an unbounded anllm), run once per task
+  /// variant.
   std::vector<int> budgets;
+  /// Whether `budgets` are bytes of the sequence's keys and values (--budget-bytes, "budget_bytes")
+  /// rather than tokens per keep-set (--budget, "budgets").
+  bool budgets_in_bytes = false;
 
   [[nodiscard]] bool bounded() const { return !budgets.empty(); }
-  /// The CLI's policy options for this entry at `budget` (nullopt: no --budget) and `chunk`.
+  /// "budget 64" or "budget 262144 bytes" (messages).
+  [[nodiscard]] std::string budget_text(int budget) const;
+  /// The CLI's policy options for this entry at `budget` (nullopt: no budget; else --budget, or
+  /// --budget-bytes when budgets_in_bytes) and `chunk`.
   [[nodiscard]] harness::PolicyOptions options(std::optional<int> budget, int chunk) const;
 };
 
@@ -77,6 +84,7 @@ struct EvalConfig {
   bool anchors = false;
   std::vector<PolicyEntry> policies;
   std::vector<int> budgets;
+  bool budgets_in_bytes = false;  ///< the grid's "budget_bytes" instead of "budgets"
   std::vector<TaskConfig> tasks;
 };
 

@@ -152,7 +152,7 @@ GridContext prepare_grid(EvalConfig config, const EngineLoader& load) {
         if (keeps_every_token && capacity) check_capacity(config, budget, *capacity);
       } catch (const Error& error) {
         throw Error(fmt::format("{}: policies[{}] ({}){}: {}", config.source, p, entry.label,
-                                budget ? fmt::format(" at budget {}", *budget) : std::string(),
+                                budget ? " at " + entry.budget_text(*budget) : std::string(),
                                 error.what()));
       }
     }

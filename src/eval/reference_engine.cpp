@@ -19,6 +19,7 @@ class DecoderSequence final : public EvalSequence {
     setup_.name = setup.name;
     setup_.params = setup.params;
     setup_.catalyst = setup.catalyst;
+    setup_.budget_bytes = setup.budget_bytes;
   }
 
   FeedLogits feed(std::span<const std::int32_t> tokens, bool turn_start, bool all_logits) override {

@@ -35,6 +35,8 @@ OrderedJson run_cell(const GridContext& grid, const CellSpec& cell) {
   result["label"] = entry.label;
   result["policy_index"] = cell.policy_index;
   result["budget"] = cell.budget ? OrderedJson(*cell.budget) : OrderedJson(nullptr);
+  // Only for bytes, so that token grids' cells keep their form.
+  if (entry.budgets_in_bytes) result["budget_unit"] = "bytes";
   result["variant"] = cell.variant_json();
   result["config"] = cell_config;
   result["policy_setup"] = nullptr;
@@ -54,6 +56,7 @@ OrderedJson run_cell(const GridContext& grid, const CellSpec& cell) {
       tasks::run_cost(grid, cell, result);
       break;
   }
+  if (entry.budgets_in_bytes && cell.budget) result["metrics"]["budget_bytes"] = *cell.budget;
   const ProcessMemory memory = process_memory();
   result["metrics"]["rss_bytes"] = memory.rss_bytes;
   result["metrics"]["peak_rss_bytes"] = memory.peak_rss_bytes;

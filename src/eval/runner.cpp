@@ -511,11 +511,16 @@ std::string results_markdown(const GridRecord& record, const OrderedJson& aggreg
       record.engine == kReferenceEngine
           ? std::string("`kvevict eval`")
           : fmt::format("`kvevict-llama eval` (engine {})", record.engine));
+  // Byte budgets read "256 KiB" (or "1000 B"), token budgets "64".
   const auto budget_column = [](const OrderedJson& cell) {
-    return cell.at("budget").is_null()
-               ? std::pair<std::string, double>{"-", -1.0}
-               : std::pair<std::string, double>{fmt::format("{}", cell.at("budget").get<int>()),
-                                                cell.at("budget").get<double>()};
+    if (cell.at("budget").is_null()) return std::pair<std::string, double>{"-", -1.0};
+    const int budget = cell.at("budget").get<int>();
+    if (cell.value("budget_unit", "") != "bytes") {
+      return std::pair<std::string, double>{fmt::format("{}", budget), budget};
+    }
+    return std::pair<std::string, double>{
+        budget % 1024 == 0 ? fmt::format("{} KiB", budget / 1024) : fmt::format("{} B", budget),
+        budget};
   };
   for (std::size_t t = 0; t < config.tasks.size(); ++t) {
     const TaskConfig& task = config.tasks[t];

@@ -42,6 +42,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -163,6 +164,7 @@ class Allocated final : public PolicyDecorator {
                             "it needs one keep-set per KV head (granularity head" +
                             (this->inner().name() == "tova" ? "; tova: head_wise=1" : "") + ")");
         floor_count_ = static_cast<int>(static_cast<double>(mean_) * config.floor);
+        unit_count_.assign(static_cast<std::size_t>(units), 0);
         break;
     }
   }
@@ -228,55 +230,179 @@ class Allocated final : public PolicyDecorator {
   }
 
   // Ada-KV's split of each layer's H * m slots over its heads, from the current scores.
+  //
+  // The rule: each head keeps its best f_u = min(f, candidates) (the floor), then the H * m -
+  // sum(f_u) best of the rest of the layer win. When every head has at least f_u of its candidates
+  // among the layer's H * m best, the floors lie inside those H * m (a head's share of the
+  // layer's best is a prefix of its own ranking), so the winners are exactly the layer's H * m
+  // best: each head keeps its candidates minus those among the layer's E = candidates - H * m
+  // worst. At the steady state of a decode step E is the H new candidates, so one scan with a
+  // buffer of E entries (share_by_worst) decides, as H2O's and TOVA's own one-eviction scan does;
+  // the general rule (share_by_floors) runs when E is larger or a floor binds. Both give the same
+  // shares.
   void share_layers(const EvictionContext& context) {
     SlotTable& slots = context.slots;
     Protection protection = context.protection;
     protection.oldest = std::max(protection.oldest, rule_.protection.oldest);
     protection.newest = std::max(protection.newest, rule_.protection.newest);
     protection.flags |= rule_.protection.flags;
-    const auto better = [](const Candidate& a, const Candidate& b) {
-      if (a.score != b.score) return a.score > b.score;
-      if (a.original != b.original) return a.original < b.original;
-      return a.unit < b.unit;
-    };
     const int heads = layout_.kv_heads();
     for (int layer = 0; layer < layout_.layers(); ++layer) {
-      pool_.clear();
-      std::int64_t floors = 0;
+      std::int64_t candidates = 0;
       for (int g = 0; g < heads; ++g) {
         const int unit = layout_.unit_of(layer, g);
         inner().update_scores(slots, unit);
-        const std::span<const float> scores = slots.scores(unit, rule_.column);
-        const std::span<const std::int32_t> order = slots.stream_order(unit);
-        const std::span<const std::int64_t> originals = slots.original_positions(unit);
-        const std::span<const std::uint8_t> flags = slots.flags(unit);
-        const int live = static_cast<int>(order.size());
-        const int first = std::min(protection.oldest, live);
-        const int last = live - std::min(protection.newest, live - first);
-        unit_candidates_.clear();
+        const int count = candidate_count(slots, unit, protection);
+        unit_count_[static_cast<std::size_t>(unit)] = count;
+        candidates += count;
+      }
+      const std::int64_t worst = candidates - std::int64_t{heads} * mean_;
+      if (worst <= 0) {  // everything fits: every head keeps all its candidates
+        for (int g = 0; g < heads; ++g) {
+          const int unit = layout_.unit_of(layer, g);
+          keep_[static_cast<std::size_t>(unit)] = unit_count_[static_cast<std::size_t>(unit)];
+        }
+        continue;
+      }
+      if (worst > kWorstScan ||
+          !share_by_worst(slots, layer, protection, static_cast<int>(worst))) {
+        share_by_floors(slots, layer, protection);
+      }
+    }
+  }
+
+  // The candidates of `unit`: live slots outside the protected ends and flags.
+  [[nodiscard]] static int candidate_count(const SlotTable& slots, int unit,
+                                           const Protection& protection) {
+    const std::span<const std::int32_t> order = slots.stream_order(unit);
+    const int live = static_cast<int>(order.size());
+    const int first = std::min(protection.oldest, live);
+    const int last = live - std::min(protection.newest, live - first);
+    int count = last - first;
+    if (protection.flags != 0) {
+      const std::span<const std::uint8_t> flags = slots.flags(unit);
+      for (int i = first; i < last; ++i) {
+        if ((flags[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] &
+             protection.flags) != 0)
+          --count;
+      }
+    }
+    return count;
+  }
+
+  // Calls visit(Candidate) for every candidate of `unit` (scores checked).
+  template <class Visit>
+  void for_each_candidate(const SlotTable& slots, int unit, const Protection& protection,
+                          const Visit& visit) const {
+    const std::span<const float> scores = slots.scores(unit, rule_.column);
+    const std::span<const std::int32_t> order = slots.stream_order(unit);
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    const std::span<const std::uint8_t> flags = slots.flags(unit);
+    const int live = static_cast<int>(order.size());
+    const int first = std::min(protection.oldest, live);
+    const int last = live - std::min(protection.newest, live - first);
+    for (int i = first; i < last; ++i) {
+      const std::int32_t slot = order[static_cast<std::size_t>(i)];
+      if ((flags[static_cast<std::size_t>(slot)] & protection.flags) != 0) continue;
+      const float score = scores[static_cast<std::size_t>(slot)];
+      const std::int64_t original = originals[static_cast<std::size_t>(slot)];
+      require_number(score, original);
+      visit(Candidate{score, original, static_cast<std::int32_t>(unit)});
+    }
+  }
+
+  // better(a, b): a ranks above b (higher score, then the older token, then the lower unit).
+  [[nodiscard]] static bool better(const Candidate& a, const Candidate& b) {
+    if (a.score != b.score) return a.score > b.score;
+    if (a.original != b.original) return a.original < b.original;
+    return a.unit < b.unit;
+  }
+
+  // The fast form (see share_layers): the layer's `worst` lowest candidates in one scan. False
+  // when a head would keep fewer than its floor (the general rule decides then).
+  bool share_by_worst(const SlotTable& slots, int layer, const Protection& protection, int worst) {
+    worst_.clear();
+    const auto lower = [](const Candidate& a, const Candidate& b) { return better(b, a); };
+    float bound = std::numeric_limits<float>::infinity();  // the highest score in worst_, once full
+    const int heads = layout_.kv_heads();
+    for (int g = 0; g < heads; ++g) {
+      const int unit = layout_.unit_of(layer, g);
+      const std::span<const float> scores = slots.scores(unit, rule_.column);
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      const std::span<const std::int64_t> originals = slots.original_positions(unit);
+      const std::span<const std::uint8_t> flags = slots.flags(unit);
+      const int live = static_cast<int>(order.size());
+      const int first = std::min(protection.oldest, live);
+      const int last = live - std::min(protection.newest, live - first);
+      std::uint32_t nan = 0;
+      for (int i = first; i < last; ++i) {
+        const std::int32_t slot = order[static_cast<std::size_t>(i)];
+        if (protection.flags != 0 &&
+            (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0)
+          continue;
+        const float score = scores[static_cast<std::size_t>(slot)];
+        nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
+                                          0x7f800000u);
+        // worst_ holds the lowest seen so far, lowest first; most candidates rank above all.
+        if (score > bound) continue;
+        const Candidate c{score, originals[static_cast<std::size_t>(slot)],
+                          static_cast<std::int32_t>(unit)};
+        if (static_cast<int>(worst_.size()) == worst) {
+          if (!better(worst_.back(), c)) continue;
+          worst_.pop_back();
+        }
+        worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), c, lower), c);
+        if (static_cast<int>(worst_.size()) == worst) bound = worst_.back().score;
+      }
+      if (nan != 0) {  // name the first NaN's position
         for (int i = first; i < last; ++i) {
           const std::int32_t slot = order[static_cast<std::size_t>(i)];
           if ((flags[static_cast<std::size_t>(slot)] & protection.flags) != 0) continue;
-          const float score = scores[static_cast<std::size_t>(slot)];
-          const std::int64_t original = originals[static_cast<std::size_t>(slot)];
-          require_number(score, original);
-          unit_candidates_.push_back({score, original, static_cast<std::int32_t>(unit)});
+          require_number(scores[static_cast<std::size_t>(slot)],
+                         originals[static_cast<std::size_t>(slot)]);
         }
-        const int floor = std::min(floor_count_, static_cast<int>(unit_candidates_.size()));
-        std::nth_element(unit_candidates_.begin(), unit_candidates_.begin() + floor,
-                         unit_candidates_.end(), better);
-        pool_.insert(pool_.end(), unit_candidates_.begin() + floor, unit_candidates_.end());
-        keep_[static_cast<std::size_t>(unit)] = floor;
-        floors += floor;
       }
-      const std::int64_t rest = std::int64_t{heads} * mean_ - floors;
-      if (rest < static_cast<std::int64_t>(pool_.size())) {
-        std::nth_element(pool_.begin(), pool_.begin() + rest, pool_.end(), better);
-        pool_.resize(static_cast<std::size_t>(rest));
-      }
-      for (const Candidate& winner : pool_) ++keep_[static_cast<std::size_t>(winner.unit)];
     }
+    for (int g = 0; g < heads; ++g) {
+      const int unit = layout_.unit_of(layer, g);
+      keep_[static_cast<std::size_t>(unit)] = unit_count_[static_cast<std::size_t>(unit)];
+    }
+    for (const Candidate& c : worst_) --keep_[static_cast<std::size_t>(c.unit)];
+    for (int g = 0; g < heads; ++g) {
+      const int unit = layout_.unit_of(layer, g);
+      const int floor = std::min(floor_count_, unit_count_[static_cast<std::size_t>(unit)]);
+      if (keep_[static_cast<std::size_t>(unit)] < floor) return false;
+    }
+    return true;
   }
+
+  // The general rule: each head's floor first, then the layer's best of the rest.
+  void share_by_floors(const SlotTable& slots, int layer, const Protection& protection) {
+    pool_.clear();
+    std::int64_t floors = 0;
+    const int heads = layout_.kv_heads();
+    for (int g = 0; g < heads; ++g) {
+      const int unit = layout_.unit_of(layer, g);
+      unit_candidates_.clear();
+      for_each_candidate(slots, unit, protection,
+                         [&](const Candidate& c) { unit_candidates_.push_back(c); });
+      const int floor = std::min(floor_count_, static_cast<int>(unit_candidates_.size()));
+      std::nth_element(unit_candidates_.begin(), unit_candidates_.begin() + floor,
+                       unit_candidates_.end(), better);
+      pool_.insert(pool_.end(), unit_candidates_.begin() + floor, unit_candidates_.end());
+      keep_[static_cast<std::size_t>(unit)] = floor;
+      floors += floor;
+    }
+    const std::int64_t rest = std::int64_t{heads} * mean_ - floors;
+    if (rest < static_cast<std::int64_t>(pool_.size())) {
+      std::nth_element(pool_.begin(), pool_.begin() + rest, pool_.end(), better);
+      pool_.resize(static_cast<std::size_t>(rest));
+    }
+    for (const Candidate& winner : pool_) ++keep_[static_cast<std::size_t>(winner.unit)];
+  }
+
+  // Up to this many evictions in a layer, the one-scan form (a decode step evicts H).
+  static constexpr std::int64_t kWorstScan = 16;
 
   AllocationConfig config_;
   UnitLayout layout_;
@@ -287,6 +413,8 @@ class Allocated final : public PolicyDecorator {
   std::vector<int> keep_;  // [units] each unit's scored share
   std::vector<Candidate> unit_candidates_;
   std::vector<Candidate> pool_;
+  std::vector<Candidate> worst_;
+  std::vector<int> unit_count_;  // [units] candidates at the current decision
 };
 
 }  // namespace kvevict

@@ -30,9 +30,30 @@
 //              adaptive_budgets(pooled scores of its U units, b, floor) (allocation.hpp).
 // Trigger: once, after the first forward (the prompt: the authors' forwards compress when the
 // keys in hand are the whole sequence). Later forwards, multi-token ones included, only append:
-// the cache grows again while decoding, as in the authors' code, so retained_limit() is unbounded
-// and an engine that needs a bound wraps the policy in a SlotCap or re-compresses (not built yet;
-// kvpress's DecodingPress re-compresses every `interval` tokens: issue 29).
+// the cache grows again while decoding, as in the authors' code, so retained_limit() is unbounded.
+//
+// `interval` (default 0: the authors' one-shot form above). With interval I > 0 the cache is also
+// re-compressed while decoding, as kvpress's DecodingPress does (NVIDIA/kvpress,
+// presses/generation/decoding_press.py: every `compression_steps` decode steps, back to its
+// target size, scored from the buffered recent queries): after the forward in which I tokens have
+// been appended since the prompt or the last re-compression, every unit keeps the last `window`
+// tokens plus its k_u prefix tokens with the highest pooled votes of the stream's last `window`
+// queries (whichever forwards they came in; every prefix token is older than all of them, so each
+// saw the whole prefix). The counter restarts at every such forward, compressing or not. k_u at a
+// re-compression, b = C - w:
+//   snapkv     b in every unit, if its prefix holds more.
+//   pyramidkv  the schedule pyramid_budgets_within(L, b, beta) (allocation.hpp: PyramidKV's
+//              arithmetic sequence, unclamped, at the largest mean whose sum fits L * b): the
+//              prompt's clamp and its uniform branch depend on a prompt length, which a decoding
+//              cache no longer has; per-layer budgets must not grow back to C either.
+//   adakv      per layer, safeguarded_adaptive_budgets (allocation.hpp): each unit its floor
+//              share, then the layer's best; the authors' one-shot mix, applied at every
+//              re-compression, drifts every unit back towards b (policies/allocated.hpp says why).
+// A unit then holds at most its share + window + I - 1 tokens after any forward: retained_limit()
+// is C + I - 1 (snapkv) and 2b - b // beta + w + I - 1 (pyramidkv); adakv's unit share depends on
+// the number of heads a layer has, which the policy learns only at the first chunk, so its limit
+// stays unbounded. With I = the chunk, the cache peaks at C plus one chunk, as H2O's and TOVA's do:
+// the equal-memory setting of the eval grids (docs/results.md, section 12).
 // Positions: original (the authors keep the rotated keys at their positions).
 //
 // GQA, the `gqa` parameter (../shared/replay-format.md, "Prompt compression"):
@@ -87,6 +108,7 @@
 
 #include "kvevict/allocation.hpp"
 #include "kvevict/attention_scores.hpp"
+#include "kvevict/checked.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/protection.hpp"
 #include "kvevict/policy.hpp"
@@ -109,6 +131,8 @@ struct PromptCompressionConfig {
   Allocation allocation = Allocation::uniform;
   int beta = 20;       ///< pyramid: lo = b // beta (>= 1)
   double floor = 0.2;  ///< adaptive: floor_alpha in [0, 1]
+  /// > 0: re-compress every `interval` tokens after the prompt (kvpress's DecodingPress); 0: once.
+  int interval = 0;
 };
 
 /// Pooled votes, as the authors pool them (see the header comment): `votes` has N entries.
@@ -156,6 +180,9 @@ class PromptCompressionPolicy final : public Policy {
                     who + ": beta must be >= 1, got " + std::to_string(config.beta));
     KVEVICT_REQUIRE(std::isfinite(config.floor) && config.floor >= 0.0 && config.floor <= 1.0,
                     who + ": floor must be in [0, 1], got " + std::to_string(config.floor));
+    KVEVICT_REQUIRE(config.interval >= 0,
+                    who + ": interval must be >= 0 (0: compress once, after the prompt), got " +
+                        std::to_string(config.interval));
   }
 
   [[nodiscard]] const PromptCompressionConfig& config() const { return config_; }
@@ -173,13 +200,29 @@ class PromptCompressionPolicy final : public Policy {
   [[nodiscard]] SignalSet signals() const override { return {Signal::attention_rows}; }
   [[nodiscard]] int score_columns() const override { return 1; }
   [[nodiscard]] Granularity default_granularity() const override { return Granularity::head; }
-  /// Unbounded: decode tokens accumulate after the prompt is compressed.
-  [[nodiscard]] std::optional<int> retained_limit() const override { return std::nullopt; }
+  /// Unbounded without an interval (decode tokens accumulate after the prompt is compressed); with
+  /// one, the share + window + interval - 1 (see the header comment; adakv: unbounded).
+  [[nodiscard]] std::optional<int> retained_limit() const override {
+    if (config_.interval == 0) return std::nullopt;
+    const std::int64_t b = config_.capacity - config_.window;
+    const std::int64_t tail = std::int64_t{config_.interval} - 1;
+    switch (config_.allocation) {
+      case Allocation::uniform:
+        return checked_int(config_.capacity + tail, "snapkv: retained limit");
+      case Allocation::pyramid:
+        return checked_int(2 * b - b / config_.beta + config_.window + tail,
+                           "pyramidkv: retained limit");
+      case Allocation::adaptive:
+        return std::nullopt;
+    }
+    return std::nullopt;
+  }
 
-  void on_append(SlotTable& slots, const ChunkInfo& /*chunk*/) override {
+  void on_append(SlotTable& slots, const ChunkInfo& chunk) override {
     if (forwards_ == 0) check_layout(slots.layout());
     prompt_ = forwards_ == 0;
     ++forwards_;
+    if (config_.interval > 0) start_recent_queries(slots, chunk.size());
     if (!prompt_) return;
     votes_.assign(static_cast<std::size_t>(slots.units()), {});
     for (int unit = 0; unit < slots.units(); ++unit) {
@@ -189,9 +232,11 @@ class PromptCompressionPolicy final : public Policy {
     }
   }
 
-  /// The prompt's rows: adds the votes of its last `window` queries. Later forwards are ignored.
+  /// The prompt's rows: adds the votes of its last `window` queries. Later forwards are ignored
+  /// unless an interval is set (then every forward's last `window` rows are kept for the next
+  /// re-compression).
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
-    if (!prompt_) return;
+    if (!prompt_ && config_.interval == 0) return;
     check_attention_rows(slots, layer, rows, name());
     const UnitLayout& layout = slots.layout();
     const int group = rows.group_size();
@@ -202,6 +247,8 @@ class PromptCompressionPolicy final : public Policy {
                   "q_heads (the KV heads repeated, as the authors' repeat_kv; G times the K/V " +
                   "memory), or use gqa = mean (one set per KV head)");
     }
+    if (config_.interval > 0) record_recent_queries(slots, layer, rows);
+    if (!prompt_) return;
     const int queries = rows.queries();
     if (queries < config_.window) return;  // shorter than the window: never compressed
     // The mean over the query heads a unit covers (its KV heads' groups, over its layers).
@@ -228,8 +275,16 @@ class PromptCompressionPolicy final : public Policy {
   }
 
   void select(const EvictionContext& context, Decision& decision) override {
-    if (!prompt_ || context.trigger != Trigger::after_forward) return;
+    if (context.trigger != Trigger::after_forward) return;
+    if (!prompt_) {
+      if (config_.interval > 0 && since_ >= config_.interval) {
+        since_ = 0;
+        recompress(context, decision);
+      }
+      return;
+    }
     prompt_ = false;
+    since_ = 0;
     SlotTable& slots = context.slots;
     const UnitLayout& layout = slots.layout();
     const int w = config_.window;
@@ -270,6 +325,16 @@ class PromptCompressionPolicy final : public Policy {
           budgets_[static_cast<std::size_t>(first + u)] = caps[static_cast<std::size_t>(u)];
       }
     }
+    keep_budgets(context, decision);
+  }
+
+ private:
+  static constexpr int kScore = 0;  // the pooled votes, written when the prompt is compressed
+
+  // Each unit with a budget keeps its window and its budgets_[unit] best pooled_ votes.
+  void keep_budgets(const EvictionContext& context, Decision& decision) {
+    SlotTable& slots = context.slots;
+    const int w = config_.window;
     for (int unit = 0; unit < slots.units(); ++unit) {
       const int k = budgets_[static_cast<std::size_t>(unit)];
       if (k < 0) continue;
@@ -285,8 +350,98 @@ class PromptCompressionPolicy final : public Policy {
     }
   }
 
- private:
-  static constexpr int kScore = 0;  // the pooled votes, written when the prompt is compressed
+  // The ring of the stream's last `window` queries, per unit: entry (total + q) % window holds
+  // query q of a forward as votes over slot ids (the mean over the query heads the unit covers,
+  // weighted as the prompt's votes). Entries this forward will write are cleared first.
+  void start_recent_queries(const SlotTable& slots, int queries) {
+    if (!prompt_) since_ += queries;
+    const auto w = static_cast<std::int64_t>(config_.window);
+    if (recent_.empty()) {
+      recent_.assign(static_cast<std::size_t>(slots.units()),
+                     std::vector<std::vector<double>>(static_cast<std::size_t>(w)));
+    }
+    recent_first_ = recent_total_;
+    recent_total_ += queries;
+    for (std::vector<std::vector<double>>& ring : recent_) {
+      for (int q = std::max(0, queries - config_.window); q < queries; ++q)
+        ring[static_cast<std::size_t>((recent_first_ + q) % w)].clear();
+    }
+  }
+
+  void record_recent_queries(const SlotTable& slots, int layer, const AttentionRows& rows) {
+    const UnitLayout& layout = slots.layout();
+    const int group = rows.group_size();
+    const double weight = 1.0 / (static_cast<double>(group) * layout.heads_per_unit());
+    const int queries = rows.queries();
+    const auto w = static_cast<std::int64_t>(config_.window);
+    for (int g = 0; g < layout.kv_heads(); ++g) {
+      std::vector<std::vector<double>>& ring =
+          recent_[static_cast<std::size_t>(layout.unit_of(layer, g))];
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        for (int q = std::max(0, queries - config_.window); q < queries; ++q) {
+          const std::span<const float> row = rows.row(h, q);
+          std::vector<double>& votes = ring[static_cast<std::size_t>((recent_first_ + q) % w)];
+          if (votes.size() < row.size()) votes.resize(row.size(), 0.0);
+          for (std::size_t slot = 0; slot < row.size(); ++slot) votes[slot] += weight * row[slot];
+        }
+      }
+    }
+  }
+
+  // kvpress's decoding re-compression (header comment): votes of the ring's queries, pooled, and
+  // each unit back to its share.
+  void recompress(const EvictionContext& context, Decision& decision) {
+    SlotTable& slots = context.slots;
+    const UnitLayout& layout = slots.layout();
+    const int w = config_.window;
+    const int b = config_.capacity - w;
+    pooled_.assign(static_cast<std::size_t>(slots.units()), {});
+    budgets_.assign(static_cast<std::size_t>(slots.units()), -1);
+    std::vector<double> votes;
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const int prefix = slots.live(unit) - w;
+      if (prefix <= 0) continue;
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      votes.assign(static_cast<std::size_t>(prefix), 0.0);
+      for (const std::vector<double>& query : recent_[static_cast<std::size_t>(unit)]) {
+        for (int j = 0; j < prefix; ++j) {
+          const auto slot = static_cast<std::size_t>(order[static_cast<std::size_t>(j)]);
+          if (slot < query.size()) votes[static_cast<std::size_t>(j)] += query[slot];
+        }
+      }
+      for (const double v : votes) {
+        if (!std::isfinite(v)) {
+          throw Error(std::string(name()) + ": attention rows of unit " + std::to_string(unit) +
+                      " contain NaN or an infinity");
+        }
+      }
+      pooled_[static_cast<std::size_t>(unit)] = pool_votes(votes, config_.kernel, config_.pooling);
+    }
+    std::vector<int> shares(static_cast<std::size_t>(slots.units()), b);
+    if (config_.allocation == Allocation::pyramid) {
+      if (schedule_.empty()) schedule_ = pyramid_budgets_within(layout.layers(), b, config_.beta);
+      for (int unit = 0; unit < slots.units(); ++unit) {
+        shares[static_cast<std::size_t>(unit)] =
+            schedule_[static_cast<std::size_t>(layer_of(layout, unit))];
+      }
+    } else if (config_.allocation == Allocation::adaptive) {
+      for (int layer = 0; layer < layout.layers(); ++layer) {
+        const int first = layout.unit_of(layer, 0);
+        std::vector<std::span<const float>> scores;
+        for (int u = first; u < first + layout.kv_heads(); ++u)
+          scores.emplace_back(pooled_[static_cast<std::size_t>(u)]);
+        const std::vector<int> caps = safeguarded_adaptive_budgets(scores, b, config_.floor);
+        for (int u = 0; u < layout.kv_heads(); ++u)
+          shares[static_cast<std::size_t>(first + u)] = caps[static_cast<std::size_t>(u)];
+      }
+    }
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const int share = shares[static_cast<std::size_t>(unit)];
+      if (static_cast<int>(pooled_[static_cast<std::size_t>(unit)].size()) > share)
+        budgets_[static_cast<std::size_t>(unit)] = share;
+    }
+    keep_budgets(context, decision);
+  }
 
   // Whether a prompt of `prompt` tokens is compressed at all (the authors' gates).
   [[nodiscard]] bool compresses(int prompt) const {
@@ -333,6 +488,12 @@ class PromptCompressionPolicy final : public Policy {
   std::vector<std::vector<float>> pooled_;  // [unit][prefix index]
   std::vector<int> budgets_;                // [unit] votes kept; -1: keep everything
   KeepSet keep_;
+  // interval > 0 only:
+  std::int64_t since_ = 0;                                // tokens since the last (re)compression
+  std::vector<std::vector<std::vector<double>>> recent_;  // [unit][ring entry][slot]
+  std::int64_t recent_total_ = 0;                         // queries seen
+  std::int64_t recent_first_ = 0;                         // the current forward's first query
+  std::vector<int> schedule_;                             // pyramid: per-layer shares at decode
 };
 
 /// How many KV heads per layer an engine lays out for `policy` on a model with `q_heads` query and
@@ -364,6 +525,7 @@ inline constexpr std::string_view kGqaChoices[] = {"repeat", "mean"};
   config.allocation = allocation;
   if (allocation == Allocation::pyramid) config.beta = params.get_int("beta");
   if (allocation == Allocation::adaptive) config.floor = params.get_real("floor");
+  config.interval = params.get_int("interval");
   return config;
 }
 
@@ -387,6 +549,9 @@ inline constexpr ParamSpec kSnapKvParams[] = {
     {"gqa", ParamType::choice,
      "repeat: one set per query head (cache kv_heads = q_heads); mean: one per KV head", 0, 0, 1,
      false, detail::kGqaChoices},
+    {"interval", ParamType::integer,
+     "re-compress every `interval` tokens after the prompt (kvpress's DecodingPress); 0: once", 0,
+     0, kMaxSlotsParam},
 };
 inline constexpr ParamSpec kPyramidKvParams[] = {
     {"capacity", ParamType::integer, "mean tokens kept per layer's units, window included",
@@ -399,6 +564,9 @@ inline constexpr ParamSpec kPyramidKvParams[] = {
     {"gqa", ParamType::choice,
      "repeat: one set per query head (cache kv_heads = q_heads); mean: one per KV head", 0, 0, 1,
      false, detail::kGqaChoices},
+    {"interval", ParamType::integer,
+     "re-compress every `interval` tokens after the prompt (kvpress's DecodingPress); 0: once", 0,
+     0, kMaxSlotsParam},
     {"beta", ParamType::integer, "the top layer's votes: (capacity - window) // beta", 20, 1,
      kMaxSlotsParam},
 };
@@ -413,6 +581,9 @@ inline constexpr ParamSpec kAdaKvParams[] = {
     {"gqa", ParamType::choice,
      "repeat: one set per query head (cache kv_heads = q_heads); mean: one per KV head", 0, 0, 1,
      false, detail::kGqaChoices},
+    {"interval", ParamType::integer,
+     "re-compress every `interval` tokens after the prompt (kvpress's DecodingPress); 0: once", 0,
+     0, kMaxSlotsParam},
     {"floor", ParamType::real, "share of each unit's mean votes guaranteed (floor_alpha)", 0.2, 0.0,
      1.0},
 };
