@@ -1,6 +1,7 @@
 // EvictingCache: a Sequence (engine.hpp) over kvevict's own KvStore, with RoPE: what the reference
-// decoder (src/model/decoder.cpp) drives. The forward protocol is the Sequence's (docs/design.md);
-// this adds writing a chunk's K/V at its slots (write_chunk) and reading the stored rows back.
+// decoder (src/model/decoder_batch.cpp) drives. The forward protocol is the Sequence's
+// (docs/design.md); this adds writing a chunk's K/V at its slots (write_chunk) and reading the
+// stored rows back.
 #pragma once
 
 #include <Eigen/Core>
