@@ -115,6 +115,15 @@ enum class Allocation : std::uint8_t { uniform, pyramid, adaptive };
   return std::vector<int>(static_cast<std::size_t>(std::max(layers, 0)), 0);
 }
 
+namespace detail {
+// The arguments of both adaptive splits below.
+inline void check_adaptive_arguments(int mean, double floor) {
+  KVEVICT_REQUIRE(mean >= 0, "adaptive allocation: negative mean budget " + std::to_string(mean));
+  KVEVICT_REQUIRE(std::isfinite(floor) && floor >= 0.0 && floor <= 1.0,
+                  "adaptive allocation: floor must be in [0, 1], got " + std::to_string(floor));
+}
+}  // namespace detail
+
 /// Ada-KV's safeguarded split, for a split applied again and again: each unit first keeps its own
 /// best min(f, candidates) with f = floor(floor * mean) (int(mean * floor), as the authors), then
 /// the U * mean - (sum of those) best remaining candidates of all units win, whichever unit they
@@ -123,9 +132,7 @@ enum class Allocation : std::uint8_t { uniform, pyramid, adaptive };
 /// first. NaN scores are an error.
 [[nodiscard]] inline std::vector<int> safeguarded_adaptive_budgets(
     std::span<const std::span<const float>> scores, int mean, double floor) {
-  KVEVICT_REQUIRE(mean >= 0, "adaptive allocation: negative mean budget " + std::to_string(mean));
-  KVEVICT_REQUIRE(std::isfinite(floor) && floor >= 0.0 && floor <= 1.0,
-                  "adaptive allocation: floor must be in [0, 1], got " + std::to_string(floor));
+  detail::check_adaptive_arguments(mean, floor);
   struct Entry {
     float score;
     std::int32_t index;
@@ -173,9 +180,7 @@ enum class Allocation : std::uint8_t { uniform, pyramid, adaptive };
 /// of every unit (the authors do not compress otherwise). NaN scores are an error.
 [[nodiscard]] inline std::vector<int> adaptive_budgets(
     std::span<const std::span<const float>> scores, int mean, double floor) {
-  KVEVICT_REQUIRE(mean >= 0, "adaptive allocation: negative mean budget " + std::to_string(mean));
-  KVEVICT_REQUIRE(std::isfinite(floor) && floor >= 0.0 && floor <= 1.0,
-                  "adaptive allocation: floor must be in [0, 1], got " + std::to_string(floor));
+  detail::check_adaptive_arguments(mean, floor);
   struct Entry {
     float score;
     std::int32_t index;  // position in the unit's candidates (older first)
