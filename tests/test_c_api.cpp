@@ -382,6 +382,13 @@ TEST(CApi, EveryFailureIsAStatusAndAMessage) {
   EXPECT_EQ(kvevict_sequence_create("window", "recent=4 recnt=2", &c, nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvevict_last_error()).find("unknown parameter 'recnt'"), std::string::npos);
+  // A policy that cannot run on the configured heads is refused at creation, not at its first
+  // forward: SnapKV's gqa = repeat needs one KV head per query head.
+  const kvevict_config grouped = config(2, 4, 2);
+  EXPECT_EQ(kvevict_sequence_create("snapkv", "capacity=8 window=2", &grouped, nullptr, &raw),
+            KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("build it with kv_heads = q_heads"),
+            std::string::npos);
   EXPECT_EQ(kvevict_sequence_create("window", "recent=4", nullptr, nullptr, &raw),
             KVEVICT_INVALID_ARGUMENT);
   EXPECT_EQ(kvevict_sequence_create(nullptr, "", &c, nullptr, &raw), KVEVICT_INVALID_ARGUMENT);

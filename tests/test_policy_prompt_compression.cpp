@@ -155,13 +155,15 @@ TEST(SnapKv, GqaMeanAveragesTheGroupsVotesIntoOneSetPerKvHead) {
   EXPECT_EQ(run.kept(), (Positions{3, 4, 5}));
 }
 
-TEST(SnapKv, GqaRepeatOnACacheOfKvHeadsIsAnError) {
-  Harness run(1, 2, 1, compression(3, 2, 1));
-  expect_error(
-      [&] {
-        run.feed(6, {LayerRows{prompt_rows(6, kHead0Window), prompt_rows(6, kHead1Window)}});
-      },
-      "build it with kv_heads = q_heads");
+TEST(SnapKv, GqaRepeatOnACacheOfKvHeadsIsRefusedWhenTheSequenceIsBuilt) {
+  // repeat keeps one set per query head, so its cache must hold one KV head per query head: a
+  // sequence of 2 query heads over 1 KV head is refused before any forward.
+  expect_error([] { Harness(1, 2, 1, compression(3, 2, 1)); },
+               "snapkv: gqa = repeat keeps one set per query head, but the sequence caches 1 KV "
+               "heads for 2 query heads: build it with kv_heads = q_heads");
+  EXPECT_NO_THROW(Harness(1, 2, 1,
+                          compression(3, 2, 1, Pooling::avg, Allocation::uniform,
+                                      GqaLayout::mean)));  // one set per KV head
 }
 
 TEST(PyramidAllocation, BudgetsFollowTheArithmeticScheduleWithItsClampAndFlooredStep) {
@@ -319,28 +321,23 @@ TEST(PromptCompression, BadInputIsAClearError) {
             4, prompt_rows(4, {{0.1f, std::numeric_limits<float>::quiet_NaN(), 0.1f, 0.7f}}));
       },
       "is not an attention probability");
-  // Granularities an allocation cannot take, and PyramidKV's division by layers - 1.
-  Harness ada_per_layer(1, 2, 2, compression(3, 1, 1, Pooling::avg, Allocation::adaptive),
-                        kvevict::Granularity::layer);
+  // Sequences a policy cannot run on are refused when they are built, not at their first forward:
+  // granularities an allocation cannot take and PyramidKV's division by layers - 1 (GQA: above).
   expect_error(
-      [&] {
-        ada_per_layer.feed(4, prompt_rows(4, {{0.1f, 0.2f, 0.3f, 0.4f}}));
+      [] {
+        Harness(1, 2, 2, compression(3, 1, 1, Pooling::avg, Allocation::adaptive),
+                kvevict::Granularity::layer);
       },
       "adakv: the heads of a layer share its budget, so it needs granularity head, not "
       "layer");
-  Harness pyramid_per_token(2, 1, 1, compression(3, 1, 1, Pooling::avg, Allocation::pyramid),
-                            kvevict::Granularity::token);
   expect_error(
-      [&] {
-        pyramid_per_token.feed(4, prompt_rows(4, {{0.1f, 0.2f, 0.3f, 0.4f}}));
+      [] {
+        Harness(2, 1, 1, compression(3, 1, 1, Pooling::avg, Allocation::pyramid),
+                kvevict::Granularity::token);
       },
       "pyramidkv: its budgets are per layer");
-  Harness pyramid_one_layer(1, 1, 1, compression(3, 1, 1, Pooling::avg, Allocation::pyramid));
-  expect_error(
-      [&] {
-        pyramid_one_layer.feed(4, prompt_rows(4, {{0.1f, 0.2f, 0.3f, 0.4f}}));
-      },
-      "pyramidkv: needs at least 2 layers");
+  expect_error([] { Harness(1, 1, 1, compression(3, 1, 1, Pooling::avg, Allocation::pyramid)); },
+               "pyramidkv: needs at least 2 layers");
 }
 
 TEST(SnapKv, CoarserUnitsAverageTheVotesOfEveryQueryHeadTheyCover) {

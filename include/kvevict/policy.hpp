@@ -95,6 +95,10 @@ class Policy {
   /// The rule as "protected plus the top `keep` of one score column", when it has that form and
   /// honours EvictionContext::unit_keep; nullopt otherwise (the default).
   [[nodiscard]] virtual std::optional<ScoreRule> score_rule() const { return std::nullopt; }
+  /// Throws kvevict::Error when the policy cannot run on this sequence's units (`layout`) and GQA
+  /// grouping (`group_size` query heads per KV head). Called once, when the sequence is built, so
+  /// that a sequence that exists can decode.
+  virtual void check_sequence(const UnitLayout& /*layout*/, int /*group_size*/) const {}
   /// Brings `unit`'s score column up to date before it is ranked from outside select() (an
   /// allocation's ranking across units), for scores computed at eviction time (KeyDiff).
   virtual void update_scores(SlotTable& /*slots*/, int /*unit*/) {}

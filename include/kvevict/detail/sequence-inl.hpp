@@ -63,6 +63,7 @@ class SequenceCore {
                   " is not available to it (window, streaming_llm, h2o, tova and full have one): "
                   "use head, layer or token");
     }
+    policy_->check_sequence(layout_, config_.q_heads / config_.kv_heads);
     const int capacity = initial_capacity();
     slots_ =
         SlotTable(layout_, position_mode_, capacity, policy_->score_columns(), config_.slot_reuse);

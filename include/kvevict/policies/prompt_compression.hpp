@@ -218,8 +218,34 @@ class PromptCompressionPolicy final : public Policy {
     return std::nullopt;
   }
 
+  void check_sequence(const UnitLayout& layout, int group_size) const override {
+    if (config_.gqa == GqaLayout::repeat && group_size != 1) {
+      throw Error(std::string(name()) + ": gqa = repeat keeps one set per query head, but the " +
+                  "sequence caches " + std::to_string(layout.kv_heads()) + " KV heads for " +
+                  std::to_string(layout.kv_heads() * group_size) + " query heads: build it " +
+                  "with kv_heads = q_heads (the KV heads repeated, as the authors' repeat_kv; " +
+                  "G times the K/V memory), or use gqa = mean (one set per KV head)");
+    }
+    const Granularity::Kind kind = layout.granularity().kind();
+    if (config_.allocation == Allocation::pyramid) {
+      KVEVICT_REQUIRE(kind == Granularity::Kind::head || kind == Granularity::Kind::layer,
+                      "pyramidkv: its budgets are per layer, so it needs granularity head or "
+                      "layer, not " +
+                          to_string(layout.granularity()));
+      KVEVICT_REQUIRE(layout.layers() >= 2,
+                      "pyramidkv: needs at least 2 layers (the authors' step divides by layers - "
+                      "1), got " +
+                          std::to_string(layout.layers()));
+    }
+    if (config_.allocation == Allocation::adaptive) {
+      KVEVICT_REQUIRE(kind == Granularity::Kind::head,
+                      "adakv: the heads of a layer share its budget, so it needs granularity "
+                      "head, not " +
+                          to_string(layout.granularity()));
+    }
+  }
+
   void on_append(SlotTable& slots, const ChunkInfo& chunk) override {
-    if (forwards_ == 0) check_layout(slots.layout());
     prompt_ = forwards_ == 0;
     ++forwards_;
     if (config_.interval > 0) start_recent_queries(slots, chunk.size());
@@ -240,13 +266,6 @@ class PromptCompressionPolicy final : public Policy {
     check_attention_rows(slots, layer, rows, name());
     const UnitLayout& layout = slots.layout();
     const int group = rows.group_size();
-    if (config_.gqa == GqaLayout::repeat && group != 1) {
-      throw Error(std::string(name()) + ": gqa = repeat keeps one set per query head, but the " +
-                  "sequence caches " + std::to_string(rows.kv_heads()) + " KV heads for " +
-                  std::to_string(rows.q_heads()) + " query heads: build it with kv_heads = " +
-                  "q_heads (the KV heads repeated, as the authors' repeat_kv; G times the K/V " +
-                  "memory), or use gqa = mean (one set per KV head)");
-    }
     if (config_.interval > 0) record_recent_queries(slots, layer, rows);
     if (!prompt_) return;
     const int queries = rows.queries();
@@ -459,26 +478,6 @@ class PromptCompressionPolicy final : public Policy {
 
   [[nodiscard]] static int layer_of(const UnitLayout& layout, int unit) {
     return layout.granularity() == Granularity::layer ? unit : unit / layout.kv_heads();
-  }
-
-  void check_layout(const UnitLayout& layout) const {
-    const Granularity::Kind kind = layout.granularity().kind();
-    if (config_.allocation == Allocation::pyramid) {
-      KVEVICT_REQUIRE(kind == Granularity::Kind::head || kind == Granularity::Kind::layer,
-                      "pyramidkv: its budgets are per layer, so it needs granularity head or "
-                      "layer, not " +
-                          to_string(layout.granularity()));
-      KVEVICT_REQUIRE(layout.layers() >= 2,
-                      "pyramidkv: needs at least 2 layers (the authors' step divides by layers - "
-                      "1), got " +
-                          std::to_string(layout.layers()));
-    }
-    if (config_.allocation == Allocation::adaptive) {
-      KVEVICT_REQUIRE(kind == Granularity::Kind::head,
-                      "adakv: the heads of a layer share its budget, so it needs granularity "
-                      "head, not " +
-                          to_string(layout.granularity()));
-    }
   }
 
   PromptCompressionConfig config_;

@@ -50,6 +50,9 @@ class PolicyDecorator : public Policy {
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
     return inner_->score_rule();
   }
+  void check_sequence(const UnitLayout& layout, int group_size) const override {
+    inner_->check_sequence(layout, group_size);
+  }
   void update_scores(SlotTable& slots, int unit) override { inner_->update_scores(slots, unit); }
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return inner_->retained_limit();
