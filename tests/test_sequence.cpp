@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
@@ -934,3 +936,141 @@ TEST(SlotTable, RejectsBadChanges) {
 }
 
 }  // namespace
+
+// The row passes (detail/row_passes.hpp) run at the CPU's widest vector width; every width this
+// CPU has must compute what the plain loop computes, bit for bit, tails included (lengths that are
+// no multiple of 4, 8 or 16), or a decision would depend on the machine.
+TEST(RowPasses, EveryVectorWidthComputesThePlainLoopsBits) {
+  namespace rp = kvevict::detail::row_pass;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> probability(0.0f, 1.0f);
+  for (const std::size_t n : {0u, 1u, 3u, 7u, 15u, 17u, 33u, 4099u}) {
+    std::vector<float> row(n);
+    for (float& p : row) p = probability(rng);
+    for (const float weight : {1.0f, 1.0f / 3.0f, 1.0f / 24.0f}) {
+      std::vector<float> start(n);
+      for (float& s : start) s = 100.0f * probability(rng);
+      std::vector<float> expected = start;
+      for (std::size_t s = 0; s < n; ++s) {
+        const float scaled = weight * row[s];  // rounded, then added
+        expected[s] += scaled;
+      }
+      std::vector<float> any_width = start;
+      EXPECT_TRUE(kvevict::detail::add_scaled(row.data(), n, weight, any_width.data()));
+      EXPECT_EQ(any_width, expected) << "n = " << n << ", weight = " << weight;
+#if KVEVICT_ROW_PASS_DISPATCH
+      if (__builtin_cpu_supports("avx2")) {
+        std::vector<float> avx2 = start;
+        EXPECT_TRUE(rp::add_scaled_avx2(row.data(), n, weight, avx2.data()));
+        EXPECT_EQ(avx2, expected);
+      }
+      if (__builtin_cpu_supports("avx512f")) {
+        std::vector<float> avx512 = start;
+        EXPECT_TRUE(rp::add_scaled_avx512(row.data(), n, weight, avx512.data()));
+        EXPECT_EQ(avx512, expected);
+      }
+#endif
+      // Four rows in one pass: what four single passes compute, in the same order.
+      std::vector<std::vector<float>> four(4, std::vector<float>(n));
+      for (std::vector<float>& r : four) {
+        for (float& p : r) p = probability(rng);
+      }
+      std::vector<float> one_by_one = start;
+      for (const std::vector<float>& r : four) {
+        for (std::size_t s = 0; s < n; ++s) {
+          const float scaled = weight * r[s];
+          one_by_one[s] += scaled;
+        }
+      }
+      const std::array<const float*, 4> rows{four[0].data(), four[1].data(), four[2].data(),
+                                             four[3].data()};
+      std::vector<float> fused = start;
+      EXPECT_TRUE(kvevict::detail::add_scaled4(rows.data(), n, weight, fused.data()));
+      EXPECT_EQ(fused, one_by_one);
+#if KVEVICT_ROW_PASS_DISPATCH
+      for (const auto& [supported, pass] :
+           {std::pair{__builtin_cpu_supports("avx2") != 0, &rp::add_scaled4_avx2},
+            std::pair{__builtin_cpu_supports("avx512f") != 0, &rp::add_scaled4_avx512}}) {
+        if (!supported) continue;
+        std::vector<float> width_fused = start;
+        EXPECT_TRUE(pass(rows.data(), n, weight, width_fused.data()));
+        EXPECT_EQ(width_fused, one_by_one);
+      }
+#endif
+    }
+    // A value that is no probability, at every position (the vector body and the tail): found by
+    // the check at every width, and a NaN or an infinity by the sum's flag.
+    for (std::size_t bad = 0; bad < std::min<std::size_t>(n, 40); ++bad) {
+      for (const float value : {-1e-9f, 1.01f, std::numeric_limits<float>::quiet_NaN(),
+                                std::numeric_limits<float>::infinity()}) {
+        std::vector<float> broken = row;
+        broken[bad] = value;
+        EXPECT_FALSE(kvevict::detail::all_probabilities(broken.data(), n));
+        EXPECT_FALSE(rp::all_probabilities(broken.data(), n));
+        std::vector<float> sum(n);
+        EXPECT_EQ(kvevict::detail::add_scaled(broken.data(), n, 1.0f, sum.data()),
+                  std::isfinite(value));
+        const std::array<const float*, 4> fourth{row.data(), row.data(), row.data(), broken.data()};
+        EXPECT_EQ(kvevict::detail::add_scaled4(fourth.data(), n, 1.0f, sum.data()),
+                  std::isfinite(value));
+#if KVEVICT_ROW_PASS_DISPATCH
+        if (__builtin_cpu_supports("avx2")) {
+          EXPECT_FALSE(rp::all_probabilities_avx2(broken.data(), n));
+        }
+        if (__builtin_cpu_supports("avx512f")) {
+          EXPECT_FALSE(rp::all_probabilities_avx512(broken.data(), n));
+        }
+#endif
+      }
+    }
+    EXPECT_TRUE(kvevict::detail::all_probabilities(row.data(), n));
+  }
+  // The edges of the accepted range: 0, -0.0, 1 and the slack above 1 for a half-precision softmax.
+  const std::vector<float> edges{0.0f, -0.0f, 1.0f, kvevict::detail::kMaxProbability};
+  EXPECT_TRUE(kvevict::detail::all_probabilities(edges.data(), edges.size()));
+  const float above = std::nextafter(kvevict::detail::kMaxProbability, 2.0f);
+  EXPECT_FALSE(kvevict::detail::all_probabilities(&above, 1));
+}
+
+// The budget rule's single eviction (WorstCandidates) at every width: the lowest score, the later
+// candidate among equals, over a stream order that is no slot order; scores with many ties, both
+// zeros and infinities; NaN flagged.
+TEST(RowPasses, TheWorstCandidateIsTheSameAtEveryWidth) {
+  namespace rp = kvevict::detail::row_pass;
+  std::mt19937 rng(11);
+  const std::vector<float> values{0.0f, -0.0f, 1.0f,
+                                  2.0f, 3.0f,  std::numeric_limits<float>::infinity()};
+  for (const int slots : {1, 2, 15, 16, 17, 31, 33, 100, 1000}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<std::int32_t> order(static_cast<std::size_t>(slots));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<float> scores(static_cast<std::size_t>(slots));
+      for (float& score : scores) score = values[rng() % (trial < 10 ? 3 : values.size())];
+      const int first = static_cast<int>(rng() % static_cast<unsigned>(slots));
+      const int last = first + 1 + static_cast<int>(rng() % static_cast<unsigned>(slots - first));
+      // The definition, written out: the lowest value, then the highest index holding it.
+      int expected = first;
+      for (int i = first; i < last; ++i) {
+        const float s = scores[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])];
+        const float e = scores[static_cast<std::size_t>(order[static_cast<std::size_t>(expected)])];
+        if (s < e || (s == e && i > expected)) expected = i;
+      }
+      const rp::Worst any =
+          kvevict::detail::worst_in_order(order.data(), first, last, scores.data());
+      EXPECT_EQ(any.index, expected);
+      EXPECT_FALSE(any.nan);
+      EXPECT_EQ(rp::worst_in_order(order.data(), first, last, scores.data()).index, expected);
+#if KVEVICT_ROW_PASS_DISPATCH
+      if (__builtin_cpu_supports("avx512f")) {
+        EXPECT_EQ(rp::worst_in_order_avx512(order.data(), first, last, scores.data()).index,
+                  expected);
+      }
+#endif
+      scores[static_cast<std::size_t>(order[static_cast<std::size_t>(last - 1)])] =
+          std::numeric_limits<float>::quiet_NaN();
+      EXPECT_TRUE(kvevict::detail::worst_in_order(order.data(), first, last, scores.data()).nan);
+      EXPECT_TRUE(rp::worst_in_order(order.data(), first, last, scores.data()).nan);
+    }
+  }
+}

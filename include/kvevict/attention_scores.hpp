@@ -1,15 +1,15 @@
 // Attention rows reduced to per-slot scores, with the aggregation over query heads stated.
 #pragma once
 
-#include <bit>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
 #include <string_view>
 
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
-#include "kvevict/restrict.hpp"
 #include "kvevict/signals.hpp"
 #include "kvevict/slot_table.hpp"
 
@@ -18,29 +18,41 @@ namespace kvevict {
 /// out[s] += weight * (sum over the query heads in [q_head_begin, q_head_end) and over every query
 /// row of `rows` of the attention probability on slot s). Summing over rows gives H2O's
 /// accumulated column sum; with a single (last) row and weight 1 / heads it is TOVA's mean.
-/// Returns false if a row held NaN or an infinity (the scores are then not meaningful). One pass
-/// per row that the compiler vectorises: the check is an integer test on the bits, fused into it.
+/// Returns false if a row held NaN or an infinity (the scores are then not meaningful). The rows
+/// are added in that order, four at a time in one pass over `out` at the CPU's vector width
+/// (detail/row_passes.hpp), the check fused into it.
 [[nodiscard]] inline bool add_attention(const AttentionRows& rows, int q_head_begin, int q_head_end,
                                         float weight, std::span<float> out) {
   KVEVICT_REQUIRE(0 <= q_head_begin && q_head_begin < q_head_end && q_head_end <= rows.q_heads(),
                   "add_attention: query head range out of bounds");
-  std::uint32_t not_finite = 0;
+  // Rows of one KV head's group all have its slot limit; the batch of four shares a length.
+  std::array<const float*, 4> batch{};
+  std::size_t batched = 0;
+  std::size_t length = 0;
+  bool finite = true;
   for (int h = q_head_begin; h < q_head_end; ++h) {
     KVEVICT_REQUIRE(static_cast<std::size_t>(rows.keys(h)) <= out.size(),
                     "add_attention: attention row longer than the score column");
     for (int q = 0; q < rows.queries(); ++q) {
       const std::span<const float> row = rows.row(h, q);
-      const float* KVEVICT_RESTRICT in = row.data();
-      float* KVEVICT_RESTRICT sum = out.data();
-      for (std::size_t s = 0; s < row.size(); ++s) {
-        // Exponent all ones: NaN or an infinity.
-        not_finite |= static_cast<std::uint32_t>(
-            (std::bit_cast<std::uint32_t>(in[s]) & 0x7fffffffu) >= 0x7f800000u);
-        sum[s] += weight * in[s];
+      if (batched > 0 && row.size() != length) {  // rows of another length: flush one by one
+        for (std::size_t r = 0; r < batched; ++r) {
+          finite &= detail::add_scaled(batch[r], length, weight, out.data());
+        }
+        batched = 0;
+      }
+      length = row.size();
+      batch[batched++] = row.data();
+      if (batched == batch.size()) {
+        finite &= detail::add_scaled4(batch.data(), length, weight, out.data());
+        batched = 0;
       }
     }
   }
-  return not_finite == 0;
+  for (std::size_t r = 0; r < batched; ++r) {
+    finite &= detail::add_scaled(batch[r], length, weight, out.data());
+  }
+  return finite;
 }
 
 /// Throws unless `rows` can be scores of layer `layer` of `slots`: the layer exists, the rows have

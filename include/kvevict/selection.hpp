@@ -13,7 +13,6 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -22,6 +21,7 @@
 #include <vector>
 
 #include "kvevict/decision.hpp"
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/slot_table.hpp"
 
@@ -284,33 +284,22 @@ class WorstCandidates {
 
   std::vector<Block> blocks_;
 
-  // The steady state of a per-token budget rule: the single worst candidate, one branch-light pass.
-  // Candidates come oldest first, so among equal scores the later one is the worse (ties keep the
-  // lower original position): `<=` picks it without reading positions.
+  // The steady state of a per-token budget rule: the single worst candidate, in one pass at the
+  // CPU's vector width (detail/row_passes.hpp). Candidates come oldest first, so among equal scores
+  // the later one is the worse (ties keep the lower original position).
   static int evict_one(int unit, std::span<const std::int32_t> order, int first, int last,
                        std::span<const float> scores, std::span<const std::int64_t> originals,
                        Decision& decision) {
-    std::int32_t worst = order[static_cast<std::size_t>(first)];
-    float worst_score = std::numeric_limits<float>::infinity();
-    std::uint32_t nan = 0;
-    for (int i = first; i < last; ++i) {
-      const std::int32_t slot = order[static_cast<std::size_t>(i)];
-      const float score = scores[static_cast<std::size_t>(slot)];
-      nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
-                                        0x7f800000u);
-      if (score <= worst_score) {
-        worst_score = score;
-        worst = slot;
-      }
-    }
-    if (nan != 0) {  // name the first NaN
+    const detail::row_pass::Worst worst =
+        detail::worst_in_order(order.data(), first, last, scores.data());
+    if (worst.nan) {  // name the first NaN
       for (int i = first; i < last; ++i) {
         const std::int32_t slot = order[static_cast<std::size_t>(i)];
         require_number(scores[static_cast<std::size_t>(slot)],
                        originals[static_cast<std::size_t>(slot)]);
       }
     }
-    decision.evict(unit, worst);
+    decision.evict(unit, order[static_cast<std::size_t>(worst.index)]);
     return 1;
   }
 

@@ -20,6 +20,7 @@
 #include "kvevict/attention_scores.hpp"
 #include "kvevict/checked.hpp"
 #include "kvevict/decision.hpp"
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/granularity.hpp"
 #include "kvevict/policies/allocated.hpp"
@@ -465,16 +466,6 @@ class SequenceCore {
   }
   void mark_observed(int layer) { observed_layers_[static_cast<std::size_t>(layer)] = 1; }
 
-  // Softmax outputs are at most 1 in exact arithmetic; the slack admits an engine's rounding (a
-  // half-precision softmax is off by at most a few units of 2^-10 near 1).
-  static constexpr float kMaxProbability = 1.0f + 1.0f / 256;
-  // Non-negative floats order as their bits; NaN, infinities and negative values (sign bit set)
-  // compare above kMaxProbability's bits, -0.0 aside. An integer test, so that the pass vectorises.
-  static bool is_probability(float value) {
-    const auto bits = std::bit_cast<std::uint32_t>(value);
-    return bits <= std::bit_cast<std::uint32_t>(kMaxProbability) || bits == 0x80000000u;
-  }
-
   static std::string describe(float value) {
     if (std::isnan(value)) return "NaN";
     char text[32];
@@ -492,9 +483,8 @@ class SequenceCore {
     for (int h = 0; h < rows.q_heads(); ++h) {
       for (int q = first_query; q < rows.queries(); ++q) {
         const std::span<const float> row = rows.row(h, q);
-        std::uint32_t all_in_range = 1;
-        for (const float p : row) all_in_range &= static_cast<std::uint32_t>(is_probability(p));
-        if (all_in_range != 0) continue;  // one vectorised pass; find_if only names the culprit
+        // One vectorised pass (row_passes.hpp); find_if only names the culprit.
+        if (all_probabilities(row.data(), row.size())) continue;
         const auto bad =
             std::find_if(row.begin(), row.end(), [](float p) { return !is_probability(p); });
         throw Error(std::string(call) + ": layer " + std::to_string(layer) + ", query head " +
