@@ -1067,8 +1067,21 @@ TEST(RowPasses, TheWorstCandidateIsTheSameAtEveryWidth) {
                   expected);
       }
 #endif
+      // The skip of a scan for a few lowest: the first candidate at most the bound.
+      for (const float bound : {-1.0f, 0.0f, 1.0f, 2.5f}) {
+        int at_most = first;
+        while (at_most < last &&
+               scores[static_cast<std::size_t>(order[static_cast<std::size_t>(at_most)])] > bound)
+          ++at_most;
+        EXPECT_EQ(kvevict::detail::first_not_above(order.data(), first, last, scores.data(), bound),
+                  at_most);
+      }
       scores[static_cast<std::size_t>(order[static_cast<std::size_t>(last - 1)])] =
           std::numeric_limits<float>::quiet_NaN();
+      // NaN stops the skip (the scan then flags it).
+      EXPECT_EQ(
+          kvevict::detail::first_not_above(order.data(), last - 1, last, scores.data(), -1.0f),
+          last - 1);
       EXPECT_TRUE(kvevict::detail::worst_in_order(order.data(), first, last, scores.data()).nan);
       EXPECT_TRUE(rp::worst_in_order(order.data(), first, last, scores.data()).nan);
     }

@@ -128,6 +128,15 @@ KVEVICT_ROW_PASS_INLINE Worst worst_in_order(const std::int32_t* order, int firs
   return {worst, nan != 0};
 }
 
+// The first index i in [from, last) whose scores[order[i]] is not above `bound` (at most it, or
+// NaN), or `last`: a scan for a few lowest candidates skips the rest with it.
+KVEVICT_ROW_PASS_INLINE int first_not_above(const std::int32_t* order, int from, int last,
+                                            const float* scores, float bound) {
+  int i = from;
+  while (i < last && scores[order[i]] > bound) ++i;
+  return i;
+}
+
 #if KVEVICT_ROW_PASS_DISPATCH
 #if defined(__clang__)
 #define KVEVICT_TARGET_AVX512 [[gnu::target("avx512f")]]
@@ -197,6 +206,21 @@ KVEVICT_TARGET_AVX512 inline Worst worst_in_order_avx512(const std::int32_t* ord
     }
   }
   return {index < first ? first : index, nan != 0};
+}
+KVEVICT_TARGET_AVX512 inline int first_not_above_avx512(const std::int32_t* order, int from,
+                                                        int last, const float* scores,
+                                                        float bound) {
+  const __m512 limit = _mm512_set1_ps(bound);
+  for (int i = from; i < last; i += 16) {
+    const __mmask16 lanes =
+        last - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (last - i)) - 1u);
+    const __m512i slots = _mm512_maskz_loadu_epi32(lanes, order + i);
+    const __m512 score = _mm512_mask_i32gather_ps(limit, lanes, slots, scores, 4);
+    // Not greater, or unordered (NaN): where the scalar loop stops.
+    const __mmask16 stop = _mm512_mask_cmp_ps_mask(lanes, score, limit, _CMP_NGT_UQ);
+    if (stop != 0) return i + std::countr_zero(static_cast<unsigned>(stop));
+  }
+  return last;
 }
 #undef KVEVICT_TARGET_AVX512
 #undef KVEVICT_TARGET_AVX2
@@ -283,6 +307,18 @@ enum class Width { baseline, avx2, avx512 };
   }
 #endif
   return row_pass::worst_in_order(order, first, last, scores);
+}
+
+/// The first index i in [from, last) whose scores[order[i]] is not above `bound` (at most it, or
+/// NaN), or `last`.
+[[nodiscard]] inline int first_not_above(const std::int32_t* order, int from, int last,
+                                         const float* scores, float bound) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  if (row_pass::width() == row_pass::Width::avx512) {
+    return row_pass::first_not_above_avx512(order, from, last, scores, bound);
+  }
+#endif
+  return row_pass::first_not_above(order, from, last, scores, bound);
 }
 
 }  // namespace kvevict::detail

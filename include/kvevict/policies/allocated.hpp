@@ -55,6 +55,7 @@
 
 #include "kvevict/allocation.hpp"
 #include "kvevict/checked.hpp"
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/granularity.hpp"
 #include "kvevict/policies/protection.hpp"
@@ -336,6 +337,10 @@ class Allocated final : public PolicyDecorator {
       const int last = live - std::min(protection.newest, live - first);
       std::uint32_t nan = 0;
       for (int i = first; i < last; ++i) {
+        // worst_ holds the lowest seen so far, lowest first; most candidates rank above all and
+        // are skipped at the CPU's vector width (a score above the bound is neither NaN nor kept).
+        i = detail::first_not_above(order.data(), i, last, scores.data(), bound);
+        if (i == last) break;
         const std::int32_t slot = order[static_cast<std::size_t>(i)];
         if (protection.flags != 0 &&
             (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0)
@@ -343,7 +348,6 @@ class Allocated final : public PolicyDecorator {
         const float score = scores[static_cast<std::size_t>(slot)];
         nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
                                           0x7f800000u);
-        // worst_ holds the lowest seen so far, lowest first; most candidates rank above all.
         if (score > bound) continue;
         const Candidate c{score, originals[static_cast<std::size_t>(slot)],
                           static_cast<std::int32_t>(unit)};
