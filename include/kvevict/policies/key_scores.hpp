@@ -30,7 +30,6 @@
 #pragma once
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -194,33 +193,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
       // cosine_similarity's eps: a zero anchor makes every score 0 (ties go to the lower position).
       inverse_norms_[static_cast<std::size_t>(h)] = 1.0 / std::max(std::sqrt(norm), 1e-8);
     }
-    // kLanes slots at a time, each with its own sums in the same order as one slot alone: the same
-    // bits, without waiting on one addition chain of head_dim links per slot.
     const std::span<float> score = slots.scores(unit, kScore);
-    std::size_t i = 0;
-    for (; i + kLanes <= order.size(); i += kLanes) {
-      std::array<const float*, kLanes> u{};
-      for (std::size_t j = 0; j < kLanes; ++j) {
-        u[j] = directions.data() + static_cast<std::size_t>(order[i + j]) * per_slot;
-      }
-      std::array<double, kLanes> total{};
-      for (int h = 0; h < heads; ++h) {
-        std::array<double, kLanes> dot{};
-        const std::size_t base = static_cast<std::size_t>(h) * head_dim_;
-        for (int d = 0; d < head_dim_; ++d) {
-          const double a = anchor_[base + d];
-          for (std::size_t j = 0; j < kLanes; ++j) dot[j] += u[j][base + d] * a;
-        }
-        for (std::size_t j = 0; j < kLanes; ++j) {
-          total[j] += dot[j] * inverse_norms_[static_cast<std::size_t>(h)];
-        }
-      }
-      for (std::size_t j = 0; j < kLanes; ++j) {
-        score[static_cast<std::size_t>(order[i + j])] = static_cast<float>(-total[j] / heads);
-      }
-    }
-    for (; i < order.size(); ++i) {
-      const float* u = directions.data() + static_cast<std::size_t>(order[i]) * per_slot;
+    for (const std::int32_t slot : order) {
+      const float* u = directions.data() + static_cast<std::size_t>(slot) * per_slot;
       double total = 0.0;
       for (int h = 0; h < heads; ++h) {
         double dot = 0.0;
@@ -228,11 +203,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
         for (int d = 0; d < head_dim_; ++d) dot += u[base + d] * anchor_[base + d];
         total += dot * inverse_norms_[static_cast<std::size_t>(h)];
       }
-      score[static_cast<std::size_t>(order[i])] = static_cast<float>(-total / heads);
+      score[static_cast<std::size_t>(slot)] = static_cast<float>(-total / heads);
     }
   }
-
-  static constexpr std::size_t kLanes = 8;
 
   int head_dim_ = 0;
   std::vector<std::vector<float>> directions_;  // [unit][slot][head in unit][head_dim]
