@@ -167,6 +167,10 @@ KVEVICT_TARGET_AVX2 inline bool add_scaled4_avx2(const float* const* rows, std::
                                                  float weight, float* sum) {
   return add_scaled4(rows[0], rows[1], rows[2], rows[3], n, weight, sum);
 }
+// The lanes of a 16-wide step at index i that lie before `last`.
+inline __mmask16 lanes_before(int i, int last) {
+  return last - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (last - i)) - 1u);
+}
 // worst_in_order with 16 lanes: each lane keeps the lowest score it saw and its latest index
 // (`<=`, as the scalar loop), gathering the scores through `order`; then the lowest of the lanes
 // and, among the lanes holding it, the latest index: the scalar loop's answer.
@@ -181,8 +185,7 @@ KVEVICT_TARGET_AVX512 inline Worst worst_in_order_avx512(const std::int32_t* ord
                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   __mmask16 nan = 0;
   for (int i = first; i < last; i += 16) {
-    const __mmask16 lanes =
-        last - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (last - i)) - 1u);
+    const __mmask16 lanes = lanes_before(i, last);
     const __m512i slots = _mm512_maskz_loadu_epi32(lanes, order + i);
     const __m512 score = _mm512_mask_i32gather_ps(infinity, lanes, slots, scores, 4);
     nan |= _mm512_mask_cmp_ps_mask(lanes, score, score, _CMP_UNORD_Q);
@@ -212,8 +215,7 @@ KVEVICT_TARGET_AVX512 inline int first_not_above_avx512(const std::int32_t* orde
                                                         float bound) {
   const __m512 limit = _mm512_set1_ps(bound);
   for (int i = from; i < last; i += 16) {
-    const __mmask16 lanes =
-        last - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (last - i)) - 1u);
+    const __mmask16 lanes = lanes_before(i, last);
     const __m512i slots = _mm512_maskz_loadu_epi32(lanes, order + i);
     const __m512 score = _mm512_mask_i32gather_ps(limit, lanes, slots, scores, 4);
     // Not greater, or unordered (NaN): where the scalar loop stops.
