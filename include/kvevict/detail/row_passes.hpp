@@ -38,6 +38,13 @@ inline constexpr float kMaxProbability = 1.0f + 1.0f / 256;
   return bits <= std::bit_cast<std::uint32_t>(kMaxProbability) || bits == 0x80000000u;
 }
 
+/// 1 if `value` is NaN, else 0: an integer test on the bits (exponent all ones, mantissa not
+/// zero), so that a scan that flags NaN still vectorises.
+[[nodiscard]] inline std::uint32_t nan_flag(float value) {
+  return static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(value) & 0x7fffffffu) >
+                                    0x7f800000u);
+}
+
 namespace row_pass {
 
 // GCC 12 contracts a product and a sum into a fused multiply-add across statements in C++
@@ -118,8 +125,7 @@ KVEVICT_ROW_PASS_INLINE Worst worst_in_order(const std::int32_t* order, int firs
   std::uint32_t nan = 0;
   for (int i = first; i < last; ++i) {
     const float score = scores[order[i]];
-    nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
-                                      0x7f800000u);
+    nan |= nan_flag(score);
     if (score <= worst_score) {  // `<=`: the later of equals
       worst_score = score;
       worst = i;

@@ -42,7 +42,6 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -346,9 +345,7 @@ class Allocated final : public PolicyDecorator {
             (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0)
           continue;
         const float score = scores[static_cast<std::size_t>(slot)];
-        nan |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(score) & 0x7fffffffu) >
-                                          0x7f800000u);
-        if (score > bound) continue;
+        nan |= detail::nan_flag(score);
         const Candidate c{score, originals[static_cast<std::size_t>(slot)],
                           static_cast<std::int32_t>(unit)};
         if (static_cast<int>(worst_.size()) == worst) {
