@@ -7,11 +7,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <kvevict/allocation.hpp>
 #include <kvevict/engine.hpp>
+#include <kvevict/evicting_cache.hpp>
 #include <kvevict/kv_type.hpp>
 #include <kvevict/policies/allocated.hpp>
 #include <kvevict/policies/h2o.hpp>
+#include <kvevict/policies/key_scores.hpp>
 #include <kvevict/policies/streaming_llm.hpp>
 #include <kvevict/policies/tova.hpp>
 #include <kvevict/policy_registry.hpp>
@@ -340,6 +343,146 @@ TEST(Allocation, PeakBytesStayWithinTheBudgetPlusOneChunk) {
     }
   }
   EXPECT_EQ(runs, 24);
+}
+
+// Compacted slots (SequenceConfig::compact_slots, KvStore's HeadSizing::by_use) change where
+// rows sit, nothing else: two caches fed the same random stream, one compacting, keep the same
+// tokens in every unit after every step, with the same stored bits for each. H2O and TOVA per head
+// under the three allocations; KeyDiff (its own per-slot unit vectors) and Ada-KV with kvpress's
+// re-compression (its own per-slot votes of the recent queries) under a uniform split and their
+// own. The compacting one's K/V allocation stays within 3/2 of the most tokens held at once, plus
+// 16 rows per head: each head's block is refitted to its slots, which compacting keeps at its live
+// tokens plus the chunk, before every write (KvStore::fit: at most 3/2 of them plus 16 rows).
+TEST(Allocation, CompactedRowsFollowEachHeadsShareAndChangeNoDecision) {
+  constexpr int kLayers = 3;
+  constexpr int kQueryHeads = 4;
+  constexpr int kKvHeads = 2;
+  constexpr int kHeadDim = 32;
+  constexpr int kMaxChunk = 5;
+  constexpr int kGroup = kQueryHeads / kKvHeads;
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  int runs = 0;
+  for (const kvevict::KvType type :
+       {kvevict::KvType::f32, kvevict::KvType::f16, kvevict::KvType::bf16, kvevict::KvType::q8_0}) {
+    const auto row_bytes = static_cast<std::int64_t>(kvevict::kv_row_bytes(type, kHeadDim));
+    for (const Allocation allocation :
+         {Allocation::uniform, Allocation::pyramid, Allocation::adaptive}) {
+      for (const std::string name : {"h2o", "tova", "keydiff", "adakv"}) {
+        // KeyDiff and Ada-KV once each (uniform: KeyDiff's split, Ada-KV's own).
+        if ((name == "keydiff" || name == "adakv") && allocation != Allocation::uniform) continue;
+        kvevict::CacheConfig config;
+        config.shape = kvevict::CacheShape{kLayers, kQueryHeads, kKvHeads, kHeadDim};
+        config.kv_type = type;
+        config.sequence.max_chunk = kMaxChunk;
+        config.sequence.granularity = Granularity::head;
+        config.sequence.allocation = allocation;
+        config.sequence.adaptive_floor = 0.25 * static_cast<double>(rng() % 5);
+        if (name != "adakv") {
+          config.sequence.budget_bytes =
+              std::int64_t{8 + static_cast<int>(rng() % 30)} * kLayers * kKvHeads * 2 * row_bytes;
+        }
+        const auto policy = [&name]() -> std::unique_ptr<kvevict::Policy> {
+          if (name == "h2o") return kvevict::make_h2o({4, 2});
+          if (name == "tova") return kvevict::make_tova({4, 1, true});
+          if (name == "keydiff") return kvevict::make_keydiff({4, 2});
+          return kvevict::make_policy(
+              "adakv", kvevict::PolicyParams::parse("capacity=24 window=4 interval=3 gqa=mean"));
+        };
+        kvevict::EvictingCache plain(config, policy());
+        config.sequence.compact_slots = true;
+        kvevict::EvictingCache compact(config, policy());
+        kvevict::EvictingCache* caches[] = {&plain, &compact};
+        std::vector<float> rows;
+        for (int step = 0; step < 200; ++step) {
+          const int n = 1 + static_cast<int>(rng() % kMaxChunk);
+          const auto seed = static_cast<std::uint32_t>(rng());
+          std::vector<kvevict::EvictingCache::Matrix> keys;
+          std::vector<kvevict::EvictingCache::Matrix> values;
+          for (int i = 0; i < kLayers * kKvHeads; ++i) {
+            keys.emplace_back(n, kHeadDim);
+            values.emplace_back(n, kHeadDim);
+            for (float& x : keys.back().reshaped()) x = normal(rng);
+            for (float& x : values.back().reshaped()) x = normal(rng);
+          }
+          for (kvevict::EvictingCache* cache : caches) {
+            kvevict::Sequence& sequence = cache->sequence();
+            sequence.begin_chunk(std::vector<std::int32_t>(static_cast<std::size_t>(n), 7));
+            const int queries = sequence.attention_queries();
+            for (int l = 0; l < kLayers; ++l) {
+              for (int g = 0; g < kKvHeads; ++g) {
+                const auto i = static_cast<std::size_t>(l * kKvHeads + g);
+                cache->write_chunk(l, g, keys[i], values[i]);
+              }
+              if (sequence.wants_keys()) cache->observe_stored_keys(l);
+              if (!sequence.wants_attention()) continue;
+              // Each live token's attention is a function of its original position (and the
+              // step, head and query), wherever its slot is; at most 1/256 (fewer live tokens).
+              int stride = 1;
+              for (int g = 0; g < kKvHeads; ++g) {
+                stride = std::max(stride, sequence.slot_limit(l, g));
+              }
+              rows.assign(static_cast<std::size_t>(kQueryHeads * queries * stride), 0.0f);
+              for (int h = 0; h < kQueryHeads; ++h) {
+                const int unit = sequence.unit_of(l, h / kGroup);
+                const std::span<const std::int64_t> originals =
+                    sequence.slots().original_positions(unit);
+                for (int q = 0; q < queries; ++q) {
+                  for (const std::int32_t slot : sequence.slots().stream_order(unit)) {
+                    const auto original =
+                        static_cast<std::uint32_t>(originals[static_cast<std::size_t>(slot)]);
+                    const std::uint32_t hash = (seed ^ (original * 2654435761u) ^
+                                                static_cast<std::uint32_t>((h * 8 + q) * 40503)) %
+                                               1000u;
+                    rows[static_cast<std::size_t>((h * queries + q) * stride + slot)] =
+                        static_cast<float>(hash) / (1000.0f * 256.0f);
+                  }
+                }
+              }
+              sequence.observe_attention(l, rows.data(), queries, stride);
+            }
+            sequence.end_forward();
+          }
+          // The same tokens, the same bits.
+          const kvevict::SlotTable& a = plain.sequence().slots();
+          const kvevict::SlotTable& b = compact.sequence().slots();
+          for (int l = 0; l < kLayers; ++l) {
+            for (int g = 0; g < kKvHeads; ++g) {
+              const int unit = plain.sequence().unit_of(l, g);
+              ASSERT_EQ(a.live(unit), b.live(unit))
+                  << name << " " << to_string(allocation) << " step " << step;
+              ASSERT_EQ(b.slot_limit(unit), b.live(unit));
+              for (int k = 0; k < a.live(unit); ++k) {
+                const std::int32_t sa = a.stream_order(unit)[static_cast<std::size_t>(k)];
+                const std::int32_t sb = b.stream_order(unit)[static_cast<std::size_t>(k)];
+                ASSERT_EQ(a.original_positions(unit)[static_cast<std::size_t>(sa)],
+                          b.original_positions(unit)[static_cast<std::size_t>(sb)])
+                    << name << " " << to_string(allocation) << " step " << step;
+                ASSERT_EQ(0, std::memcmp(plain.store().key_row(l, g, sa),
+                                         compact.store().key_row(l, g, sb),
+                                         static_cast<std::size_t>(row_bytes)));
+                ASSERT_EQ(0, std::memcmp(plain.store().value_row(l, g, sa),
+                                         compact.store().value_row(l, g, sb),
+                                         static_cast<std::size_t>(row_bytes)));
+              }
+            }
+          }
+          // Every head's block was last refitted to its slots right after an append, whose sum
+          // is at most the most tokens held at once (peak_total_live: within the budget plus one
+          // chunk, Allocation.PeakBytesStayWithinTheBudgetPlusOneChunk).
+          const std::int64_t peak_bytes = b.peak_total_live() * 2 * row_bytes;
+          const std::int64_t slack = kLayers * kKvHeads * 2 * (16 * row_bytes + 8);
+          ASSERT_LE(static_cast<std::int64_t>(compact.memory().reserved_kv_bytes),
+                    peak_bytes * 3 / 2 + slack)
+              << to_string(type) << " " << name << " " << to_string(allocation) << " step " << step;
+        }
+        EXPECT_GT(compact.sequence().stats().evicted_slots, 0);
+        EXPECT_GT(compact.sequence().stats().moved_slots, 0);
+        ++runs;
+      }
+    }
+  }
+  EXPECT_EQ(runs, 32);
 }
 
 }  // namespace

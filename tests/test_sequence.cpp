@@ -906,6 +906,52 @@ TEST(SlotTable, FreeSlotsAreReusedInTheTablesOrder) {
   EXPECT_EQ(reused(kvevict::SlotReuse::lowest_first), (std::vector<std::int32_t>{1, 3, 5, 8}));
 }
 
+// Six tokens (slot k holds position k, score 10 k) under cache_index, 1 and 3 evicted: live 4,
+// slots [0, 6) in use. compact() moves the live slots at or above 4 (4 and 5) into the holes below
+// 4 (1 and 3), in ascending order: 4 -> 1, 5 -> 3. Everything a token has moves with it: its
+// original position, score and RoPE position (the ranks 2 and 3 of positions 4 and 5); the stream
+// order reads slots 0, 2, 1, 3; the next token takes slot 4.
+TEST(SlotTable, CompactMovesTheNewestLiveSlotsIntoTheHoles) {
+  SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::cache_index,
+                  16, 1);
+  std::vector<std::int32_t> out(6);
+  slots.append(0, Positions{0, 1, 2, 3, 4, 5}, std::vector<std::int32_t>{10, 11, 12, 13, 14, 15},
+               std::vector<std::uint8_t>(6, 0), out);
+  for (int s = 0; s < 6; ++s) slots.scores(0, 0)[static_cast<std::size_t>(s)] = 10.0f * s;
+  slots.evict(0, std::vector<std::int32_t>{1, 3});
+  const std::int64_t position_of_4 = slots.position(0, 4);
+  const std::int64_t position_of_5 = slots.position(0, 5);
+  EXPECT_EQ(position_of_4, 2);
+  EXPECT_EQ(position_of_5, 3);
+  std::vector<kvevict::SlotMove> moves;
+  slots.compact(0, moves);
+  ASSERT_EQ(moves.size(), 2u);
+  EXPECT_EQ(moves[0].from, 4);
+  EXPECT_EQ(moves[0].to, 1);
+  EXPECT_EQ(moves[1].from, 5);
+  EXPECT_EQ(moves[1].to, 3);
+  EXPECT_EQ(slots.slot_limit(0), 4);
+  EXPECT_EQ(slots.live(0), 4);
+  EXPECT_EQ(std::vector<std::int32_t>(slots.stream_order(0).begin(), slots.stream_order(0).end()),
+            (std::vector<std::int32_t>{0, 2, 1, 3}));
+  EXPECT_EQ(slots.original_positions(0)[1], 4);
+  EXPECT_EQ(slots.original_positions(0)[3], 5);
+  EXPECT_EQ(slots.token_ids(0)[1], 14);
+  EXPECT_EQ(slots.token_ids(0)[3], 15);
+  EXPECT_EQ(slots.scores(0, 0)[1], 40.0f);
+  EXPECT_EQ(slots.scores(0, 0)[3], 50.0f);
+  EXPECT_EQ(slots.position(0, 1), position_of_4);
+  EXPECT_EQ(slots.position(0, 3), position_of_5);
+  EXPECT_FALSE(slots.is_live(0, 4));
+  slots.compact(0, moves);  // nothing left to move
+  EXPECT_EQ(moves.size(), 2u);
+  out.resize(1);
+  slots.append(0, Positions{6}, std::vector<std::int32_t>{16}, std::vector<std::uint8_t>(1, 0),
+               out);
+  EXPECT_EQ(out[0], 4);
+  EXPECT_EQ(slots.position(0, 4), 4);  // rank 4 of five
+}
+
 TEST(SlotTable, RejectsBadChanges) {
   SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 4,
                   0);

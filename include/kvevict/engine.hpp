@@ -60,6 +60,11 @@ struct SequenceConfig {
   /// Which free slot a new token takes: lowest_first when the engine allocates cells that way
   /// (llama.cpp), so that slot i stays the engine's cell i.
   SlotReuse slot_reuse = SlotReuse::newest_freed_first;
+  /// After every decision, move each unit's newest live slots into its free ones so that its live
+  /// slots are [0, live) (SlotTable::compact; AppliedDecision::moves): the engine's rows of a head
+  /// can then shrink with its share (a budget split by allocation). The backend must move rows;
+  /// an engine whose cells are shared by every head (llama.cpp) leaves it off.
+  bool compact_slots = false;
   /// Build key_runs() and live_mask() at every begin_chunk / begin_catalyst (one pass over each
   /// unit's slots). Engines attending over their own cells (llama.cpp) turn it off.
   bool attention_views = true;
@@ -88,6 +93,7 @@ struct SequenceStats {
   std::int64_t catalyst_runs = 0;           ///< catalyst prompts run
   std::int64_t turns = 0;                   ///< chunks that started a turn
   std::int64_t pressure_evicted_slots = 0;  ///< of evicted_slots, those shrink_to evicted
+  std::int64_t moved_slots = 0;             ///< slots moved by compact_slots
 };
 
 /// A run of live slots [begin, end) of one head that share one `rotation`. post_rope keys: the
@@ -132,6 +138,12 @@ class AppliedDecision {
   [[nodiscard]] std::span<const KeyRotation> rotations(int layer, int kv_head) const;
   /// Every rotation, grouped by unit in ascending unit order.
   [[nodiscard]] std::span<const KeyRotation> rotations() const { return rotations_; }
+  /// Live tokens of `unit` that changed slot (SequenceConfig::compact_slots): move each head's key
+  /// and value rows from `from` to `to`. Every `to` is free and no `from` is a `to`, so the moves
+  /// are independent. Rotations name the slots after the moves.
+  [[nodiscard]] std::span<const SlotMove> moves(int unit) const;
+  /// Whether any unit's slots moved.
+  [[nodiscard]] bool has_moves() const { return !moves_.empty(); }
 
  private:
   friend class detail::SequenceCore;  // the builder
@@ -141,6 +153,8 @@ class AppliedDecision {
   std::vector<std::size_t> rotation_begin_;       // [units + 1]
   std::vector<std::size_t> rotation_slot_begin_;  // [rotations]
   std::vector<std::int32_t> rotated_slots_;
+  std::vector<SlotMove> moves_;
+  std::vector<std::size_t> moves_begin_;  // [units + 1]
 };
 
 /// What the engine implements over its own K/V memory. kvevict's KvStore is one such backend.
@@ -150,8 +164,9 @@ class KvBackend {
   /// From now on every head's slots are [0, capacity): make room, keeping contents. Called at
   /// construction and whenever an unbounded policy needs more slots; capacity never shrinks.
   virtual void reserve(int capacity) = 0;
-  /// Free the evicted slots (most engines: nothing to do) and rotate the stored keys that
-  /// rotations() names. Called once per decision, never empty. An exception leaves the sequence
+  /// Free the evicted slots (most engines: nothing to do), move the rows moves() names (only
+  /// under compact_slots), then rotate the stored keys that rotations() names. Called once per
+  /// decision, never empty. An exception leaves the sequence
   /// unusable: kvevict's metadata has changed already.
   virtual void apply(const AppliedDecision& decision) = 0;
 };

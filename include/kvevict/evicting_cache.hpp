@@ -42,6 +42,10 @@ struct MemoryStats {
   std::size_t reserved_bytes = 0;       ///< everything allocated for slots (K/V and metadata)
   std::size_t peak_live_bytes = 0;      ///< the largest live_bytes() seen since construction
   std::size_t peak_kv_bytes = 0;        ///< keys + values at that peak
+  /// Keys + values allocated now, and the most at once (KvStore; under compact_slots each head's
+  /// rows follow its use, else every head holds the whole capacity).
+  std::size_t reserved_kv_bytes = 0;
+  std::size_t peak_reserved_kv_bytes = 0;
   [[nodiscard]] std::size_t live_bytes() const { return live_kv_bytes + live_metadata_bytes; }
 };
 
@@ -54,7 +58,8 @@ class EvictingCache {
                 StageObserver* observer = nullptr)
       : config_(validated(config)),
         rope_(config_.rope),
-        store_(config_.shape, config_.rope, config_.sequence.key_storage, config_.kv_type),
+        store_(config_.shape, config_.rope, config_.sequence.key_storage, config_.kv_type,
+               config_.sequence.compact_slots ? HeadSizing::by_use : HeadSizing::whole_capacity),
         sequence_(config_.sequence, std::move(policy), &store_, observer) {}
 
   [[nodiscard]] const CacheConfig& config() const { return config_; }
@@ -75,6 +80,8 @@ class EvictingCache {
     stats.reserved_bytes = store_.reserved_bytes() + static_cast<std::size_t>(slots.capacity()) *
                                                          static_cast<std::size_t>(slots.units()) *
                                                          slots.bytes_per_slot();
+    stats.reserved_kv_bytes = store_.reserved_bytes();
+    stats.peak_reserved_kv_bytes = store_.peak_reserved_bytes();
     const auto peak_slots = static_cast<std::size_t>(slots.peak_total_live());
     stats.peak_kv_bytes = peak_slots * store_.kv_bytes_per_slot();
     stats.peak_live_bytes =
@@ -103,6 +110,7 @@ class EvictingCache {
             std::to_string(values.rows()) + ", " + std::to_string(values.cols()) + "]");
     const bool post_rope = config_.sequence.key_storage == KeyStorage::post_rope;
     key_scratch_.resize(static_cast<std::size_t>(keys.cols()));
+    store_.fit(layer, kv_head, sequence_.slot_limit(layer, kv_head));
     for (std::size_t i = 0; i < slots.size(); ++i) {
       const auto row = static_cast<Eigen::Index>(i);
       // Rotated in double and rounded once to the storage type.

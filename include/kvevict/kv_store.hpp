@@ -37,6 +37,17 @@
 
 namespace kvevict {
 
+/// How many rows each head's block holds.
+enum class HeadSizing : std::uint8_t {
+  /// Every head the sequence's whole capacity (reserve()): no copy once reserved.
+  whole_capacity,
+  /// Each head what its slots use (fit()), under SequenceConfig::compact_slots: a head whose share
+  /// of a budget shrinks gives its rows back. A block grows to 5/4 of what is asked and shrinks
+  /// once it holds over 3/2 of it (plus 16 rows), so it holds at most 3/2 of its slots plus 16
+  /// rows, and the copies are amortised (bytes_copied()).
+  by_use,
+};
+
 /// Keys and values of every (layer, KV head): slot s is row s of that head's block, a row holding
 /// kv_row_bytes(type, head_dim) bytes.
 class KvStore final : public KvBackend {
@@ -49,11 +60,13 @@ class KvStore final : public KvBackend {
   /// Buffers for `shape`, rows stored as `type`; rotations (post-RoPE folds) use `rope`. Empty
   /// until reserve().
   KvStore(const CacheShape& shape, const RopeConfig& rope, KeyStorage key_storage,
-          KvType type = KvType::f32)
+          KvType type = KvType::f32, HeadSizing sizing = HeadSizing::whole_capacity)
       : shape_(shape),
         key_storage_(key_storage),
         type_(type),
-        row_bytes_((shape.validate(), kv_row_bytes(type, shape.head_dim))) {
+        sizing_(sizing),
+        row_bytes_((shape.validate(), kv_row_bytes(type, shape.head_dim))),
+        heads_(static_cast<std::size_t>(shape.head_caches())) {
     if (key_storage == KeyStorage::post_rope) {
       rope_ = Rope(rope);
       angles_.resize(2 * static_cast<std::size_t>(rope_.pairs()));
@@ -62,7 +75,12 @@ class KvStore final : public KvBackend {
   }
 
   [[nodiscard]] const CacheShape& shape() const { return shape_; }
+  /// Slots per head the sequence may use (reserve()); under HeadSizing::by_use a head's block
+  /// holds head_rows() of them.
   [[nodiscard]] int capacity() const { return capacity_; }
+  [[nodiscard]] HeadSizing sizing() const { return sizing_; }
+  /// Rows the block of head (layer, kv_head) holds.
+  [[nodiscard]] int head_rows(int layer, int kv_head) const { return head(layer, kv_head).rows; }
   [[nodiscard]] KeyStorage key_storage() const { return key_storage_; }
   [[nodiscard]] KvType kv_type() const { return type_; }
   /// Bytes of one stored row (one token's key, or value, of one head).
@@ -70,17 +88,41 @@ class KvStore final : public KvBackend {
 
   void reserve(int capacity) override {
     if (capacity <= capacity_) return;
-    const std::int64_t total = checked_allocation(
+    (void)checked_allocation(
         {2, shape_.head_caches(), capacity, static_cast<std::int64_t>(row_bytes_)},
         "KvStore: key and value bytes", kMaxBytes);
-    grow(keys_, capacity, static_cast<std::size_t>(total / 2));
-    grow(values_, capacity, static_cast<std::size_t>(total / 2));
     capacity_ = capacity;
+    if (sizing_ == HeadSizing::by_use) return;
+    for (HeadRows& rows : heads_) resize(rows, capacity);
   }
 
-  /// Rotates the keys of every KeyRotation (post-RoPE storage), each from its stored form with one
-  /// rounding; evicted slots need nothing.
+  /// HeadSizing::by_use: the block of head (layer, kv_head) holds at least rows [0, slots), with
+  /// its contents (see HeadSizing for the rule). Call before writing a chunk's rows (slots = the
+  /// head's slot limit) and after a decision. No-op under whole_capacity.
+  void fit(int layer, int kv_head, int slots) {
+    if (sizing_ != HeadSizing::by_use) return;
+    KVEVICT_REQUIRE(slots >= 0 && slots <= capacity_, "KvStore::fit: " + std::to_string(slots) +
+                                                          " slots, outside [0, " +
+                                                          std::to_string(capacity_) + "]");
+    HeadRows& rows = head(layer, kv_head);
+    const int roomy = std::min(capacity_, slots + slots / 4);
+    if (rows.rows < slots || rows.rows > slots + slots / 2 + 16) resize(rows, roomy);
+  }
+
+  /// Moves the rows each SlotMove names (compact_slots), then rotates the keys of every
+  /// KeyRotation (post-RoPE storage), each from its stored form with one rounding; evicted slots
+  /// need nothing.
   void apply(const AppliedDecision& decision) override {
+    if (decision.has_moves()) {
+      for (int l = 0; l < shape_.layers; ++l) {
+        for (int g = 0; g < shape_.kv_heads; ++g) {
+          for (const SlotMove& move : decision.moves(decision.layout.unit_of(l, g))) {
+            std::memcpy(key_row(l, g, move.to), key_row(l, g, move.from), row_bytes_);
+            std::memcpy(value_row(l, g, move.to), value_row(l, g, move.from), row_bytes_);
+          }
+        }
+      }
+    }
     for (const KeyRotation& rotation : decision.rotations()) {
       KVEVICT_REQUIRE(key_storage_ == KeyStorage::post_rope,
                       "KvStore: a key rotation for pre-RoPE keys");
@@ -98,10 +140,12 @@ class KvStore final : public KvBackend {
   /// Stores head_dim values (float or double) as the key / value of slot `slot`: one rounding.
   template <class Real>
   void write_key(int layer, int kv_head, std::int32_t slot, const Real* key) {
+    check_row(layer, kv_head, slot);
     encode_kv_row(type_, key, shape_.head_dim, key_row(layer, kv_head, slot));
   }
   template <class Real>
   void write_value(int layer, int kv_head, std::int32_t slot, const Real* value) {
+    check_row(layer, kv_head, slot);
     encode_kv_row(type_, value, shape_.head_dim, value_row(layer, kv_head, slot));
   }
   /// The head_dim values of a stored key / value (exact).
@@ -116,38 +160,39 @@ class KvStore final : public KvBackend {
 
   /// Stored bytes of the key / value row of slot `slot` of head (layer, kv_head).
   [[nodiscard]] std::uint8_t* key_row(int layer, int kv_head, std::int32_t slot) {
-    return head_data(keys_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+    return head_data(&HeadRows::keys, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
   }
   [[nodiscard]] const std::uint8_t* key_row(int layer, int kv_head, std::int32_t slot) const {
-    return head_data(keys_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+    return head_data(&HeadRows::keys, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
   }
   [[nodiscard]] std::uint8_t* value_row(int layer, int kv_head, std::int32_t slot) {
-    return head_data(values_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+    return head_data(&HeadRows::values, layer, kv_head) +
+           static_cast<std::size_t>(slot) * row_bytes_;
   }
   [[nodiscard]] const std::uint8_t* value_row(int layer, int kv_head, std::int32_t slot) const {
-    return head_data(values_, layer, kv_head) + static_cast<std::size_t>(slot) * row_bytes_;
+    return head_data(&HeadRows::values, layer, kv_head) +
+           static_cast<std::size_t>(slot) * row_bytes_;
   }
   /// Key / value rows of slots [0, capacity) of head (layer, kv_head), as stored.
   [[nodiscard]] StoredRows stored_keys(int layer, int kv_head) const {
-    return {head_data(keys_, layer, kv_head), type_, row_bytes_};
+    return {head_data(&HeadRows::keys, layer, kv_head), type_, row_bytes_};
   }
   [[nodiscard]] StoredRows stored_values(int layer, int kv_head) const {
-    return {head_data(values_, layer, kv_head), type_, row_bytes_};
+    return {head_data(&HeadRows::values, layer, kv_head), type_, row_bytes_};
   }
   /// F32 storage: key rows of slots [0, limit) of head (layer, kv_head), [limit, head_dim].
   [[nodiscard]] Eigen::Map<const Matrix> keys(int layer, int kv_head, int limit) const {
-    return {f32_rows(keys_, layer, kv_head), limit, shape_.head_dim};
+    return {f32_rows(&HeadRows::keys, layer, kv_head), limit, shape_.head_dim};
   }
   [[nodiscard]] Eigen::Map<const Matrix> values(int layer, int kv_head, int limit) const {
-    return {f32_rows(values_, layer, kv_head), limit, shape_.head_dim};
+    return {f32_rows(&HeadRows::values, layer, kv_head), limit, shape_.head_dim};
   }
 
   /// Bytes of one slot's key and value rows (Q8_0 scales included).
   [[nodiscard]] std::size_t kv_bytes_per_slot() const { return 2 * row_bytes_; }
-  /// Bytes allocated for keys and values.
-  [[nodiscard]] std::size_t reserved_bytes() const {
-    return (keys_.size() + values_.size()) * sizeof(Word);
-  }
+  /// Bytes allocated for keys and values, and the most allocated at once since construction.
+  [[nodiscard]] std::size_t reserved_bytes() const { return reserved_bytes_; }
+  [[nodiscard]] std::size_t peak_reserved_bytes() const { return peak_reserved_bytes_; }
   /// Key bytes rewritten by fold rotations since construction.
   [[nodiscard]] std::size_t bytes_rotated() const { return bytes_rotated_; }
   /// Key and value bytes copied by growing the buffers since construction.
@@ -158,35 +203,57 @@ class KvStore final : public KvBackend {
   // Q8_0 row of 34 bytes is not word-aligned). A buffer is padded to whole words: at most 3 bytes.
   using Word = float;
 
-  [[nodiscard]] std::size_t head_offset(int layer, int kv_head) const {
-    return (static_cast<std::size_t>(layer) * shape_.kv_heads + kv_head) *
-           static_cast<std::size_t>(capacity_) * row_bytes_;
+  // One head's key and value blocks: `rows` rows each.
+  struct HeadRows {
+    std::vector<Word> keys;
+    std::vector<Word> values;
+    int rows = 0;
+  };
+
+  [[nodiscard]] HeadRows& head(int layer, int kv_head) {
+    return heads_[static_cast<std::size_t>(layer) * static_cast<std::size_t>(shape_.kv_heads) +
+                  static_cast<std::size_t>(kv_head)];
   }
-  [[nodiscard]] std::uint8_t* head_data(std::vector<Word>& data, int layer, int kv_head) {
-    return reinterpret_cast<std::uint8_t*>(data.data()) + head_offset(layer, kv_head);
+  [[nodiscard]] const HeadRows& head(int layer, int kv_head) const {
+    return heads_[static_cast<std::size_t>(layer) * static_cast<std::size_t>(shape_.kv_heads) +
+                  static_cast<std::size_t>(kv_head)];
   }
-  [[nodiscard]] const std::uint8_t* head_data(const std::vector<Word>& data, int layer,
+  [[nodiscard]] std::uint8_t* head_data(std::vector<Word> HeadRows::*block, int layer,
+                                        int kv_head) {
+    return reinterpret_cast<std::uint8_t*>((head(layer, kv_head).*block).data());
+  }
+  [[nodiscard]] const std::uint8_t* head_data(std::vector<Word> HeadRows::*block, int layer,
                                               int kv_head) const {
-    return reinterpret_cast<const std::uint8_t*>(data.data()) + head_offset(layer, kv_head);
+    return reinterpret_cast<const std::uint8_t*>((head(layer, kv_head).*block).data());
   }
-  [[nodiscard]] const float* f32_rows(const std::vector<Word>& data, int layer, int kv_head) const {
+  [[nodiscard]] const float* f32_rows(std::vector<Word> HeadRows::*block, int layer,
+                                      int kv_head) const {
     KVEVICT_REQUIRE(type_ == KvType::f32, "KvStore: rows as f32 matrices of a " +
                                               std::string(to_string(type_)) + " store");
-    return data.data() + head_offset(layer, kv_head) / sizeof(Word);
+    return (head(layer, kv_head).*block).data();
   }
 
-  // Regrows `data` ([heads][capacity_][row]) to `capacity` rows per head, keeping contents.
-  void grow(std::vector<Word>& data, int capacity, std::size_t bytes) {
-    std::vector<Word> grown((bytes + sizeof(Word) - 1) / sizeof(Word), Word(0));
-    const std::size_t old_head = static_cast<std::size_t>(capacity_) * row_bytes_;
-    const std::size_t new_head = static_cast<std::size_t>(capacity) * row_bytes_;
-    auto* target = reinterpret_cast<std::uint8_t*>(grown.data());
-    const auto* source = reinterpret_cast<const std::uint8_t*>(data.data());
-    for (int h = 0; h < shape_.head_caches() && old_head > 0; ++h) {
-      std::memcpy(target + h * new_head, source + h * old_head, old_head);
+  void check_row(int layer, int kv_head, std::int32_t slot) const {
+    KVEVICT_REQUIRE(slot >= 0 && slot < head(layer, kv_head).rows,
+                    "KvStore: slot " + std::to_string(slot) + " of head (" + std::to_string(layer) +
+                        ", " + std::to_string(kv_head) + ") is beyond its " +
+                        std::to_string(head(layer, kv_head).rows) + " rows (reserve, or fit)");
+  }
+
+  // Re-allocates a head's blocks to `rows` rows, keeping the rows both sizes hold.
+  void resize(HeadRows& head_rows, int rows) {
+    const std::size_t words =
+        (static_cast<std::size_t>(rows) * row_bytes_ + sizeof(Word) - 1) / sizeof(Word);
+    const std::size_t kept = static_cast<std::size_t>(std::min(rows, head_rows.rows)) * row_bytes_;
+    for (std::vector<Word>* block : {&head_rows.keys, &head_rows.values}) {
+      std::vector<Word> resized(words, Word(0));
+      if (kept > 0) std::memcpy(resized.data(), block->data(), kept);
+      reserved_bytes_ = reserved_bytes_ - block->size() * sizeof(Word) + words * sizeof(Word);
+      block->swap(resized);
     }
-    bytes_copied_ += static_cast<std::size_t>(shape_.head_caches()) * old_head;
-    data.swap(grown);
+    bytes_copied_ += 2 * kept;
+    head_rows.rows = rows;
+    peak_reserved_bytes_ = std::max(peak_reserved_bytes_, reserved_bytes_);
   }
 
   // One fold of one key: f32 rows rotate in place (computed in double, rounded once); other types
@@ -205,15 +272,17 @@ class KvStore final : public KvBackend {
   CacheShape shape_;
   KeyStorage key_storage_;
   KvType type_;
+  HeadSizing sizing_;
   std::size_t row_bytes_;
+  std::vector<HeadRows> heads_;  // [layer * kv_heads + kv_head]
   Rope rope_;
   int capacity_ = 0;
-  std::vector<Word> keys_;           // [layers * kv_heads][capacity][row_bytes] bytes
-  std::vector<Word> values_;         // [layers * kv_heads][capacity][row_bytes] bytes
   std::vector<double> angles_;       // rotation scratch: [cos x pairs, sin x pairs]
   std::vector<double> row_scratch_;  // one decoded key (folds of non-f32 rows)
   std::size_t bytes_rotated_ = 0;
   std::size_t bytes_copied_ = 0;
+  std::size_t reserved_bytes_ = 0;
+  std::size_t peak_reserved_bytes_ = 0;
 };
 
 }  // namespace kvevict

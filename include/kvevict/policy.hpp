@@ -102,6 +102,10 @@ class Policy {
   /// Brings `unit`'s score column up to date before it is ranked from outside select() (an
   /// allocation's ranking across units), for scores computed at eviction time (KeyDiff).
   virtual void update_scores(SlotTable& /*slots*/, int /*unit*/) {}
+  /// Whether its units keep different numbers of tokens, or numbers that change (a budget split by
+  /// pyramid or adaptive): an engine that sizes each head's rows by what it holds then compacts
+  /// (SequenceConfig::compact_slots).
+  [[nodiscard]] virtual bool uneven_shares() const { return false; }
   /// Most slots any unit holds once the policy has evicted (at its steady point), or nullopt when
   /// the policy has no bound (full cache, AnLLM without a cap). Engines size buffers from it.
   [[nodiscard]] virtual std::optional<int> retained_limit() const { return std::nullopt; }
@@ -113,6 +117,9 @@ class Policy {
     return std::nullopt;
   }
 
+  /// Live tokens of `unit` changed slot (SequenceConfig::compact_slots; the table's columns have
+  /// moved already): a policy keeping per-slot state of its own moves it here.
+  virtual void move_slots(int /*unit*/, std::span<const SlotMove> /*moves*/) {}
   /// The chunk's tokens were just appended to every unit (Sequence::chunk_slots).
   virtual void on_append(SlotTable& /*slots*/, const ChunkInfo& /*chunk*/) {}
   /// Attention rows of one layer for the current forward (attention_rows / last_attention_row).

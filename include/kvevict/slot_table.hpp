@@ -1,7 +1,9 @@
 // SlotTable: the metadata of every cached token, per decision unit, without keys or values.
 //
 // Eviction is metadata. A unit's tokens live in slots [0, capacity); an evicted token's slot goes
-// on a free list and the next token takes it, so no key or value row ever moves. Slot order is
+// on a free list and the next token takes it, so no key or value row moves (unless the engine
+// asks for compact(), which moves a unit's newest slots into its holes so that its rows can
+// shrink with its share). Slot order is
 // therefore not stream order: the table keeps stream order beside the slots (stream_order()).
 //
 // Positions without rewriting keys. Every token has an original position (its index in the input
@@ -55,6 +57,12 @@ enum class SlotReuse : std::uint8_t {
   lowest_first,
 };
 
+/// A live token that changed slot (SlotTable::compact): its rows go from `from` to `to`.
+struct SlotMove {
+  std::int32_t from = 0;
+  std::int32_t to = 0;
+};
+
 class SlotTable {
  public:
   /// A stretch of a unit's tokens, contiguous in stream order, with one RoPE position offset and
@@ -91,8 +99,8 @@ class SlotTable {
 
   /// Live tokens of unit `unit`.
   [[nodiscard]] int live(int unit) const { return state(unit).live; }
-  /// Slots [0, slot_limit) have held tokens; every live slot is below it. Attention over a unit
-  /// covers these slots and skips the free ones.
+  /// Every live slot is below it: the most slots the unit has held since the last compact().
+  /// Attention over a unit covers [0, slot_limit) and skips the free slots.
   [[nodiscard]] int slot_limit(int unit) const { return state(unit).slot_limit; }
   [[nodiscard]] bool is_live(int unit, std::int32_t slot) const {
     return slot >= 0 && slot < slot_limit(unit) && group_[index(unit, slot)] != kFree;
@@ -287,6 +295,47 @@ class SlotTable {
       release(s, unit, slot);
     }
     add_total_live(-static_cast<std::int64_t>(count));
+  }
+
+  /// Moves the live slots of `unit` at or above live(unit) into its free slots below live(unit),
+  /// both taken in ascending order, so that its live slots are exactly [0, live) and slot_limit ==
+  /// live: what a store whose buffers shrink with a unit's share needs. Appends each move to
+  /// `moves`. A moved token keeps everything but its slot (stream order, position, group, columns);
+  /// decisions never depend on slots (ties go by original position). O(slots freed since the last
+  /// compaction).
+  void compact(int unit, std::vector<SlotMove>& moves) {
+    UnitState& s = state(unit);
+    if (s.slot_limit == s.live) return;
+    // The holes: free slots below live, ascending. Every free slot is in free_slots.
+    std::vector<std::int32_t>& holes = s.free_slots;
+    holes.erase(std::remove_if(holes.begin(), holes.end(),
+                               [&s](std::int32_t slot) { return slot >= s.live; }),
+                holes.end());
+    std::sort(holes.begin(), holes.end());
+    const std::int32_t* groups = group_.data() + index(unit, 0);
+    std::size_t next_hole = 0;
+    for (std::int32_t from = s.live; from < s.slot_limit; ++from) {
+      if (groups[from] == kFree) continue;
+      const std::int32_t to = holes[next_hole++];
+      const std::int64_t* originals = original_.data() + index(unit, 0);
+      const int at = s.order.find(originals[from], originals);
+      KVEVICT_REQUIRE(at >= 0, "SlotTable: live slot missing from the stream order");
+      s.order.replace(at, to);
+      const std::size_t i = index(unit, from);
+      const std::size_t j = index(unit, to);
+      original_[j] = original_[i];
+      token_[j] = token_[i];
+      flags_[j] = flags_[i];
+      group_[j] = group_[i];
+      group_[i] = kFree;
+      for (int c = 0; c < score_columns_; ++c) {
+        score_data(unit, c)[to] = score_data(unit, c)[from];
+      }
+      moves.push_back(SlotMove{from, to});
+    }
+    KVEVICT_REQUIRE(next_hole == holes.size(), "SlotTable::compact: free slots miscounted");
+    holes.clear();
+    s.slot_limit = s.live;
   }
 
   /// Applies every pending rotation of `unit` to the stored keys: calls

@@ -22,6 +22,8 @@ CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
   report.tokens = stats.tokens_fed;
   report.live_kv_bytes = decoder.cache().memory().live_kv_bytes;
   report.peak_kv_bytes = stats.peak_kv_bytes;
+  report.peak_reserved_kv_bytes = decoder.cache().store().peak_reserved_bytes();
+  report.slots_per_head = decoder.cache().sequence().capacity();
   report.evicted_slots = sequence.evicted_slots;
   report.decisions = sequence.decisions;
   report.catalyst_runs = stats.catalyst_runs;
@@ -34,9 +36,11 @@ CacheReport make_cache_report(const model::Decoder& decoder, std::string policy,
   for (int l = 0; l < seq.config().layers; ++l) {
     std::vector<int>& tokens = report.unit_tokens.emplace_back();
     std::vector<std::size_t>& peak = report.unit_peak_kv_bytes.emplace_back();
+    std::vector<std::size_t>& reserved = report.unit_reserved_kv_bytes.emplace_back();
     for (int g = 0; g < seq.config().kv_heads; ++g) {
       tokens.push_back(seq.live(l, g));
       peak.push_back(static_cast<std::size_t>(seq.slots().peak_live(seq.unit_of(l, g))) * row);
+      reserved.push_back(static_cast<std::size_t>(decoder.cache().store().head_rows(l, g)) * row);
     }
   }
   return report;
@@ -48,6 +52,8 @@ nlohmann::ordered_json to_json(const CacheReport& report) {
   json["tokens"] = report.tokens;
   json["live_kv_bytes"] = report.live_kv_bytes;
   json["peak_kv_bytes"] = report.peak_kv_bytes;
+  json["peak_reserved_kv_bytes"] = report.peak_reserved_kv_bytes;
+  json["slots_per_head"] = report.slots_per_head;
   json["evicted_slots"] = report.evicted_slots;
   json["decisions"] = report.decisions;
   json["catalyst_runs"] = report.catalyst_runs;
@@ -56,14 +62,17 @@ nlohmann::ordered_json to_json(const CacheReport& report) {
   json["eviction_seconds"] = report.eviction_seconds;
   json["unit_tokens"] = report.unit_tokens;
   json["unit_peak_kv_bytes"] = report.unit_peak_kv_bytes;
+  json["unit_reserved_kv_bytes"] = report.unit_reserved_kv_bytes;
   return json;
 }
 
 std::string format_cache_report(const CacheReport& report) {
-  std::string line =
-      fmt::format("{}: {} tokens, live KV {}, peak KV {}, {} slots evicted in {} decisions",
-                  report.policy, report.tokens, format_bytes(report.live_kv_bytes),
-                  format_bytes(report.peak_kv_bytes), report.evicted_slots, report.decisions);
+  std::string line = fmt::format(
+      "{}: {} tokens, live KV {}, peak KV {} ({} allocated), {} slots evicted in {} "
+      "decisions",
+      report.policy, report.tokens, format_bytes(report.live_kv_bytes),
+      format_bytes(report.peak_kv_bytes), format_bytes(report.peak_reserved_kv_bytes),
+      report.evicted_slots, report.decisions);
   if (report.catalyst_runs > 0) line += fmt::format(" ({} catalyst runs)", report.catalyst_runs);
   line += fmt::format(", {:.1f} tokens/s, {:.3f} s in eviction", report.tokens_per_second,
                       report.eviction_seconds);

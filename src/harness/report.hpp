@@ -21,6 +21,12 @@ struct CacheReport {
   std::int64_t tokens = 0;  ///< stream tokens fed (catalyst tokens excluded)
   std::size_t live_kv_bytes = 0;
   std::size_t peak_kv_bytes = 0;
+  /// Key and value bytes the store allocated at most at once: every head the whole capacity,
+  /// or under an allocation other than uniform each head what its share uses (KvStore).
+  std::size_t peak_reserved_kv_bytes = 0;
+  /// Slots per head the sequence may use (Sequence::capacity): what every head's rows span when
+  /// they are not sized by use.
+  int slots_per_head = 0;
   std::int64_t evicted_slots = 0;  ///< summed over every (layer, KV head)
   std::int64_t decisions = 0;      ///< decisions that evicted something
   std::int64_t catalyst_runs = 0;
@@ -31,6 +37,8 @@ struct CacheReport {
   std::vector<std::vector<int>> unit_tokens;
   /// Key and value bytes of the most tokens each (layer, KV head) held at once, [layer][kv_head].
   std::vector<std::vector<std::size_t>> unit_peak_kv_bytes;
+  /// Key and value bytes allocated for each (layer, KV head) at the end, [layer][kv_head].
+  std::vector<std::vector<std::size_t>> unit_reserved_kv_bytes;
 };
 
 /// The report of `decoder`'s run; `clock`, when the decoder was timed with it, gives the eviction

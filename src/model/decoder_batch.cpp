@@ -244,7 +244,11 @@ int DecoderBatch::open(std::unique_ptr<Policy> policy, DecoderOptions options) {
 
 int DecoderBatch::open_member(std::unique_ptr<Policy> policy, const DecoderOptions& options) {
   KVEVICT_REQUIRE(policy != nullptr, "DecoderBatch::open: no policy");
-  const CacheConfig config = cache_config(model_, options, options_.rope_table_positions);
+  CacheConfig config = cache_config(model_, options, options_.rope_table_positions);
+  // A budget split unevenly over the heads: each head's rows follow its share (compacted slots,
+  // the store's blocks sized by use) instead of every head holding the largest share.
+  config.sequence.compact_slots =
+      options.allocation != Allocation::uniform || policy->uneven_shares();
   int id = 0;
   while (id < static_cast<int>(members_.size()) && members_[static_cast<std::size_t>(id)]) ++id;
   auto m = std::make_unique<Member>(id, config, std::move(policy), options, options_.observer);

@@ -594,6 +594,9 @@ class SequenceCore {
       if (!slots.empty()) {
         slots_.evict(unit, slots);
         evicted += static_cast<std::int64_t>(slots.size());
+      }
+      if (config_.compact_slots) compact(unit);
+      if (!slots.empty()) {
         if (fold_keys && slots_.pending_rotation_bound(unit) > config_.max_pending_rotations) {
           slots_.fold(unit, [&](std::int64_t delta, std::span<const std::int32_t> rotated) {
             add_rotation(unit, delta, rotated);
@@ -610,7 +613,7 @@ class SequenceCore {
       ++stats_.decisions;
       stats_.evicted_slots += evicted * layout_.heads_per_unit();
     }
-    if (backend_ != nullptr && !applied_.evicted_.empty()) {
+    if (backend_ != nullptr && (!applied_.evicted_.empty() || applied_.has_moves())) {
       try {
         backend_->apply(applied_);
       } catch (...) {
@@ -631,6 +634,20 @@ class SequenceCore {
     applied_.rotation_slot_begin_.clear();
     applied_.evicted_begin_.assign(static_cast<std::size_t>(layout_.units()) + 1, 0);
     applied_.rotation_begin_.assign(static_cast<std::size_t>(layout_.units()) + 1, 0);
+    applied_.moves_.clear();
+    applied_.moves_begin_.assign(static_cast<std::size_t>(layout_.units()) + 1, 0);
+  }
+  // compact_slots: `unit`'s live slots back to [0, live), the moves listed in applied_ and told
+  // to the policy (its own per-slot state).
+  void compact(int unit) {
+    const std::size_t first = applied_.moves_.size();
+    slots_.compact(unit, applied_.moves_);
+    const std::size_t moved = applied_.moves_.size() - first;
+    if (moved > 0) {
+      policy_->move_slots(unit, std::span<const SlotMove>(applied_.moves_).subspan(first));
+      stats_.moved_slots += static_cast<std::int64_t>(moved) * layout_.heads_per_unit();
+    }
+    applied_.moves_begin_[static_cast<std::size_t>(unit) + 1] = applied_.moves_.size();
   }
   void add_rotation(int unit, std::int64_t delta, std::span<const std::int32_t> slots) {
     applied_.rotation_slot_begin_.push_back(applied_.rotated_slots_.size());
@@ -732,6 +749,11 @@ inline std::span<const EvictedSlot> AppliedDecision::evicted(int unit) const {
 }
 inline std::span<const EvictedSlot> AppliedDecision::evicted(int layer, int kv_head) const {
   return evicted(layout.unit_of(layer, kv_head));
+}
+inline std::span<const SlotMove> AppliedDecision::moves(int unit) const {
+  const auto u = static_cast<std::size_t>(unit);
+  return std::span<const SlotMove>(moves_).subspan(moves_begin_[u],
+                                                   moves_begin_[u + 1] - moves_begin_[u]);
 }
 inline std::span<const KeyRotation> AppliedDecision::rotations(int layer, int kv_head) const {
   const auto u = static_cast<std::size_t>(layout.unit_of(layer, kv_head));

@@ -58,6 +58,9 @@ class StreamOrder {
     --size_;
   }
 
+  /// Entry i becomes `slot` (the same token, moved to another slot).
+  void replace(int i, std::int32_t slot) { buffer_[head_ + static_cast<std::size_t>(i)] = slot; }
+
   /// Removes the newest `count` entries.
   void pop_back(int count) { size_ -= static_cast<std::size_t>(count); }
 

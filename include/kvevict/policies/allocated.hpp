@@ -187,6 +187,9 @@ class Allocated final : public PolicyDecorator {
   [[nodiscard]] bool supports_blocks() const override {
     return config_.allocation == Allocation::uniform && inner().supports_blocks();
   }
+  [[nodiscard]] bool uneven_shares() const override {
+    return config_.allocation != Allocation::uniform;
+  }
   /// The split is this decorator's: not a rule another allocation can wrap.
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override { return std::nullopt; }
 

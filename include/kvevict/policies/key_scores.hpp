@@ -147,6 +147,7 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
     }
     KVEVICT_REQUIRE(keys.head_dim() == head_dim_, "keydiff: the key length changed");
     const std::size_t per_slot = per_slot_floats(layout);
+    directions_per_slot_ = per_slot;
     for (int g = 0; g < keys.kv_heads(); ++g) {
       const int unit = layout.unit_of(layer, g);
       std::vector<float>& directions = directions_[static_cast<std::size_t>(unit)];
@@ -162,6 +163,16 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
                      head * static_cast<std::size_t>(head_dim_);
         for (int d = 0; d < head_dim_; ++d) out[d] = static_cast<float>(key[d] * scale);
       }
+    }
+  }
+
+  void move_slots(int unit, std::span<const SlotMove> moves) override {
+    if (directions_.empty()) return;
+    std::vector<float>& directions = directions_[static_cast<std::size_t>(unit)];
+    const std::size_t per_slot = directions_per_slot_;
+    for (const SlotMove& move : moves) {
+      const float* from = directions.data() + static_cast<std::size_t>(move.from) * per_slot;
+      std::copy_n(from, per_slot, directions.data() + static_cast<std::size_t>(move.to) * per_slot);
     }
   }
 
@@ -208,6 +219,7 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
   }
 
   int head_dim_ = 0;
+  std::size_t directions_per_slot_ = 0;
   std::vector<std::vector<float>> directions_;  // [unit][slot][head in unit][head_dim]
   std::vector<double> anchor_;                  // [head in unit][head_dim] sum of unit vectors
   std::vector<double> inverse_norms_;           // [head in unit]

@@ -199,6 +199,9 @@ class PromptCompressionPolicy final : public Policy {
   }
   [[nodiscard]] SignalSet signals() const override { return {Signal::attention_rows}; }
   [[nodiscard]] int score_columns() const override { return 1; }
+  [[nodiscard]] bool uneven_shares() const override {
+    return config_.allocation != Allocation::uniform;
+  }
   [[nodiscard]] Granularity default_granularity() const override { return Granularity::head; }
   /// Unbounded without an interval (decode tokens accumulate after the prompt is compressed); with
   /// one, the share + window + interval - 1 (see the header comment; adakv: unbounded).
@@ -255,6 +258,19 @@ class PromptCompressionPolicy final : public Policy {
       const int prefix = slots.live(unit) - config_.window;
       if (prefix > 0)
         votes_[static_cast<std::size_t>(unit)].assign(static_cast<std::size_t>(prefix), 0.0);
+    }
+  }
+
+  /// The recent queries' votes follow their tokens (the prompt's votes are by stream index).
+  void move_slots(int unit, std::span<const SlotMove> moves) override {
+    if (recent_.empty()) return;
+    for (std::vector<double>& votes : recent_[static_cast<std::size_t>(unit)]) {
+      for (const SlotMove& move : moves) {
+        const auto from = static_cast<std::size_t>(move.from);
+        const auto to = static_cast<std::size_t>(move.to);
+        // A query older than the moved token holds no vote for it (to < from).
+        if (to < votes.size()) votes[to] = from < votes.size() ? votes[from] : 0.0;
+      }
     }
   }
 

@@ -57,11 +57,15 @@ class PolicyDecorator : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override {
     return inner_->retained_limit();
   }
+  [[nodiscard]] bool uneven_shares() const override { return inner_->uneven_shares(); }
   [[nodiscard]] std::uint8_t flags_for(std::int32_t token_id) const override {
     return inner_->flags_for(token_id);
   }
   [[nodiscard]] std::optional<int> pot_room(const SlotTable& slots) const override {
     return inner_->pot_room(slots);
+  }
+  void move_slots(int unit, std::span<const SlotMove> moves) override {
+    inner_->move_slots(unit, moves);
   }
   void on_append(SlotTable& slots, const ChunkInfo& chunk) override {
     inner_->on_append(slots, chunk);
