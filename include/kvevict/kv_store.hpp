@@ -42,9 +42,9 @@ enum class HeadSizing : std::uint8_t {
   /// Every head the sequence's whole capacity (reserve()): no copy once reserved.
   whole_capacity,
   /// Each head what its slots use (fit()), under SequenceConfig::compact_slots: a head whose share
-  /// of a budget shrinks gives its rows back. A block grows to 5/4 of what is asked and shrinks
-  /// once it holds over 3/2 of it (plus 16 rows), so it holds at most 3/2 of its slots plus 16
-  /// rows, and the copies are amortised (bytes_copied()).
+  /// of a budget shrinks gives its rows back. A block grows to 9/8 of what is asked and is cut
+  /// back to that once it holds over 5/4 of it plus 16 rows, so it holds at most 5/4 of its slots
+  /// plus 16 rows, and a block is copied only after its need moved by 1/8 (bytes_copied()).
   by_use,
 };
 
@@ -105,8 +105,8 @@ class KvStore final : public KvBackend {
                                                           " slots, outside [0, " +
                                                           std::to_string(capacity_) + "]");
     HeadRows& rows = head(layer, kv_head);
-    const int roomy = std::min(capacity_, slots + slots / 4);
-    if (rows.rows < slots || rows.rows > slots + slots / 2 + 16) resize(rows, roomy);
+    const int roomy = std::min(capacity_, slots + slots / 8);
+    if (rows.rows < slots || rows.rows > slots + slots / 4 + 16) resize(rows, roomy);
   }
 
   /// Moves the rows each SlotMove names (compact_slots), then rotates the keys of every
