@@ -528,7 +528,9 @@ TEST(AllocationRules, SafeguardedAdaptiveGivesEachUnitItsFloorThenTheLayersBest)
 // layer's best of the rest, ranking by score, then the older token, then the lower head), on
 // random layers whose scores take few distinct values (so ties are common) and whose heads hold
 // uneven numbers of candidates (so floors bind and the number of evictions varies from 0 to
-// dozens: Allocated's one-scan form and its general form both run).
+// dozens: Allocated's one-scan form and its general form both run); and its decisions: each head
+// evicts exactly its candidates ranked below its share (in the one-scan form Allocated evicts
+// them itself, else the inner rule does).
 TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
   constexpr int kLayers = 2;
   constexpr int kHeads = 3;
@@ -557,8 +559,10 @@ TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
       for (const std::int32_t slot : out)
         slots.scores(unit, 0)[static_cast<std::size_t>(slot)] = static_cast<float>(rng() % 4);
     }
-    // The rule from scratch: candidates are all but each head's newest kRecent.
+    // The rule from scratch: candidates are all but each head's newest kRecent. A head evicts its
+    // candidates ranked below its share.
     std::vector<int> expected(static_cast<std::size_t>(layout.units()), 0);
+    std::vector<std::vector<std::int64_t>> ranked(static_cast<std::size_t>(layout.units()));
     const int f = static_cast<int>(static_cast<double>(mean) * floor);
     for (int layer = 0; layer < kLayers; ++layer) {
       struct Entry {
@@ -583,6 +587,7 @@ TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
                           unit});
         }
         std::sort(mine.begin(), mine.end(), better);
+        for (const Entry& e : mine) ranked[static_cast<std::size_t>(unit)].push_back(e.original);
         const int own = std::min(f, static_cast<int>(mine.size()));
         expected[static_cast<std::size_t>(unit)] = own;
         floors += own;
@@ -598,6 +603,19 @@ TEST(Allocation, AdaptiveSplitMatchesTheRuleComputedFromScratch) {
     allocated.select(kvevict::EvictionContext{kvevict::Trigger::after_forward, slots}, decision);
     const std::span<const int> keep = allocated.unit_keep();
     ASSERT_EQ(std::vector<int>(keep.begin(), keep.end()), expected) << "trial " << trial;
+    for (int unit = 0; unit < layout.units(); ++unit) {
+      const std::vector<std::int64_t>& mine = ranked[static_cast<std::size_t>(unit)];
+      std::vector<std::int64_t> going(
+          mine.begin() + std::min<std::ptrdiff_t>(expected[static_cast<std::size_t>(unit)],
+                                                  static_cast<std::ptrdiff_t>(mine.size())),
+          mine.end());
+      std::vector<std::int64_t> evicted;
+      for (const std::int32_t slot : decision.evicted(unit))
+        evicted.push_back(slots.original_positions(unit)[static_cast<std::size_t>(slot)]);
+      std::sort(going.begin(), going.end());
+      std::sort(evicted.begin(), evicted.end());
+      ASSERT_EQ(evicted, going) << "trial " << trial << " unit " << unit;
+    }
     ++cases;
   }
   EXPECT_EQ(cases, 400);

@@ -166,8 +166,8 @@ class KvBackend {
   virtual void reserve(int capacity) = 0;
   /// Free the evicted slots (most engines: nothing to do), move the rows moves() names (only
   /// under compact_slots), then rotate the stored keys that rotations() names. Called once per
-  /// decision, never empty. An exception leaves the sequence
-  /// unusable: kvevict's metadata has changed already.
+  /// decision, never empty. An exception leaves the sequence unusable: kvevict's metadata has
+  /// changed already.
   virtual void apply(const AppliedDecision& decision) = 0;
 };
 

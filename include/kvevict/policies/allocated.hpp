@@ -194,7 +194,15 @@ class Allocated final : public PolicyDecorator {
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override { return std::nullopt; }
 
   void select(const EvictionContext& context, Decision& decision) override {
-    if (config_.allocation == Allocation::adaptive) share_layers(context);
+    if (config_.allocation == Allocation::adaptive && share_layers(context) &&
+        context.max_live == std::numeric_limits<int>::max()) {
+      // Every layer that evicts was split by its worst candidates (share_by_worst): restricted to
+      // a head they are its lowest ranked beyond its share, the slots the inner rule would find
+      // again with a scan of its own (Allocation.AdaptiveSplitMatchesTheRuleComputedFromScratch
+      // checks the decisions against the rule from scratch).
+      for (const Candidate& c : evictions_) decision.evict(c.unit, c.slot);
+      return;
+    }
     EvictionContext allocated = context;
     allocated.unit_keep = keep_;
     inner().select(allocated, decision);
@@ -212,6 +220,7 @@ class Allocated final : public PolicyDecorator {
     float score;
     std::int64_t original;
     std::int32_t unit;
+    std::int32_t slot;
   };
 
   void set_pyramid(std::int64_t scored) {
@@ -242,14 +251,16 @@ class Allocated final : public PolicyDecorator {
   // worst. At the steady state of a decode step E is the H new candidates, so one scan with a
   // buffer of E entries (share_by_worst) decides, as H2O's and TOVA's own one-eviction scan does;
   // the general rule (share_by_floors) runs when E is larger or a floor binds. Both give the same
-  // shares.
-  void share_layers(const EvictionContext& context) {
+  // shares. True when no layer needed the general rule: evictions_ then holds every eviction.
+  bool share_layers(const EvictionContext& context) {
     SlotTable& slots = context.slots;
     Protection protection = context.protection;
     protection.oldest = std::max(protection.oldest, rule_.protection.oldest);
     protection.newest = std::max(protection.newest, rule_.protection.newest);
     protection.flags |= rule_.protection.flags;
     const int heads = layout_.kv_heads();
+    bool by_worst = true;
+    evictions_.clear();
     for (int layer = 0; layer < layout_.layers(); ++layer) {
       std::int64_t candidates = 0;
       for (int g = 0; g < heads; ++g) {
@@ -267,11 +278,15 @@ class Allocated final : public PolicyDecorator {
         }
         continue;
       }
-      if (worst > kWorstScan ||
-          !share_by_worst(slots, layer, protection, static_cast<int>(worst))) {
+      if (worst <= kWorstScan &&
+          share_by_worst(slots, layer, protection, static_cast<int>(worst))) {
+        evictions_.insert(evictions_.end(), worst_.begin(), worst_.end());
+      } else {
         share_by_floors(slots, layer, protection);
+        by_worst = false;
       }
     }
+    return by_worst;
   }
 
   // The candidates of `unit`: live slots outside the protected ends and flags.
@@ -310,7 +325,7 @@ class Allocated final : public PolicyDecorator {
       const float score = scores[static_cast<std::size_t>(slot)];
       const std::int64_t original = originals[static_cast<std::size_t>(slot)];
       require_number(score, original);
-      visit(Candidate{score, original, static_cast<std::int32_t>(unit)});
+      visit(Candidate{score, original, static_cast<std::int32_t>(unit), slot});
     }
   }
 
@@ -350,7 +365,7 @@ class Allocated final : public PolicyDecorator {
         const float score = scores[static_cast<std::size_t>(slot)];
         nan |= detail::nan_flag(score);
         const Candidate c{score, originals[static_cast<std::size_t>(slot)],
-                          static_cast<std::int32_t>(unit)};
+                          static_cast<std::int32_t>(unit), slot};
         if (static_cast<int>(worst_.size()) == worst) {
           if (!better(worst_.back(), c)) continue;
           worst_.pop_back();
@@ -418,7 +433,8 @@ class Allocated final : public PolicyDecorator {
   std::vector<Candidate> unit_candidates_;
   std::vector<Candidate> pool_;
   std::vector<Candidate> worst_;
-  std::vector<int> unit_count_;  // [units] candidates at the current decision
+  std::vector<Candidate> evictions_;  // share_layers by worst: every layer's worst_
+  std::vector<int> unit_count_;       // [units] candidates at the current decision
 };
 
 }  // namespace kvevict
