@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvevict's reference decoder against llama.cpp on the same GGUF files, one thread (THREADS: more).
 #
-#   bench/compare_llama_cpp.sh [--llama-cpp DIR] [--shape NAME] [--types LIST] [BUILD_DIR] [ROUNDS]
+#   bench/compare_llama_cpp.sh [--llama-cpp DIR] [--shape NAME] [--types LIST] [--models DIR]
+#                              [BUILD_DIR] [ROUNDS]
 #
 #   BUILD_DIR       kvevict's build directory, holding bin/pp_tg (default build/release)
 #   ROUNDS          interleaved rounds per type (default 3)
@@ -10,11 +11,13 @@
 #   --shape NAME    stories15m (default) or tinyllama (TinyLlama-1.1B's shape, 0.85B weights)
 #   --types LIST    comma-separated weight types; default f32,f16,q8_0,q4_0 for stories15m,
 #                   f16,q8_0,q4_0 for tinyllama (its F32 file is 3.4 GB)
+#   --models DIR    keep the written models in DIR (outside the repository) and use the ones
+#                   already there (<shape>-<type>.gguf) instead of writing them again
 #
 # Writes a Llama of that shape with random weights (bench/pp_tg.cpp --write-stories15m or
 # --write-tinyllama) in each type with kvevict's own GGUF writer, into a temporary directory
-# (TMPDIR; tinyllama needs about 3.5 GB there for the three default types), then for each round
-# and type runs llama-bench (-p 512 -n N -t 1 -r R) and kvevict's bench/pp_tg (the same two
+# (TMPDIR; tinyllama needs 3.1 GB there for the three default types) or --models, then for each
+# round and type runs llama-bench (-p 512 -n N -t 1 -r R) and kvevict's bench/pp_tg (the same two
 # tests, same repetitions) one after the other, N = 128 and R = 5 for stories15m, N = 32 and R = 2
 # for tinyllama, and prints per type the median over the rounds of the per-round ratio
 # kvevict / llama.cpp of mean tokens/s:
@@ -44,13 +47,14 @@
 set -euo pipefail
 shopt -s inherit_errexit
 
-usage() { sed -n '4,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '4,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 fail() { echo "compare_llama_cpp: $*" >&2; exit 1; }
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 llama_cpp=""
 shape="stories15m"
 types_list=""
+models=""
 positional=()
 while (($# > 0)); do
   case "$1" in
@@ -61,6 +65,8 @@ while (($# > 0)); do
     --shape=*) shape="${1#--shape=}"; shift ;;
     --types) (($# >= 2)) || fail "--types needs a list"; types_list="$2"; shift 2 ;;
     --types=*) types_list="${1#--types=}"; shift ;;
+    --models) (($# >= 2)) || fail "--models needs a directory"; models="$2"; shift 2 ;;
+    --models=*) models="${1#--models=}"; shift ;;
     -*) usage >&2; fail "unknown option $1" ;;
     *) positional+=("$1"); shift ;;
   esac
@@ -125,9 +131,17 @@ echo "llama-bench: ${llama_bench}" >&2
 
 work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
+if [[ -n "${models}" ]]; then
+  mkdir -p "${models}" || fail "--models: cannot create ${models}"
+else
+  models="${work}"
+fi
 for type in "${types[@]}"; do
-  "${pp_tg}" "--write-${shape}" "${work}/${shape}-${type}.gguf" --dtype "${type}" \
-    || fail "pp_tg could not write the ${shape} model in ${type} to ${work}"
+  file="${models}/${shape}-${type}.gguf"
+  [[ -s "${file}" ]] && continue
+  # Written under another name first, so that an interrupted write is never taken for a model.
+  "${pp_tg}" "--write-${shape}" "${file}.partial" --dtype "${type}" && mv "${file}.partial" "${file}" \
+    || fail "pp_tg could not write the ${shape} model in ${type} to ${models}"
 done
 
 threads="${THREADS:-1}"
@@ -153,7 +167,7 @@ ratio() {
 
 for ((round = 1; round <= rounds; ++round)); do
   for type in "${types[@]}"; do
-    model="${work}/${shape}-${type}.gguf"
+    model="${models}/${shape}-${type}.gguf"
     llama_rates "${model}" > "${work}/llama"
     "${pp_tg}" --model "${model}" -p 512 -n "${generate}" -r "${repetitions}" -t "${threads}" \
       "${target_args[@]}" > "${work}/kvevict"
