@@ -55,13 +55,15 @@ HWY_INLINE std::int64_t panel_width() {
   return kTileVecs * static_cast<std::int64_t>(hn::Lanes(PanelTag()));
 }
 
-// sums[r][c] (+)= X[r] . W[c] over one slice of k, for the kRows rows of a packed tile of X
-// ([depth][kTileRows]: the tile's values at each t side by side) and the panel's slice
-// ([depth][width]); sums has `width` floats a row. accumulate: the sums go on from the previous
-// slice's (stored and reloaded as f32, which changes no bit), else they start from zero.
+// out[r][c] = sums[r][c] (accumulate) or 0, + X[r] . W[c] over one slice of k, for the kRows rows
+// of a packed tile of X ([depth][kTileRows]: the tile's values at each t side by side) and the
+// panel's slice ([depth][width]). sums has `width` floats a row, out `out_stride`; out is sums
+// until the last slice. The sums go on from the previous slice's stored as f32, which changes no
+// bit: every output is one chain of multiply-adds over t = 0, 1, ... k - 1.
 template <int kRows>
-HWY_INLINE void panel_tile(const float* x_tile, const float* panel, std::int64_t depth, float* sums,
-                           bool accumulate) {
+HWY_INLINE void panel_tile(const float* x_tile, const float* panel, std::int64_t depth,
+                           const float* sums, bool accumulate, float* out,
+                           std::ptrdiff_t out_stride) {
   const PanelTag d;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
   const std::int64_t width = kTileVecs * lanes;
@@ -80,17 +82,20 @@ HWY_INLINE void panel_tile(const float* x_tile, const float* panel, std::int64_t
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < kTileVecs; ++v) hn::StoreU(acc[r][v], d, sums + r * width + v * lanes);
+    for (int v = 0; v < kTileVecs; ++v) hn::StoreU(acc[r][v], d, out + r * out_stride + v * lanes);
   }
 }
 
 // The last `rows` (< kTileRows) rows of X against a panel's slice.
 template <int kRows>
 HWY_INLINE void last_rows(int rows, const float* x_tile, const float* panel, std::int64_t depth,
-                          float* sums, bool accumulate) {
+                          const float* sums, bool accumulate, float* out,
+                          std::ptrdiff_t out_stride) {
   if constexpr (kRows > 0) {
-    if (rows == kRows) return panel_tile<kRows>(x_tile, panel, depth, sums, accumulate);
-    last_rows<kRows - 1>(rows, x_tile, panel, depth, sums, accumulate);
+    if (rows == kRows) {
+      return panel_tile<kRows>(x_tile, panel, depth, sums, accumulate, out, out_stride);
+    }
+    last_rows<kRows - 1>(rows, x_tile, panel, depth, sums, accumulate, out, out_stride);
   }
 }
 
@@ -194,16 +199,23 @@ void WeightProduct(const WeightMatrix& w, std::int64_t row_begin, std::int64_t r
       pack_panel(rows + d0, k, count, depth, width, panel.data());
       const float* slice = packed_x.data() + d0 * padded_m;
       const bool accumulate = d0 > 0;
+      // The last slice of a full panel stores straight into Y; a partial one goes through sums.
+      const bool into_y = d0 + depth == k && count == width;
+      float* out = into_y ? y + first : sums.data();
+      const std::ptrdiff_t out_stride = into_y ? y_stride : width;
       std::int64_t i = 0;
       for (; i + kTileRows <= m; i += kTileRows) {
         panel_tile<kTileRows>(slice + i * depth, panel.data(), depth, sums.data() + i * width,
-                              accumulate);
+                              accumulate, out + i * out_stride, out_stride);
       }
       last_rows<kTileRows - 1>(static_cast<int>(m - i), slice + i * depth, panel.data(), depth,
-                               sums.data() + i * width, accumulate);
+                               sums.data() + i * width, accumulate, out + i * out_stride,
+                               out_stride);
     }
-    for (std::int64_t i = 0; i < m; ++i) {
-      std::copy_n(sums.data() + i * width, count, y + i * y_stride + first);
+    if (count < width) {
+      for (std::int64_t i = 0; i < m; ++i) {
+        std::copy_n(sums.data() + i * width, count, y + i * y_stride + first);
+      }
     }
   }
 }
