@@ -73,6 +73,7 @@ HWY_INLINE void panel_tile(const float* x_tile, const float* panel, std::int64_t
       acc[r][v] = accumulate ? hn::LoadU(d, sums + r * width + v * lanes) : hn::Zero(d);
     }
   }
+#pragma GCC unroll 4
   for (std::int64_t t = 0; t < depth; ++t) {
     PanelVec wv[kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) wv[v] = hn::LoadU(d, panel + t * width + v * lanes);
@@ -96,23 +97,6 @@ HWY_INLINE void last_rows(int rows, const float* x_tile, const float* panel, std
       return panel_tile<kRows>(x_tile, panel, depth, sums, accumulate, out, out_stride);
     }
     last_rows<kRows - 1>(rows, x_tile, panel, depth, sums, accumulate, out, out_stride);
-  }
-}
-
-// X packed for panel_tile: slice after slice of kDepth values of k, in each slice tile after tile
-// of kTileRows rows, in each tile [depth][kTileRows]. Slice d0 starts at d0 * padded_m. A tile's
-// values for one t are then one small run, and a slice's tiles one run the prefetchers follow,
-// where X itself would be kTileRows streams a row apart. Rows past m are left unset (never read).
-void pack_x(const float* x, std::ptrdiff_t x_stride, std::int64_t m, std::int64_t k,
-            std::int64_t padded_m, float* packed) {
-  for (std::int64_t d0 = 0; d0 < k; d0 += kDepth) {
-    const std::int64_t depth = std::min(kDepth, k - d0);
-    float* slice = packed + d0 * padded_m;
-    for (std::int64_t i = 0; i < m; ++i) {
-      const float* row = x + i * x_stride + d0;
-      float* out = slice + (i / kTileRows) * depth * kTileRows + i % kTileRows;
-      for (std::int64_t t = 0; t < depth; ++t) out[t * kTileRows] = row[t];
-    }
   }
 }
 
@@ -141,6 +125,50 @@ HWY_INLINE void transpose_square(const float* in, std::int64_t in_stride, float*
   }
 }
 #endif
+
+// X packed for panel_tile: slice after slice of kDepth values of k, in each slice tile after tile
+// of kTileRows rows, in each tile [depth][kTileRows]. Slice d0 starts at d0 * padded_m. A tile's
+// values for one t are then one small run, and a slice's tiles one run the prefetchers follow,
+// where X itself would be kTileRows streams a row apart. Rows past m are left unset (never read).
+void pack_x(const float* x, std::ptrdiff_t x_stride, std::int64_t m, std::int64_t k,
+            std::int64_t padded_m, float* packed) {
+  for (std::int64_t d0 = 0; d0 < k; d0 += kDepth) {
+    const std::int64_t depth = std::min(kDepth, k - d0);
+    float* slice = packed + d0 * padded_m;
+    std::int64_t rows_done = 0;  // rows of X whose values [d0, d0 + vectorised) are packed
+    std::int64_t vectorised = 0;
+#if HWY_TARGET != HWY_SCALAR
+    // Where a vector holds two tiles' rows (AVX-512: 16 lanes, tiles of 8), squares of lanes x
+    // lanes values transposed in registers: each transposed row is t's values of two tiles.
+    constexpr std::int64_t kLanes = hn::MaxLanes(PanelTag());
+    if constexpr (kLanes == 2 * kTileRows) {
+      if (static_cast<std::int64_t>(hn::Lanes(PanelTag())) == kLanes) {
+        vectorised = depth - depth % kLanes;
+        HWY_ALIGN float square[kLanes * kLanes];
+        for (; rows_done + kLanes <= m; rows_done += kLanes) {
+          float* first_tile = slice + (rows_done / kTileRows) * depth * kTileRows;
+          float* second_tile = first_tile + depth * kTileRows;
+          for (std::int64_t t0 = 0; t0 < vectorised; t0 += kLanes) {
+            transpose_square(x + rows_done * x_stride + d0 + t0, x_stride, square, kLanes);
+            for (std::int64_t j = 0; j < kLanes; ++j) {
+              std::copy_n(square + j * kLanes, kTileRows, first_tile + (t0 + j) * kTileRows);
+              std::copy_n(square + j * kLanes + kTileRows, kTileRows,
+                          second_tile + (t0 + j) * kTileRows);
+            }
+          }
+        }
+      }
+    }
+#endif
+    for (std::int64_t i = 0; i < m; ++i) {
+      const float* row = x + i * x_stride + d0;
+      float* out = slice + (i / kTileRows) * depth * kTileRows + i % kTileRows;
+      for (std::int64_t t = i < rows_done ? vectorised : 0; t < depth; ++t) {
+        out[t * kTileRows] = row[t];
+      }
+    }
+  }
+}
 
 // panel[t][c] = rows[c][t] for c < count, 0 for c in [count, width), t in [0, depth); row c of
 // `rows` starts at rows + c * row_stride. A full panel goes in squares of lanes x lanes values
