@@ -2,12 +2,14 @@
 //
 // An outer-product kernel over W packed into panels (as GEMM libraries do): a panel holds
 // kTileVecs vectors of W's rows (48 rows at AVX-512, 16 at AVX2), converted to f32 once per
-// product and stored transposed, [k][panel width], so that for each k one vector load of the panel
-// gives consecutive outputs. A tile of kTileRows rows of X times the panel keeps
-// kTileRows x kTileVecs accumulators in registers (AVX-512's 32 registers: 8 x 3 = 24; 16
-// registers elsewhere: 6 x 2 = 12) and per k reads kTileVecs vectors of W and broadcasts
-// kTileRows values of X, for kTileRows x kTileVecs multiply-adds. Each panel (at most
-// 768 x 48 floats, 147 KiB, for the models benchmarked) stays in L2 while every tile of X passes.
+// product and stored transposed one slice of kDepth values of k at a time, [kDepth][panel width],
+// so that for each k one vector load of the panel gives consecutive outputs. A tile of kTileRows
+// rows of X times the panel keeps kTileRows x kTileVecs accumulators in registers (AVX-512's 32
+// registers: 8 x 3 = 24; 16 registers elsewhere: 6 x 2 = 12) and per k reads kTileVecs vectors of
+// W and broadcasts kTileRows values of X, for kTileRows x kTileVecs multiply-adds. The panel's
+// slice (24 KiB at AVX-512) stays in L1 while every tile of X passes it; X is packed once per
+// product, tile by tile, and the outputs are carried from slice to slice in an L2 buffer. Sizes
+// and measurements: docs/kernels.md, "Prefill's products".
 //
 // Against the dot-product tiles of tiles-inl.hpp (which the attention products keep): no sum
 // across lanes at the end of each output, and a multiply-add per value loaded instead of one per
