@@ -15,7 +15,7 @@
 //
 // --write-stories15m writes a stories15M-shaped Llama (dim 288, 6 layers, 6 heads, hidden 768,
 // vocab 32000, untied classifier), --write-tinyllama one of TinyLlama-1.1B's shape (dim 2048, 16
-// layers, 32 query / 8 KV heads, hidden 5632, vocab 32000, untied: 0.85B weights, 1.8 GB in F16),
+// layers, 32 query / 8 KV heads, hidden 5632, vocab 32000, untied: 0.85B weights, 1.7 GB in F16),
 // with random weights (make_random_model, seed 1) through kvevict's GGUF writer, with a
 // SentencePiece vocabulary of placeholder pieces (<unk>, <s>, </s>, the 256 byte pieces, then
 // "▁t<i>") that llama.cpp accepts. --target runs every kernel on one
