@@ -29,6 +29,7 @@
 // foreach_target.h must come first.
 #include <hwy/highway.h>
 
+#include "kvevict/error.hpp"
 #include "model/kernels/kernels.hpp"
 #include "model/kernels/weight_product.hpp"
 
@@ -201,22 +202,31 @@ void pack_panel(const float* rows, std::int64_t row_stride, std::int64_t count, 
   }
 }
 
+void PackRows(const float* x, std::ptrdiff_t x_stride, std::int64_t m, std::int64_t k,
+              PackedRows& out) {
+  const std::int64_t padded_m = (m + kTileRows - 1) / kTileRows * kTileRows;
+  out.rows = m;
+  out.cols = k;
+  out.padded_rows = padded_m;
+  out.tile_rows = kTileRows;
+  out.values.resize(static_cast<std::size_t>(padded_m * k));
+  pack_x(x, x_stride, m, k, padded_m, out.values.data());
+}
+
 void WeightProduct(const WeightMatrix& w, std::int64_t row_begin, std::int64_t row_end,
-                   const float* x, std::ptrdiff_t x_stride, std::int64_t m, float* y,
-                   std::ptrdiff_t y_stride) {
+                   const PackedRows& x, float* y, std::ptrdiff_t y_stride) {
   const std::int64_t k = w.cols;
+  const std::int64_t m = x.rows;
   const std::int64_t width = panel_width();
-  const std::int64_t tiles = (m + kTileRows - 1) / kTileRows;
-  const std::int64_t padded_m = tiles * kTileRows;
-  thread_local std::vector<float> packed_x;   // pack_x's layout
+  const std::int64_t padded_m = x.padded_rows;
+  KVEVICT_REQUIRE(x.tile_rows == kTileRows,
+                  "weight_product: the rows were packed for another SIMD target");
   thread_local std::vector<float> converted;  // [width][k]: rows of a non-f32 W as f32
   thread_local std::vector<float> panel;      // [kDepth][width]
   thread_local std::vector<float> sums;       // [padded_m][width]: the panel's outputs so far
-  packed_x.resize(static_cast<std::size_t>(padded_m * k));
   panel.resize(static_cast<std::size_t>(kDepth * width));
   sums.resize(static_cast<std::size_t>(padded_m * width));
   if (w.dtype != DType::f32) converted.resize(static_cast<std::size_t>(k * width));
-  pack_x(x, x_stride, m, k, padded_m, packed_x.data());
   for (std::int64_t first = row_begin; first < row_end; first += width) {
     const std::int64_t count = std::min(width, row_end - first);
     const float* rows = reinterpret_cast<const float*>(w.data) + first * k;
@@ -227,7 +237,7 @@ void WeightProduct(const WeightMatrix& w, std::int64_t row_begin, std::int64_t r
     for (std::int64_t d0 = 0; d0 < k; d0 += kDepth) {
       const std::int64_t depth = std::min(kDepth, k - d0);
       pack_panel(rows + d0, k, count, depth, width, panel.data());
-      const float* slice = packed_x.data() + d0 * padded_m;
+      const float* slice = x.values.data() + d0 * padded_m;
       const bool accumulate = d0 > 0;
       // The last slice of a full panel stores straight into Y; a partial one goes through sums.
       const bool into_y = d0 + depth == k && count == width;
@@ -258,12 +268,27 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace kvevict::model::kernels {
 
+HWY_EXPORT(PackRows);
 HWY_EXPORT(WeightProduct);
+
+void pack_rows(const float* x, std::ptrdiff_t x_stride, std::int64_t m, std::int64_t k,
+               PackedRows& out) {
+  HWY_DYNAMIC_DISPATCH(PackRows)(x, x_stride, m, k, out);
+}
+
+void weight_product(const WeightMatrix& w, std::int64_t row_begin, std::int64_t row_end,
+                    const PackedRows& x, float* y, std::ptrdiff_t y_stride) {
+  KVEVICT_REQUIRE(x.cols == w.cols && x.rows > 0,
+                  "weight_product: the packed rows do not have W's columns");
+  HWY_DYNAMIC_DISPATCH(WeightProduct)(w, row_begin, row_end, x, y, y_stride);
+}
 
 void weight_product(const WeightMatrix& w, std::int64_t row_begin, std::int64_t row_end,
                     const float* x, std::ptrdiff_t x_stride, std::int64_t m, float* y,
                     std::ptrdiff_t y_stride) {
-  HWY_DYNAMIC_DISPATCH(WeightProduct)(w, row_begin, row_end, x, x_stride, m, y, y_stride);
+  thread_local PackedRows packed;
+  pack_rows(x, x_stride, m, w.cols, packed);
+  weight_product(w, row_begin, row_end, packed, y, y_stride);
 }
 
 }  // namespace kvevict::model::kernels
