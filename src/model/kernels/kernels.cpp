@@ -77,8 +77,7 @@ HWY_INLINE float weight_value(const hwy::bfloat16_t* p) {
 // W[r] . x for one row, read front to back with four accumulators, the bytes kAheadBytes
 // further on prefetched while they lie before `limit` (the end of the rows this call reads: no
 // pointer past them is formed). The hardware prefetcher alone did not keep a core's reads of a
-// large F16 matrix going: with the prefetch, TinyLlama-shaped F16 decoded 6.5-7.0 tokens/s against
-// 4.9-5.9 (docs/kernels.md, "Why decoding reads one row at a time").
+// large F16 matrix going (docs/kernels.md, "Why decoding reads one row at a time").
 constexpr std::int64_t kAheadBytes = 4096;
 
 template <typename T>
