@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
 # kvevict's reference decoder against llama.cpp on the same GGUF files, one thread (THREADS: more).
 #
-#   bench/compare_llama_cpp.sh [--llama-cpp DIR] [BUILD_DIR] [ROUNDS]
+#   bench/compare_llama_cpp.sh [--llama-cpp DIR] [--shape NAME] [--types LIST] [--models DIR]
+#                              [BUILD_DIR] [ROUNDS]
 #
 #   BUILD_DIR       kvevict's build directory, holding bin/pp_tg (default build/release)
 #   ROUNDS          interleaved rounds per type (default 3)
 #   --llama-cpp DIR your llama.cpp source tree, to build llama-bench from; default: the
 #                   KVEVICT_LLAMA_CPP entry of BUILD_DIR/CMakeCache.txt, when it names a source tree
+#   --shape NAME    stories15m (default) or tinyllama (TinyLlama-1.1B's shape, 0.85B weights)
+#   --types LIST    comma-separated weight types; default f32,f16,q8_0,q4_0 for stories15m,
+#                   f16,q8_0,q4_0 for tinyllama (its F32 file is 3.4 GB)
+#   --models DIR    keep the written models in DIR (outside the repository) and use the ones
+#                   already there (<shape>-<type>.gguf) instead of writing them again
 #
-# Writes a stories15M-shaped Llama with random weights (bench/pp_tg.cpp --write-stories15m) in
-# F32, F16, Q8_0 and Q4_0 with kvevict's own GGUF writer, then for each round and type runs
-# llama-bench (-p 512 -n 128 -t 1 -r 5) and kvevict's bench/pp_tg (the same two tests, same
-# repetitions) one after the other, and prints per type the median over the rounds of the
-# per-round ratio kvevict / llama.cpp of mean tokens/s:
+# Writes a Llama of that shape with random weights (bench/pp_tg.cpp --write-stories15m or
+# --write-tinyllama) in each type with kvevict's own GGUF writer, into a temporary directory
+# (TMPDIR; tinyllama needs 3.1 GB there for the three default types) or --models, then for each
+# round and type runs llama-bench (-p 512 -n N -t 1 -r R) and kvevict's bench/pp_tg (the same two
+# tests, same repetitions) one after the other, N = 128 and R = 5 for stories15m, N = 32 and R = 2
+# for tinyllama, and prints per type the median over the rounds of the per-round ratio
+# kvevict / llama.cpp of mean tokens/s:
 #
-#   ratio <type> tg128 <median>
+#   ratio <type> tg<N> <median>
 #   ratio <type> pp512 <median>
 #
 # and for Q8_0 and Q4_0 one more line, kvevict decoding with 8-bit activations and integer
 # products as llama.cpp does (pp_tg --decode-activations q8_0; the default keeps f32 ones):
 #
-#   ratio <type> tg128 decode-activations=q8_0 <median>
+#   ratio <type> tg<N> decode-activations=q8_0 <median>
 #
 # llama-bench: $LLAMA_BENCH if set; else BUILD_DIR/llama-bench/bin/llama-bench if it exists; else
 # it is built there (once) from the llama.cpp source tree (--llama-cpp, or the build's
@@ -39,17 +47,26 @@
 set -euo pipefail
 shopt -s inherit_errexit
 
-usage() { sed -n '4,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '4,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 fail() { echo "compare_llama_cpp: $*" >&2; exit 1; }
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 llama_cpp=""
+shape="stories15m"
+types_list=""
+models=""
 positional=()
 while (($# > 0)); do
   case "$1" in
     -h | --help) usage; exit 0 ;;
     --llama-cpp) (($# >= 2)) || fail "--llama-cpp needs a directory"; llama_cpp="$2"; shift 2 ;;
     --llama-cpp=*) llama_cpp="${1#--llama-cpp=}"; shift ;;
+    --shape) (($# >= 2)) || fail "--shape needs a name"; shape="$2"; shift 2 ;;
+    --shape=*) shape="${1#--shape=}"; shift ;;
+    --types) (($# >= 2)) || fail "--types needs a list"; types_list="$2"; shift 2 ;;
+    --types=*) types_list="${1#--types=}"; shift ;;
+    --models) (($# >= 2)) || fail "--models needs a directory"; models="$2"; shift 2 ;;
+    --models=*) models="${1#--models=}"; shift ;;
     -*) usage >&2; fail "unknown option $1" ;;
     *) positional+=("$1"); shift ;;
   esac
@@ -58,6 +75,17 @@ done
 build="${positional[0]:-${repo}/build/release}"
 rounds="${positional[1]:-3}"
 [[ "${rounds}" =~ ^[1-9][0-9]*$ ]] || fail "ROUNDS must be a positive integer, got '${rounds}'"
+case "${shape}" in
+  stories15m) default_types="f32,f16,q8_0,q4_0"; generate=128; repetitions=5 ;;
+  tinyllama) default_types="f16,q8_0,q4_0"; generate=32; repetitions=2 ;;
+  *) fail "--shape must be stories15m or tinyllama, got '${shape}'" ;;
+esac
+IFS=, read -r -a types <<< "${types_list:-${default_types}}"
+((${#types[@]} > 0)) || fail "--types is empty"
+for type in "${types[@]}"; do
+  [[ "${type}" =~ ^(f32|f16|bf16|q8_0|q4_0)$ ]] \
+    || fail "--types: '${type}' is not one of f32, f16, bf16, q8_0, q4_0"
+done
 pp_tg="${build}/bin/pp_tg"
 [[ -x "${pp_tg}" ]] || fail "${pp_tg} not found (build kvevict first: cmake --build ${build} --target pp_tg)"
 
@@ -103,9 +131,17 @@ echo "llama-bench: ${llama_bench}" >&2
 
 work="$(mktemp -d)"
 trap 'rm -rf "${work}"' EXIT
-types=(f32 f16 q8_0 q4_0)
+if [[ -n "${models}" ]]; then
+  mkdir -p "${models}" || fail "--models: cannot create ${models}"
+else
+  models="${work}"
+fi
 for type in "${types[@]}"; do
-  "${pp_tg}" --write-stories15m "${work}/stories15m-${type}.gguf" --dtype "${type}"
+  file="${models}/${shape}-${type}.gguf"
+  [[ -s "${file}" ]] && continue
+  # Written under another name first, so that an interrupted write is never taken for a model.
+  "${pp_tg}" "--write-${shape}" "${file}.partial" --dtype "${type}" && mv "${file}.partial" "${file}" \
+    || fail "pp_tg could not write the ${shape} model in ${type} to ${models}"
 done
 
 threads="${THREADS:-1}"
@@ -114,7 +150,7 @@ target_args=()
 
 # "<test> <tokens/s>" lines of llama-bench's CSV (columns found by name).
 llama_rates() {
-  "${llama_bench}" -m "$1" -p 512 -n 128 -t "${threads}" -r 5 -o csv 2>/dev/null | awk -F, '
+  "${llama_bench}" -m "$1" -p 512 -n "${generate}" -t "${threads}" -r "${repetitions}" -o csv 2>/dev/null | awk -F, '
     NR == 1 { for (i = 1; i <= NF; ++i) { gsub(/"/, "", $i); column[$i] = i }; next }
     { gsub(/"/, "");
       test = $column["n_prompt"] > 0 ? "pp" $column["n_prompt"] : "tg" $column["n_gen"];
@@ -131,20 +167,21 @@ ratio() {
 
 for ((round = 1; round <= rounds; ++round)); do
   for type in "${types[@]}"; do
-    model="${work}/stories15m-${type}.gguf"
+    model="${models}/${shape}-${type}.gguf"
     llama_rates "${model}" > "${work}/llama"
-    "${pp_tg}" --model "${model}" -p 512 -n 128 -r 5 -t "${threads}" "${target_args[@]}" > "${work}/kvevict"
+    "${pp_tg}" --model "${model}" -p 512 -n "${generate}" -r "${repetitions}" -t "${threads}" \
+      "${target_args[@]}" > "${work}/kvevict"
     echo "round ${round} ${type} (load $(cut -d' ' -f1-3 /proc/loadavg)):" \
       "kvevict $(grep -h '^target' "${work}/kvevict")" \
       "$(awk '/^(pp|tg)/ { printf "%s %s  ", $1, $2 }' "${work}/kvevict")" \
       "llama.cpp $(awk '{ printf "%s %s  ", $1, $2 }' "${work}/llama")" >&2
-    for test in tg128 pp512; do ratio "${work}/kvevict" "${test}" "${work}/ratios-${type}-${test}"; done
+    for test in "tg${generate}" pp512; do ratio "${work}/kvevict" "${test}" "${work}/ratios-${type}-${test}"; done
     if [[ "${type}" == q8_0 || "${type}" == q4_0 ]]; then
-      "${pp_tg}" --model "${model}" -p 16 -n 128 -r 5 -t "${threads}" "${target_args[@]}" \
-        --decode-activations q8_0 > "${work}/kvevict-q8"
+      "${pp_tg}" --model "${model}" -p 16 -n "${generate}" -r "${repetitions}" -t "${threads}" \
+        "${target_args[@]}" --decode-activations q8_0 > "${work}/kvevict-q8"
       echo "round ${round} ${type} kvevict decode-activations=q8_0:" \
         "$(awk '/^tg/ { printf "%s %s", $1, $2 }' "${work}/kvevict-q8")" >&2
-      ratio "${work}/kvevict-q8" tg128 "${work}/ratios-${type}-tg128-q8"
+      ratio "${work}/kvevict-q8" "tg${generate}" "${work}/ratios-${type}-tg-q8"
     fi
   done
 done
@@ -154,10 +191,10 @@ median() {
     print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2) }'
 }
 for type in "${types[@]}"; do
-  for test in tg128 pp512; do
+  for test in "tg${generate}" pp512; do
     echo "ratio ${type} ${test} $(median "${work}/ratios-${type}-${test}")"
   done
-  if [[ -f "${work}/ratios-${type}-tg128-q8" ]]; then
-    echo "ratio ${type} tg128 decode-activations=q8_0 $(median "${work}/ratios-${type}-tg128-q8")"
+  if [[ -f "${work}/ratios-${type}-tg-q8" ]]; then
+    echo "ratio ${type} tg${generate} decode-activations=q8_0 $(median "${work}/ratios-${type}-tg-q8")"
   fi
 done

@@ -11,11 +11,14 @@
 //   pp_tg --model m.gguf [-p 512] [-n 128] [-r 5] [-t 1] [--target AVX2]
 //         [--decode-activations f32|q8_0]
 //   pp_tg --write-stories15m out.gguf --dtype f32|f16|bf16|q8_0|q4_0
+//   pp_tg --write-tinyllama out.gguf --dtype f32|f16|bf16|q8_0|q4_0
 //
 // --write-stories15m writes a stories15M-shaped Llama (dim 288, 6 layers, 6 heads, hidden 768,
-// vocab 32000, untied classifier) with random weights (make_random_model, seed 1) through
-// kvevict's GGUF writer, with a SentencePiece vocabulary of placeholder pieces (<unk>, <s>, </s>,
-// the 256 byte pieces, then "▁t<i>") that llama.cpp accepts. --target runs every kernel on one
+// vocab 32000, untied classifier), --write-tinyllama one of TinyLlama-1.1B's shape (dim 2048, 16
+// layers, 32 query / 8 KV heads, hidden 5632, vocab 32000, untied: 0.85B weights, 1.7 GB in F16),
+// with random weights (make_random_model, seed 1) through kvevict's GGUF writer, with a
+// SentencePiece vocabulary of placeholder pieces (<unk>, <s>, </s>, the 256 byte pieces, then
+// "▁t<i>") that llama.cpp accepts. --target runs every kernel on one
 // SIMD target (kernels::available_targets(), e.g. AVX2 to match a llama.cpp built for AVX2).
 // --decode-activations q8_0 multiplies Q8_0 / Q4_0 weights by 8-bit activations when decoding
 // (model::DecodeActivations), as llama.cpp does; f32 (the default) keeps the f32 ones.
@@ -45,6 +48,7 @@ using model::DType;
 struct Options {
   std::string model;
   std::string write_path;
+  std::string write_shape;  // "stories15m" or "tinyllama"
   std::string dtype = "f32";
   std::string target;
   model::DecodeActivations decode_activations = model::DecodeActivations::f32;
@@ -77,8 +81,9 @@ Options parse(int argc, char** argv) {
     const char* value = argv[++i];
     if (flag == "--model" || flag == "-m") {
       options.model = value;
-    } else if (flag == "--write-stories15m") {
+    } else if (flag == "--write-stories15m" || flag == "--write-tinyllama") {
       options.write_path = value;
+      options.write_shape = flag.substr(std::string("--write-").size());
     } else if (flag == "--dtype") {
       options.dtype = value;
     } else if (flag == "--target") {
@@ -98,20 +103,35 @@ Options parse(int argc, char** argv) {
     }
   }
   KVEVICT_REQUIRE(!options.model.empty() || !options.write_path.empty(),
-                  "give --model <file.gguf> or --write-stories15m <out.gguf>");
+                  "give --model <file.gguf>, --write-stories15m <out.gguf> or --write-tinyllama "
+                  "<out.gguf>");
   return options;
 }
 
-void write_stories15m(const Options& options) {
+// The shapes --write-stories15m and --write-tinyllama name.
+model::ModelConfig shape_config(const std::string& shape) {
   model::ModelConfig config;
-  config.dim = 288;
-  config.hidden_dim = 768;
-  config.layers = 6;
-  config.heads = 6;
-  config.kv_heads = 6;
+  if (shape == "tinyllama") {
+    config.dim = 2048;
+    config.hidden_dim = 5632;
+    config.layers = 16;
+    config.heads = 32;
+    config.kv_heads = 8;
+  } else {
+    config.dim = 288;
+    config.hidden_dim = 768;
+    config.layers = 6;
+    config.heads = 6;
+    config.kv_heads = 6;
+  }
   config.vocab_size = 32000;
   config.context_length = 2048;
   config.rope_layout = RopeLayout::interleaved;
+  return config;
+}
+
+void write_model(const Options& options) {
+  const model::ModelConfig config = shape_config(options.write_shape);
   model::Model m = model::make_random_model(config, 1, parse_dtype(options.dtype));
   model::Tokenizer& tokenizer = m.tokenizer;
   tokenizer.kind = model::Tokenizer::Kind::sentencepiece;
@@ -210,7 +230,7 @@ int main(int argc, char** argv) {
   try {
     const Options options = parse(argc, argv);
     if (!options.write_path.empty()) {
-      write_stories15m(options);
+      write_model(options);
     } else {
       run_tests(options);
     }

@@ -31,6 +31,7 @@
 #include "model/kernels/kernels.hpp"
 #include "model/kernels/weight_product.hpp"
 #include "model/matmul.hpp"
+#include "model/quant.hpp"
 #include "support/expect_error.hpp"
 #include "support/policy_harness.hpp"
 
@@ -614,6 +615,84 @@ TEST(DecoderTargets, WeightProductsWithPartialTilesAndPanels) {
       }
     }
   });
+}
+
+// A product of several rows of X over several of weight_product's slices of k (128 values), k not
+// a multiple of any vector width (f32 / f16 / bf16: 300 = 128 + 128 + 44; blocks: 288), rows of X
+// that fill no tile or two (1, 16, 21, 40), and panels cut by the thread ranges: every output must
+// be one f32 chain over t = 0, 1, ... k - 1, acc = x[t] w[t] + acc with one rounding per term
+// (fused multiply-add) or two (targets without FMA), from acc = 0: the same bits whatever m, the
+// slices, the tiles and the split of W's rows (weight_product.hpp).
+TEST(DecoderTargets, WeightProductIsOneMultiplyAddChainPerOutput) {
+  for (const DType dtype : {DType::f32, DType::f16, DType::bf16, DType::q8_0, DType::q4_0}) {
+    const bool blocks = dtype == DType::q8_0 || dtype == DType::q4_0;
+    const std::int64_t n = 100;
+    const std::int64_t k = blocks ? 288 : 300;
+    const std::vector<float> values = test_values(static_cast<std::size_t>(n * k), 61);
+    std::vector<std::byte> bytes;
+    if (blocks) {
+      bytes = kvevict::model::quantize(values, dtype);
+    } else {
+      const std::size_t size = kvevict::model::dtype_bytes(dtype, n * k);
+      bytes.resize(size);
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        if (dtype == DType::f32) {
+          std::memcpy(bytes.data() + 4 * i, &values[i], 4);
+        } else {
+          const std::uint16_t bits = dtype == DType::f16 ? kvevict::model::float_to_f16(values[i])
+                                                         : kvevict::model::float_to_bf16(values[i]);
+          std::memcpy(bytes.data() + 2 * i, &bits, 2);
+        }
+      }
+    }
+    WeightMatrix w;
+    w.dtype = dtype;
+    w.rows = n;
+    w.cols = k;
+    w.data = bytes.data();
+    for (const std::int64_t m : {1, 16, 21, 40}) {
+      const std::ptrdiff_t x_stride = k + 5;
+      const std::vector<float> x = test_values(static_cast<std::size_t>(m * x_stride), 67);
+      // Both chains for every output.
+      std::vector<float> fused(static_cast<std::size_t>(m * n));
+      std::vector<float> unfused(fused.size());
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t r = 0; r < n; ++r) {
+          float with_fma = 0.0f;
+          float without = 0.0f;
+          for (std::int64_t t = 0; t < k; ++t) {
+            const auto w_value = static_cast<float>(weight(w, r, t));
+            const float x_value = x[static_cast<std::size_t>(i * x_stride + t)];
+            with_fma = std::fma(x_value, w_value, with_fma);
+            const float product = x_value * w_value;
+            without = product + without;
+          }
+          fused[static_cast<std::size_t>(i * n + r)] = with_fma;
+          unfused[static_cast<std::size_t>(i * n + r)] = without;
+        }
+      }
+      for_each_target([&](const std::string& target) {
+        SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)) + " m " + std::to_string(m));
+        std::vector<float> whole(fused.size(), -1.0f);
+        kernels::weight_product(w, 0, n, x.data(), x_stride, m, whole.data(), n);
+        std::vector<float> split(fused.size(), -1.0f);
+        for (const auto& [begin, end] :
+             {std::pair<std::int64_t, std::int64_t>{0, 37}, {37, 59}, {59, n}}) {
+          kernels::weight_product(w, begin, end, x.data(), x_stride, m, split.data(), n);
+        }
+        const auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+          return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+        };
+        // x86's AVX2 and AVX-512 targets have FMA; SSE4 / SSSE3 round the product apart.
+        if (target.rfind("AVX", 0) == 0) {
+          EXPECT_TRUE(same_bits(whole, fused));
+        } else {
+          EXPECT_TRUE(same_bits(whole, fused) || same_bits(whole, unfused));
+        }
+        EXPECT_TRUE(same_bits(split, whole));
+      });
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

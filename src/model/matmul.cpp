@@ -73,9 +73,14 @@ void matmul(const WeightMatrix& w, const Eigen::Ref<const RowMatrix>& x, Eigen::
   const std::int64_t panels = (w.rows + kPanelRows - 1) / kPanelRows;
   ThreadPool* pool = settings.pool;
   const int tasks = static_cast<int>(std::min<std::int64_t>(task_count(w, n, pool), panels));
+  // X packed once for all tasks (through a reference: in a lambda that runs on a pool thread, the
+  // name of a thread_local is that thread's own instance).
+  thread_local kernels::PackedRows caller_packed;
+  kernels::PackedRows& packed = caller_packed;
+  kernels::pack_rows(x.data(), x.outerStride(), n, w.cols, packed);
   // Y = X W^T for the rows [begin, end) of W (columns [begin, end) of Y).
   const auto product_rows = [&](std::int64_t begin, std::int64_t end) {
-    kernels::weight_product(w, begin, end, x.data(), x.outerStride(), n, y.data(), y.outerStride());
+    kernels::weight_product(w, begin, end, packed, y.data(), y.outerStride());
   };
   if (tasks == 1) return product_rows(0, w.rows);
   pool->run(tasks, [&](int task, int /*thread*/) {

@@ -74,17 +74,27 @@ HWY_INLINE float weight_value(const hwy::bfloat16_t* p) {
   return bf16_to_float(bits);
 }
 
-// W[r] . x for one row, read front to back with four accumulators.
+// W[r] . x for one row, read front to back with four accumulators, the bytes kAheadBytes
+// further on prefetched while they lie before `limit` (the end of the rows this call reads: no
+// pointer past them is formed). The hardware prefetcher alone did not keep a core's reads of a
+// large F16 matrix going (docs/kernels.md, "Why decoding reads one row at a time").
+constexpr std::int64_t kAheadBytes = 4096;
+
 template <typename T>
-HWY_INLINE float dot_row(const T* w, std::int64_t cols, const float* x) {
+HWY_INLINE float dot_row(const T* w, std::int64_t cols, const float* x, const char* limit) {
   const D d;
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  const auto step_bytes = 4 * lanes * static_cast<std::int64_t>(sizeof(T));
   V acc0 = hn::Zero(d);
   V acc1 = hn::Zero(d);
   V acc2 = hn::Zero(d);
   V acc3 = hn::Zero(d);
   std::int64_t j = 0;
   for (; j + 4 * lanes <= cols; j += 4 * lanes) {
+    const auto* here = reinterpret_cast<const char*>(w + j);
+    if (limit - here > kAheadBytes + step_bytes) {
+      for (std::int64_t b = 0; b < step_bytes; b += 64) hwy::Prefetch(here + kAheadBytes + b);
+    }
     acc0 = hn::MulAdd(load_weights(d, w + j), hn::LoadU(d, x + j), acc0);
     acc1 = hn::MulAdd(load_weights(d, w + j + lanes), hn::LoadU(d, x + j + lanes), acc1);
     acc2 = hn::MulAdd(load_weights(d, w + j + 2 * lanes), hn::LoadU(d, x + j + 2 * lanes), acc2);
@@ -100,7 +110,8 @@ HWY_INLINE float dot_row(const T* w, std::int64_t cols, const float* x) {
 template <typename T>
 void matvec_elements(const T* w, std::int64_t cols, const float* x, float* y, std::int64_t begin,
                      std::int64_t end) {
-  for (std::int64_t r = begin; r < end; ++r) y[r] = dot_row(w + r * cols, cols, x);
+  const auto* limit = reinterpret_cast<const char*>(w + end * cols);
+  for (std::int64_t r = begin; r < end; ++r) y[r] = dot_row(w + r * cols, cols, x, limit);
 }
 
 template <typename T>
