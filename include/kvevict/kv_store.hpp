@@ -78,7 +78,6 @@ class KvStore final : public KvBackend {
   /// Slots per head the sequence may use (reserve()); under HeadSizing::by_use a head's block
   /// holds head_rows() of them.
   [[nodiscard]] int capacity() const { return capacity_; }
-  [[nodiscard]] HeadSizing sizing() const { return sizing_; }
   /// Rows the block of head (layer, kv_head) holds.
   [[nodiscard]] int head_rows(int layer, int kv_head) const { return head(layer, kv_head).rows; }
   [[nodiscard]] KeyStorage key_storage() const { return key_storage_; }
@@ -98,7 +97,7 @@ class KvStore final : public KvBackend {
 
   /// HeadSizing::by_use: the block of head (layer, kv_head) holds at least rows [0, slots), with
   /// its contents (see HeadSizing for the rule). Call before writing a chunk's rows (slots = the
-  /// head's slot limit) and after a decision. No-op under whole_capacity.
+  /// head's slot limit, which a decision's compaction lowered). No-op under whole_capacity.
   void fit(int layer, int kv_head, int slots) {
     if (sizing_ != HeadSizing::by_use) return;
     KVEVICT_REQUIRE(slots >= 0 && slots <= capacity_, "KvStore::fit: " + std::to_string(slots) +

@@ -313,11 +313,11 @@ class SlotTable {
                 holes.end());
     std::sort(holes.begin(), holes.end());
     const std::int32_t* groups = group_.data() + index(unit, 0);
+    const std::int64_t* originals = original_.data() + index(unit, 0);
     std::size_t next_hole = 0;
     for (std::int32_t from = s.live; from < s.slot_limit; ++from) {
       if (groups[from] == kFree) continue;
       const std::int32_t to = holes[next_hole++];
-      const std::int64_t* originals = original_.data() + index(unit, 0);
       const int at = s.order.find(originals[from], originals);
       KVEVICT_REQUIRE(at >= 0, "SlotTable: live slot missing from the stream order");
       s.order.replace(at, to);
