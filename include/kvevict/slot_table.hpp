@@ -344,15 +344,21 @@ class SlotTable {
   template <class RotateFn>
   void fold(int unit, RotateFn&& rotate) {
     UnitState& s = state(unit);
+    // A slot turns by its own group's pending rotation, and a group is a stretch of stream order:
+    // one walk of the order hands each stretch over (a walk per group cost O(groups x live)).
+    const std::span<const std::int32_t> order = s.order.view();
+    const std::int32_t* groups = group_.data() + index(unit, 0);
+    std::size_t begin = 0;
+    while (begin < order.size()) {
+      const std::int32_t g = groups[order[begin]];
+      std::size_t end = begin + 1;
+      while (end < order.size() && groups[order[end]] == g) ++end;
+      const std::int64_t delta = s.groups[static_cast<std::size_t>(g)].pending_rotation();
+      if (delta != 0) rotate(delta, order.subspan(begin, end - begin));
+      begin = end;
+    }
     for (const std::int32_t g : s.group_order) {
       PositionGroup& group = s.groups[static_cast<std::size_t>(g)];
-      const std::int64_t delta = group.pending_rotation();
-      if (delta == 0) continue;
-      scratch_.clear();
-      for (const std::int32_t slot : s.order.view()) {
-        if (group_[index(unit, slot)] == g) scratch_.push_back(slot);
-      }
-      rotate(delta, std::span<const std::int32_t>(scratch_));
       group.key_offset = group.position_offset;
     }
     s.evicted_since_fold = 0;
@@ -566,7 +572,7 @@ class SlotTable {
   std::vector<std::uint8_t> flags_;     // [units][capacity]
   std::vector<std::int32_t> group_;     // [units][capacity]; kFree for free slots
   std::vector<float> score_;            // [units][score_columns][capacity]
-  std::vector<std::int32_t> scratch_;   // evict / fold working list
+  std::vector<std::int32_t> scratch_;   // evict's working list
 };
 
 }  // namespace kvevict
