@@ -630,19 +630,20 @@ TEST(EvictingCache, UnboundedPolicyGrowsAndKeepsContents) {
 }
 
 // Exact byte accounting: keys + values = 2 * head_dim * 4 per head; metadata = original position
-// (8), token id (4), group id (4), flags (1) and 4 per score column, once per unit.
+// (8), token id (4), group id (4), flags (1), and 4 per score column plus 4 for the spare column
+// beside them (SlotTable::spare_scores; H2O has one score column), once per unit.
 TEST(EvictingCache, MemoryAccountingIsExact) {
   CacheConfig c;
   c.shape = CacheShape{2, 4, 2, 16};
   c.sequence.max_chunk = 8;
   EvictingCache cache(c, kvevict::make_policy("h2o", kvevict::budget_params("h2o", 8)));
   EXPECT_EQ(cache.store().kv_bytes_per_slot(), 2u * 16 * 4);
-  EXPECT_EQ(cache.sequence().slots().bytes_per_slot(), 8u + 4 + 4 + 1 + 4);
+  EXPECT_EQ(cache.sequence().slots().bytes_per_slot(), 8u + 4 + 4 + 1 + 4 + 4);
   cache.sequence().begin_chunk(ids(5));
   // 5 tokens x 4 heads (per-head units: 4 metadata rows each).
   EXPECT_EQ(cache.memory().live_kv_bytes, 5u * 4 * 128);
-  EXPECT_EQ(cache.memory().live_metadata_bytes, 5u * 4 * 21);
-  EXPECT_EQ(cache.memory().reserved_bytes, 16u * 4 * 128 + 16u * 4 * 21);
+  EXPECT_EQ(cache.memory().live_metadata_bytes, 5u * 4 * 25);
+  EXPECT_EQ(cache.memory().reserved_bytes, 16u * 4 * 128 + 16u * 4 * 25);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -988,77 +989,63 @@ TEST(SlotTable, RejectsBadChanges) {
 // no multiple of 4, 8 or 16), or a decision would depend on the machine.
 TEST(RowPasses, EveryVectorWidthComputesThePlainLoopsBits) {
   namespace rp = kvevict::detail::row_pass;
+  using AddRows = bool (*)(const float* const*, int, std::size_t, float, const float*, float*);
+  // The dispatching entry point and each width this CPU runs.
+  std::vector<std::pair<std::string, AddRows>> widths{{"dispatch", &kvevict::detail::add_rows},
+                                                      {"baseline", &rp::add_rows}};
+#if KVEVICT_ROW_PASS_DISPATCH
+  if (__builtin_cpu_supports("avx2")) widths.emplace_back("avx2", &rp::add_rows_avx2);
+  if (__builtin_cpu_supports("avx512f")) widths.emplace_back("avx512", &rp::add_rows_avx512);
+#endif
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> probability(0.0f, 1.0f);
   for (const std::size_t n : {0u, 1u, 3u, 7u, 15u, 17u, 33u, 4099u}) {
-    std::vector<float> row(n);
-    for (float& p : row) p = probability(rng);
+    std::vector<std::vector<float>> rows(4, std::vector<float>(n));
+    for (std::vector<float>& r : rows) {
+      for (float& p : r) p = probability(rng);
+    }
+    const std::array<const float*, 4> pointers{rows[0].data(), rows[1].data(), rows[2].data(),
+                                               rows[3].data()};
+    std::vector<float> start(n);
+    for (float& s : start) s = 100.0f * probability(rng);
     for (const float weight : {1.0f, 1.0f / 3.0f, 1.0f / 24.0f}) {
-      std::vector<float> start(n);
-      for (float& s : start) s = 100.0f * probability(rng);
-      std::vector<float> expected = start;
-      for (std::size_t s = 0; s < n; ++s) {
-        const float scaled = weight * row[s];  // rounded, then added
-        expected[s] += scaled;
-      }
-      std::vector<float> any_width = start;
-      EXPECT_TRUE(kvevict::detail::add_scaled(row.data(), n, weight, any_width.data()));
-      EXPECT_EQ(any_width, expected) << "n = " << n << ", weight = " << weight;
-#if KVEVICT_ROW_PASS_DISPATCH
-      if (__builtin_cpu_supports("avx2")) {
-        std::vector<float> avx2 = start;
-        EXPECT_TRUE(rp::add_scaled_avx2(row.data(), n, weight, avx2.data()));
-        EXPECT_EQ(avx2, expected);
-      }
-      if (__builtin_cpu_supports("avx512f")) {
-        std::vector<float> avx512 = start;
-        EXPECT_TRUE(rp::add_scaled_avx512(row.data(), n, weight, avx512.data()));
-        EXPECT_EQ(avx512, expected);
-      }
-#endif
-      // Four rows in one pass: what four single passes compute, in the same order.
-      std::vector<std::vector<float>> four(4, std::vector<float>(n));
-      for (std::vector<float>& r : four) {
-        for (float& p : r) p = probability(rng);
-      }
-      std::vector<float> one_by_one = start;
-      for (const std::vector<float>& r : four) {
-        for (std::size_t s = 0; s < n; ++s) {
-          const float scaled = weight * r[s];
-          one_by_one[s] += scaled;
+      for (int count = 1; count <= 4; ++count) {
+        // One row at a time, each product rounded before it is added, from `start` or from zero.
+        std::vector<float> from_start = start;
+        std::vector<float> from_zero(n, 0.0f);
+        for (int r = 0; r < count; ++r) {
+          for (std::size_t s = 0; s < n; ++s) {
+            const float scaled = weight * rows[static_cast<std::size_t>(r)][s];
+            from_start[s] += scaled;
+            from_zero[s] += scaled;
+          }
+        }
+        for (const auto& [name, add_rows] : widths) {
+          SCOPED_TRACE(name + ", n = " + std::to_string(n) + ", " + std::to_string(count) +
+                       " rows, weight " + std::to_string(weight));
+          std::vector<float> in_place = start;
+          EXPECT_TRUE(
+              add_rows(pointers.data(), count, n, weight, in_place.data(), in_place.data()));
+          EXPECT_EQ(in_place, from_start);
+          std::vector<float> into(n, -1.0f);
+          EXPECT_TRUE(add_rows(pointers.data(), count, n, weight, start.data(), into.data()));
+          EXPECT_EQ(into, from_start);
+          std::vector<float> zero_start(n, -1.0f);
+          EXPECT_TRUE(add_rows(pointers.data(), count, n, weight, nullptr, zero_start.data()));
+          EXPECT_EQ(zero_start, from_zero);
         }
       }
-      const std::array<const float*, 4> rows{four[0].data(), four[1].data(), four[2].data(),
-                                             four[3].data()};
-      std::vector<float> fused = start;
-      EXPECT_TRUE(kvevict::detail::add_scaled4(rows.data(), n, weight, fused.data()));
-      EXPECT_EQ(fused, one_by_one);
-#if KVEVICT_ROW_PASS_DISPATCH
-      for (const auto& [supported, pass] :
-           {std::pair{__builtin_cpu_supports("avx2") != 0, &rp::add_scaled4_avx2},
-            std::pair{__builtin_cpu_supports("avx512f") != 0, &rp::add_scaled4_avx512}}) {
-        if (!supported) continue;
-        std::vector<float> width_fused = start;
-        EXPECT_TRUE(pass(rows.data(), n, weight, width_fused.data()));
-        EXPECT_EQ(width_fused, one_by_one);
-      }
-#endif
     }
-    // A value that is no probability, at every position (the vector body and the tail): found by
-    // the check at every width, and a NaN or an infinity by the sum's flag.
+    // A value that is no probability, in any of the rows at every position (the vector body and
+    // the tail): found by the check and by the sum's flag, at every width.
     for (std::size_t bad = 0; bad < std::min<std::size_t>(n, 40); ++bad) {
-      for (const float value : {-1e-9f, 1.01f, std::numeric_limits<float>::quiet_NaN(),
-                                std::numeric_limits<float>::infinity()}) {
-        std::vector<float> broken = row;
+      for (const float value :
+           {-1e-9f, 1.01f, std::numeric_limits<float>::quiet_NaN(),
+            std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+        std::vector<float> broken = rows[0];
         broken[bad] = value;
         EXPECT_FALSE(kvevict::detail::all_probabilities(broken.data(), n));
         EXPECT_FALSE(rp::all_probabilities(broken.data(), n));
-        std::vector<float> sum(n);
-        EXPECT_EQ(kvevict::detail::add_scaled(broken.data(), n, 1.0f, sum.data()),
-                  std::isfinite(value));
-        const std::array<const float*, 4> fourth{row.data(), row.data(), row.data(), broken.data()};
-        EXPECT_EQ(kvevict::detail::add_scaled4(fourth.data(), n, 1.0f, sum.data()),
-                  std::isfinite(value));
 #if KVEVICT_ROW_PASS_DISPATCH
         if (__builtin_cpu_supports("avx2")) {
           EXPECT_FALSE(rp::all_probabilities_avx2(broken.data(), n));
@@ -1067,15 +1054,30 @@ TEST(RowPasses, EveryVectorWidthComputesThePlainLoopsBits) {
           EXPECT_FALSE(rp::all_probabilities_avx512(broken.data(), n));
         }
 #endif
+        for (int count = 1; count <= 4; ++count) {
+          std::array<const float*, 4> with_bad = pointers;
+          with_bad[static_cast<std::size_t>(count - 1)] = broken.data();
+          for (const auto& [name, add_rows] : widths) {
+            std::vector<float> sum(n);
+            EXPECT_FALSE(add_rows(with_bad.data(), count, n, 1.0f, nullptr, sum.data()))
+                << name << ": " << value << " at " << bad << " of row " << count - 1;
+          }
+        }
       }
     }
-    EXPECT_TRUE(kvevict::detail::all_probabilities(row.data(), n));
+    EXPECT_TRUE(kvevict::detail::all_probabilities(rows[0].data(), n));
   }
   // The edges of the accepted range: 0, -0.0, 1 and the slack above 1 for a half-precision softmax.
   const std::vector<float> edges{0.0f, -0.0f, 1.0f, kvevict::detail::kMaxProbability};
   EXPECT_TRUE(kvevict::detail::all_probabilities(edges.data(), edges.size()));
   const float above = std::nextafter(kvevict::detail::kMaxProbability, 2.0f);
   EXPECT_FALSE(kvevict::detail::all_probabilities(&above, 1));
+  const std::array<const float*, 1> edge_row{edges.data()};
+  std::vector<float> sum(edges.size());
+  EXPECT_TRUE(
+      kvevict::detail::add_rows(edge_row.data(), 1, edges.size(), 1.0f, nullptr, sum.data()));
+  const std::array<const float*, 1> above_row{&above};
+  EXPECT_FALSE(kvevict::detail::add_rows(above_row.data(), 1, 1, 1.0f, nullptr, sum.data()));
 }
 
 // The budget rule's single eviction (WorstCandidates) at every width: the lowest score, the later

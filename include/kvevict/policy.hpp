@@ -109,6 +109,10 @@ class Policy {
   /// Most slots any unit holds once the policy has evicted (at its steady point), or nullopt when
   /// the policy has no bound (full cache, AnLLM without a cap). Engines size buffers from it.
   [[nodiscard]] virtual std::optional<int> retained_limit() const { return std::nullopt; }
+  /// Whether observe_attention itself refuses rows that are not attention probabilities, with
+  /// check_probabilities' message and before it changes any score (add_attention_checked: the
+  /// check fused into its pass over the rows). Sequence then checks only their shape.
+  [[nodiscard]] virtual bool checks_probabilities() const { return false; }
   /// slot_flag bits for a newly appended token (e.g. anchor).
   [[nodiscard]] virtual std::uint8_t flags_for(std::int32_t /*token_id*/) const { return 0; }
   /// Tokens that can still be appended before the policy's pot is full (engines split chunks

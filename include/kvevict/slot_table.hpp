@@ -26,7 +26,9 @@
 //   original_position  index in the input stream (0, 1, 2, ... over the whole sequence)
 //   token_id           the token's id
 //   flags              slot_flag bits (sink, anchor, catalyst)
-//   score(c)           float columns owned by the policy (c < score_columns())
+//   score(c)           float columns owned by the policy (c < score_columns()), and one spare
+//                      column beside them, in which a policy builds new scores before it swaps
+//                      them in (so that a refused signal leaves every score as it was)
 #pragma once
 
 #include <algorithm>
@@ -88,6 +90,11 @@ class SlotTable {
         score_columns >= 0 && score_columns <= 16,
         "SlotTable: score columns must be in [0, 16], got " + std::to_string(score_columns));
     units_.resize(static_cast<std::size_t>(layout.units()));
+    score_storage_.resize(units_.size() * static_cast<std::size_t>(stored_score_columns()));
+    for (std::size_t i = 0; i < score_storage_.size(); ++i) {
+      score_storage_[i] =
+          static_cast<std::uint8_t>(i % static_cast<std::size_t>(stored_score_columns()));
+    }
     reserve(capacity);
   }
 
@@ -136,6 +143,22 @@ class SlotTable {
   }
   [[nodiscard]] std::span<const float> scores(int unit, int column_index) const {
     return {score_data(unit, column_index), static_cast<std::size_t>(slot_limit(unit))};
+  }
+  /// The unit's spare score column (there is one when score_columns() > 0): what it holds is
+  /// unspecified. A policy writes new scores there and swaps them in with swap_spare_scores().
+  [[nodiscard]] std::span<float> spare_scores(int unit) {
+    return {score_data(unit, score_columns_), static_cast<std::size_t>(slot_limit(unit))};
+  }
+  /// Column `column_index` of `unit` becomes what spare_scores(unit) held, and the spare what the
+  /// column held: O(1), nothing is copied.
+  void swap_spare_scores(int unit, int column_index) {
+    KVEVICT_REQUIRE(
+        column_index >= 0 && column_index < score_columns_,
+        "SlotTable::swap_spare_scores: no score column " + std::to_string(column_index));
+    std::uint8_t* storage =
+        score_storage_.data() +
+        static_cast<std::size_t>(unit) * static_cast<std::size_t>(stored_score_columns());
+    std::swap(storage[column_index], storage[score_columns_]);
   }
 
   /// The live slots of `unit`, oldest (lowest original position) first. Valid until the next
@@ -197,7 +220,7 @@ class SlotTable {
   /// Bytes of metadata per slot (all columns).
   [[nodiscard]] std::size_t bytes_per_slot() const {
     return sizeof(std::int64_t) + sizeof(std::int32_t) * 2 + sizeof(std::uint8_t) +
-           sizeof(float) * static_cast<std::size_t>(score_columns_);
+           sizeof(float) * static_cast<std::size_t>(stored_score_columns());
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -212,13 +235,13 @@ class SlotTable {
                                                   std::to_string(kMaxCapacity) + " slots");
     const std::size_t units = units_.size();
     (void)checked_product(
-        {static_cast<std::int64_t>(units), capacity, std::int64_t{1} + score_columns_},
+        {static_cast<std::int64_t>(units), capacity, std::int64_t{1} + stored_score_columns()},
         "SlotTable: units * capacity * columns", kMaxCapacity * 64);
     regrow(original_, capacity, 1);
     regrow(token_, capacity, 1);
     regrow(flags_, capacity, 1);
     regrow(group_, capacity, 1, kFree);
-    regrow(score_, capacity, score_columns_);
+    regrow(score_, capacity, stored_score_columns());
     capacity_ = capacity;
     for (UnitState& s : units_) s.order.reserve(capacity);
   }
@@ -417,17 +440,20 @@ class SlotTable {
   [[nodiscard]] std::span<const T> column(const std::vector<T>& data, int unit) const {
     return {data.data() + index(unit, 0), static_cast<std::size_t>(slot_limit(unit))};
   }
-  [[nodiscard]] float* score_data(int unit, int c) {
-    return score_.data() +
-           (static_cast<std::size_t>(unit) * static_cast<std::size_t>(score_columns_) +
-            static_cast<std::size_t>(c)) *
-               static_cast<std::size_t>(capacity_);
+  // The score columns and the spare, when there are score columns.
+  [[nodiscard]] int stored_score_columns() const {
+    return score_columns_ > 0 ? score_columns_ + 1 : 0;
   }
+  // Where column c of `unit` is stored (c == score_columns_: the spare), as an offset in score_.
+  [[nodiscard]] std::size_t score_offset(int unit, int c) const {
+    const std::size_t block =
+        static_cast<std::size_t>(unit) * static_cast<std::size_t>(stored_score_columns());
+    return (block + score_storage_[block + static_cast<std::size_t>(c)]) *
+           static_cast<std::size_t>(capacity_);
+  }
+  [[nodiscard]] float* score_data(int unit, int c) { return score_.data() + score_offset(unit, c); }
   [[nodiscard]] const float* score_data(int unit, int c) const {
-    return score_.data() +
-           (static_cast<std::size_t>(unit) * static_cast<std::size_t>(score_columns_) +
-            static_cast<std::size_t>(c)) *
-               static_cast<std::size_t>(capacity_);
+    return score_.data() + score_offset(unit, c);
   }
   void add_total_live(std::int64_t slots_per_unit) {
     total_live_ += slots_per_unit * layout_.heads_per_unit();
@@ -571,8 +597,9 @@ class SlotTable {
   std::vector<std::int32_t> token_;     // [units][capacity]
   std::vector<std::uint8_t> flags_;     // [units][capacity]
   std::vector<std::int32_t> group_;     // [units][capacity]; kFree for free slots
-  std::vector<float> score_;            // [units][score_columns][capacity]
-  std::vector<std::int32_t> scratch_;   // evict's working list
+  std::vector<float> score_;            // [units][score_columns + 1][capacity], in storage order
+  std::vector<std::uint8_t> score_storage_;  // [units][score_columns + 1]: column -> storage index
+  std::vector<std::int32_t> scratch_;        // evict's working list
 };
 
 }  // namespace kvevict

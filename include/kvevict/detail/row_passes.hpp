@@ -68,45 +68,81 @@ KVEVICT_ROW_PASS_INLINE bool all_probabilities(const float* KVEVICT_RESTRICT row
   return all != 0;
 }
 
-// The flag of add_scaled: the exponent all ones is NaN or an infinity.
-KVEVICT_ROW_PASS_INLINE std::uint32_t not_finite(float value) {
-  return static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(value) & 0x7fffffffu) >=
-                                    0x7f800000u);
+// The flag of add_rows: 1 unless `value` is an attention probability (is_probability, negated
+// with the same integer tests).
+KVEVICT_ROW_PASS_INLINE std::uint32_t not_probability(float value) {
+  const auto bits = std::bit_cast<std::uint32_t>(value);
+  return static_cast<std::uint32_t>(bits > std::bit_cast<std::uint32_t>(kMaxProbability)) &
+         static_cast<std::uint32_t>(bits != 0x80000000u);
 }
 
-KVEVICT_ROW_PASS_INLINE bool add_scaled(const float* KVEVICT_RESTRICT row, std::size_t n,
-                                        float weight, float* KVEVICT_RESTRICT sum) {
-  std::uint32_t flag = 0;
-  for (std::size_t s = 0; s < n; ++s) {
-    flag |= not_finite(row[s]);
-    const float scaled = weight * row[s];  // its own statement: never fused into the sum
-    sum[s] += scaled;
-  }
-  return flag == 0;
-}
+// Where each sum of add_rows starts: the output itself, another column, or zero.
+enum class SumStart { in_place, from, zero };
 
-// Four rows in one pass over `sum`, added in their order: the same operations, in the same order
-// per slot, as four add_scaled calls, with one read and one write of `sum` instead of four.
-KVEVICT_ROW_PASS_INLINE bool add_scaled4(const float* KVEVICT_RESTRICT r0,
+// K rows (K <= 4; r0 stands in for the unused ones) in one pass over the output: to[s] = start +
+// weight * r0[s] + ... + weight * r(K-1)[s], each product rounded before it is added, the rows
+// added in their order: the same operations per slot as K passes of one row each, with one read
+// and one write of the sums instead of K. Returns false if a row held a value that is not an
+// attention probability.
+template <int K, SumStart kStart>
+KVEVICT_ROW_PASS_INLINE bool add_rows_of(const float* KVEVICT_RESTRICT r0,
                                          const float* KVEVICT_RESTRICT r1,
                                          const float* KVEVICT_RESTRICT r2,
                                          const float* KVEVICT_RESTRICT r3, std::size_t n,
-                                         float weight, float* KVEVICT_RESTRICT sum) {
+                                         float weight, const float* KVEVICT_RESTRICT from,
+                                         float* KVEVICT_RESTRICT to) {
+  static_assert(K >= 1 && K <= 4);
   std::uint32_t flag = 0;
   for (std::size_t s = 0; s < n; ++s) {
-    flag |= not_finite(r0[s]) | not_finite(r1[s]) | not_finite(r2[s]) | not_finite(r3[s]);
-    const float p0 = weight * r0[s];
-    const float p1 = weight * r1[s];
-    const float p2 = weight * r2[s];
-    const float p3 = weight * r3[s];
-    float acc = sum[s];
+    float acc = 0.0f;
+    if constexpr (kStart == SumStart::in_place) acc = to[s];
+    if constexpr (kStart == SumStart::from) acc = from[s];
+    flag |= not_probability(r0[s]);
+    const float p0 = weight * r0[s];  // its own statement: never fused into the sum
     acc += p0;
-    acc += p1;
-    acc += p2;
-    acc += p3;
-    sum[s] = acc;
+    if constexpr (K > 1) {
+      flag |= not_probability(r1[s]);
+      const float p1 = weight * r1[s];
+      acc += p1;
+    }
+    if constexpr (K > 2) {
+      flag |= not_probability(r2[s]);
+      const float p2 = weight * r2[s];
+      acc += p2;
+    }
+    if constexpr (K > 3) {
+      flag |= not_probability(r3[s]);
+      const float p3 = weight * r3[s];
+      acc += p3;
+    }
+    to[s] = acc;
   }
   return flag == 0;
+}
+
+template <SumStart kStart>
+KVEVICT_ROW_PASS_INLINE bool add_rows_from(const float* const* rows, int count, std::size_t n,
+                                           float weight, const float* from, float* to) {
+  const float* r0 = rows[0];
+  switch (count) {
+    case 1:
+      return add_rows_of<1, kStart>(r0, r0, r0, r0, n, weight, from, to);
+    case 2:
+      return add_rows_of<2, kStart>(r0, rows[1], r0, r0, n, weight, from, to);
+    case 3:
+      return add_rows_of<3, kStart>(r0, rows[1], rows[2], r0, n, weight, from, to);
+    default:
+      return add_rows_of<4, kStart>(r0, rows[1], rows[2], rows[3], n, weight, from, to);
+  }
+}
+
+// rows[0, count) (count in [1, 4]) added to `from` into `to`: in place when from == to, from
+// zeros when from is null.
+KVEVICT_ROW_PASS_INLINE bool add_rows(const float* const* rows, int count, std::size_t n,
+                                      float weight, const float* from, float* to) {
+  if (from == to) return add_rows_from<SumStart::in_place>(rows, count, n, weight, nullptr, to);
+  if (from == nullptr) return add_rows_from<SumStart::zero>(rows, count, n, weight, nullptr, to);
+  return add_rows_from<SumStart::from>(rows, count, n, weight, from, to);
 }
 
 // The candidate a budget rule evicts when one must go: the index i in [first, last) whose
@@ -157,21 +193,14 @@ KVEVICT_TARGET_AVX512 inline bool all_probabilities_avx512(const float* row, std
 KVEVICT_TARGET_AVX2 inline bool all_probabilities_avx2(const float* row, std::size_t n) {
   return all_probabilities(row, n);
 }
-KVEVICT_TARGET_AVX512 inline bool add_scaled_avx512(const float* row, std::size_t n, float weight,
-                                                    float* sum) {
-  return add_scaled(row, n, weight, sum);
+KVEVICT_TARGET_AVX512 inline bool add_rows_avx512(const float* const* rows, int count,
+                                                  std::size_t n, float weight, const float* from,
+                                                  float* to) {
+  return add_rows(rows, count, n, weight, from, to);
 }
-KVEVICT_TARGET_AVX2 inline bool add_scaled_avx2(const float* row, std::size_t n, float weight,
-                                                float* sum) {
-  return add_scaled(row, n, weight, sum);
-}
-KVEVICT_TARGET_AVX512 inline bool add_scaled4_avx512(const float* const* rows, std::size_t n,
-                                                     float weight, float* sum) {
-  return add_scaled4(rows[0], rows[1], rows[2], rows[3], n, weight, sum);
-}
-KVEVICT_TARGET_AVX2 inline bool add_scaled4_avx2(const float* const* rows, std::size_t n,
-                                                 float weight, float* sum) {
-  return add_scaled4(rows[0], rows[1], rows[2], rows[3], n, weight, sum);
+KVEVICT_TARGET_AVX2 inline bool add_rows_avx2(const float* const* rows, int count, std::size_t n,
+                                              float weight, const float* from, float* to) {
+  return add_rows(rows, count, n, weight, from, to);
 }
 // The lanes of a 16-wide step at index i that lie before `last`.
 inline __mmask16 lanes_before(int i, int last) {
@@ -272,37 +301,24 @@ enum class Width { baseline, avx2, avx512 };
   return row_pass::all_probabilities(row, n);
 }
 
-/// sum[s] += weight * row[s] for s in [0, n) (the product rounded, then the sum: the same bits at
-/// every width). Returns false if the row held NaN or an infinity. `row` and `sum` must not
-/// overlap.
-[[nodiscard]] inline bool add_scaled(const float* row, std::size_t n, float weight, float* sum) {
+/// to[s] = from[s] + weight * rows[0][s] + ... + weight * rows[count - 1][s] for s in [0, n),
+/// count in [1, 4], the rows added in that order (each product rounded, then the sum: the same bits
+/// at every width); in place when from == to, from zeros when from is null. Returns false if a row
+/// held a value that is not an attention probability (is_probability); `to` is then not
+/// meaningful. The rows must not overlap `to`, nor `from` (unless equal to it) overlap `to`.
+[[nodiscard]] inline bool add_rows(const float* const* rows, int count, std::size_t n, float weight,
+                                   const float* from, float* to) {
 #if KVEVICT_ROW_PASS_DISPATCH
   switch (row_pass::width()) {
     case row_pass::Width::avx512:
-      return row_pass::add_scaled_avx512(row, n, weight, sum);
+      return row_pass::add_rows_avx512(rows, count, n, weight, from, to);
     case row_pass::Width::avx2:
-      return row_pass::add_scaled_avx2(row, n, weight, sum);
+      return row_pass::add_rows_avx2(rows, count, n, weight, from, to);
     case row_pass::Width::baseline:
       break;
   }
 #endif
-  return row_pass::add_scaled(row, n, weight, sum);
-}
-
-/// add_scaled of rows[0], rows[1], rows[2] and rows[3], in that order, in one pass over `sum`.
-[[nodiscard]] inline bool add_scaled4(const float* const* rows, std::size_t n, float weight,
-                                      float* sum) {
-#if KVEVICT_ROW_PASS_DISPATCH
-  switch (row_pass::width()) {
-    case row_pass::Width::avx512:
-      return row_pass::add_scaled4_avx512(rows, n, weight, sum);
-    case row_pass::Width::avx2:
-      return row_pass::add_scaled4_avx2(rows, n, weight, sum);
-    case row_pass::Width::baseline:
-      break;
-  }
-#endif
-  return row_pass::add_scaled4(rows[0], rows[1], rows[2], rows[3], n, weight, sum);
+  return row_pass::add_rows(rows, count, n, weight, from, to);
 }
 
 /// The index in [first, last) of the worst candidate of order[first, last) by `scores` (indexed by

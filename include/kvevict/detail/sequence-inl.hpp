@@ -172,10 +172,14 @@ class SequenceCore {
                                               wants(Signal::attention_rows), "observe_attention");
     {
       const StageScope scope(observer_, Stage::policy);
+      // A policy that checks the rows in its own pass over them is handed them unchecked.
+      const bool checked_by_policy = policy_->checks_probabilities();
       if (wants(Signal::attention_rows)) {
-        check_probabilities(layer, rows, "observe_attention", /*last_query_only=*/false);
+        check_probabilities(layer, rows, "observe_attention", /*last_query_only=*/false,
+                            checked_by_policy);
       } else if (wants(Signal::last_attention_row)) {
-        check_probabilities(layer, rows, "observe_attention", /*last_query_only=*/true);
+        check_probabilities(layer, rows, "observe_attention", /*last_query_only=*/true,
+                            checked_by_policy);
       }
       policy_->observe_attention(slots_, layer, rows);
     }
@@ -466,34 +470,14 @@ class SequenceCore {
   }
   void mark_observed(int layer) { observed_layers_[static_cast<std::size_t>(layer)] = 1; }
 
-  static std::string describe(float value) {
-    if (std::isnan(value)) return "NaN";
-    char text[32];
-    const std::to_chars_result end = std::to_chars(text, text + sizeof text, value);
-    return {text, end.ptr};
-  }
-
   // Attention values are probabilities: NaN, infinities, negatives and values above 1 are refused
   // before the policy adds any to its scores (H2O keeps sums for ever; sums of arbitrary floats
-  // overflow to inf - inf = NaN). Only the rows the policy reads are checked.
+  // overflow to inf - inf = NaN). Only the rows the policy reads are checked, and only their shape
+  // when the policy checks their values itself.
   void check_probabilities(int layer, const AttentionRows& rows, const char* call,
-                           bool last_query_only) const {
+                           bool last_query_only, bool shape_only = false) const {
     check_attention_rows(slots_, layer, rows, call);  // rows cover each unit's slots exactly
-    const int first_query = last_query_only ? rows.queries() - 1 : 0;
-    for (int h = 0; h < rows.q_heads(); ++h) {
-      for (int q = first_query; q < rows.queries(); ++q) {
-        const std::span<const float> row = rows.row(h, q);
-        // One vectorised pass (row_passes.hpp); find_if only names the culprit.
-        if (all_probabilities(row.data(), row.size())) continue;
-        const auto bad =
-            std::find_if(row.begin(), row.end(), [](float p) { return !is_probability(p); });
-        throw Error(std::string(call) + ": layer " + std::to_string(layer) + ", query head " +
-                    std::to_string(h) + ", query " + std::to_string(q) + " (original position " +
-                    std::to_string(rows.first_query_position() + q) + "), slot " +
-                    std::to_string(bad - row.begin()) + ": " + describe(*bad) +
-                    " is not an attention probability in [0, 1]; nothing was recorded");
-      }
-    }
+    if (!shape_only) kvevict::check_probabilities(rows, layer, call, last_query_only);
   }
 
   // Surprisal is -log p: NaN would make every ranking over it undefined, and SirLLM keeps scores
@@ -519,7 +503,7 @@ class SequenceCore {
         if (bad == key.end()) continue;
         throw Error("observe_keys: layer " + std::to_string(layer) + ", KV head " +
                     std::to_string(g) + ", token " + std::to_string(k) + " of the chunk, value " +
-                    std::to_string(bad - key.begin()) + ": " + describe(*bad) +
+                    std::to_string(bad - key.begin()) + ": " + detail::describe_value(*bad) +
                     " is not finite; nothing was recorded");
       }
     }
@@ -686,17 +670,28 @@ class SequenceCore {
   void record_evicted(int unit, std::span<const std::int32_t> slots) {
     const auto u = static_cast<std::size_t>(unit);
     const std::size_t first = applied_.evicted_.size();
-    if (!slots.empty()) seen_.assign(static_cast<std::size_t>(slots_.slot_limit(unit)), 0);
+    // seen_ is all zeros between calls: marked here, cleared below (O(evicted), not O(slots)).
+    if (seen_.size() < static_cast<std::size_t>(slots_.slot_limit(unit))) {
+      seen_.resize(static_cast<std::size_t>(slots_.slot_limit(unit)), 0);
+    }
+    const auto clear_seen = [&] {
+      for (const std::int32_t slot : slots) {
+        if (slots_.is_live(unit, slot)) seen_[static_cast<std::size_t>(slot)] = 0;
+      }
+    };
     for (const std::int32_t slot : slots) {
-      KVEVICT_REQUIRE(slots_.is_live(unit, slot) && seen_[static_cast<std::size_t>(slot)] == 0,
-                      "policy '" + std::string(policy_->name()) + "' evicted slot " +
-                          std::to_string(slot) + " of unit " + std::to_string(unit) +
-                          ", which is not live or was listed twice");
+      if (!slots_.is_live(unit, slot) || seen_[static_cast<std::size_t>(slot)] != 0) {
+        clear_seen();
+        throw Error("policy '" + std::string(policy_->name()) + "' evicted slot " +
+                    std::to_string(slot) + " of unit " + std::to_string(unit) +
+                    ", which is not live or was listed twice");
+      }
       seen_[static_cast<std::size_t>(slot)] = 1;
       applied_.evicted_.push_back(
           EvictedSlot{slot, slots_.original_positions(unit)[static_cast<std::size_t>(slot)],
                       slots_.position(unit, slot)});
     }
+    clear_seen();
     if (u < rolled_back_.size()) {
       for (const EvictedSlot& slot : rolled_back_[u]) applied_.evicted_.push_back(slot);
       rolled_back_[u].clear();
@@ -730,7 +725,7 @@ class SequenceCore {
   std::vector<std::vector<std::int32_t>> chunk_slots_;            // [units][chunk]
   std::vector<int> catalyst_base_;                     // [units] live before the catalyst
   std::vector<std::vector<EvictedSlot>> rolled_back_;  // [units] catalyst slots removed
-  std::vector<std::uint8_t> seen_;                     // [slot limit] duplicate check
+  std::vector<std::uint8_t> seen_;                     // [>= slot limit] duplicate check, zeros
   // Per-chunk scratch, reused.
   std::vector<std::vector<KeyRun>> key_runs_;          // [units] this forward's runs
   std::vector<std::vector<std::uint8_t>> live_masks_;  // [units][slot limit] this forward

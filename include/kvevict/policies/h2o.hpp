@@ -53,23 +53,16 @@ class HeavyHitterPolicy final : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override { return heavy_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
+  [[nodiscard]] bool checks_probabilities() const override { return true; }
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
     return ScoreRule{kScore, heavy_, {}};
   }
 
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
     check_attention_rows(slots, layer, rows, "h2o");
-    const UnitLayout& layout = slots.layout();
-    const int group = rows.group_size();
-    for (int g = 0; g < layout.kv_heads(); ++g) {
-      const std::span<float> accumulated = slots.scores(layout.unit_of(layer, g), kScore);
-      // A NaN would sit in the sum for ever and surface only when its slot is ranked: report it
-      // at the forward that produced it instead.
-      if (!add_attention(rows, g * group, (g + 1) * group, 1.0f, accumulated)) {
-        throw Error("h2o: attention rows of layer " + std::to_string(layer) + ", KV head " +
-                    std::to_string(g) + " contain NaN or an infinity");
-      }
-    }
+    // Every row, every query; a value outside [0, 1] would sit in the sum for ever: refused before
+    // any score changes.
+    add_attention_checked(slots, layer, rows, 1.0f, kScore, /*last_query_only=*/false);
   }
 
   void select(const EvictionContext& context, Decision& decision) override {

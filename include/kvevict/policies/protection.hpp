@@ -58,6 +58,9 @@ class PolicyDecorator : public Policy {
     return inner_->retained_limit();
   }
   [[nodiscard]] bool uneven_shares() const override { return inner_->uneven_shares(); }
+  [[nodiscard]] bool checks_probabilities() const override {
+    return inner_->checks_probabilities();
+  }
   [[nodiscard]] std::uint8_t flags_for(std::int32_t token_id) const override {
     return inner_->flags_for(token_id);
   }

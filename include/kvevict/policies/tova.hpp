@@ -19,11 +19,13 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvevict/attention_scores.hpp"
 #include "kvevict/error.hpp"
@@ -56,34 +58,25 @@ class TovaPolicy final : public Policy {
   [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
+  [[nodiscard]] bool checks_probabilities() const override { return true; }
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
     return ScoreRule{kScore, budget_, {}};
   }
 
-  /// The score is this forward's: cleared as the chunk comes in, then summed from every layer.
+  /// The score is this forward's: every unit's sum starts from zero at its first layer (a unit
+  /// over several layers adds the others' to it).
   void on_append(SlotTable& slots, const ChunkInfo& /*chunk*/) override {
-    for (int unit = 0; unit < slots.units(); ++unit) {
-      const std::span<float> score = slots.scores(unit, kScore);
-      std::fill(score.begin(), score.end(), 0.0f);
-    }
+    restart_.assign(static_cast<std::size_t>(slots.units()), 1);
   }
 
   /// Uses the last query row of `rows` (an engine may pass every row of the forward; only the last
   /// one counts). Must be called for every layer in every forward: the score is not carried over.
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
     check_attention_rows(slots, layer, rows, "tova");
-    const UnitLayout& layout = slots.layout();
-    const int group = rows.group_size();
     // Mean over the query heads that read a unit: its KV heads' groups, over its layers.
-    const float weight = 1.0f / static_cast<float>(group * layout.heads_per_unit());
-    const AttentionRows last = rows.last_query();
-    for (int g = 0; g < layout.kv_heads(); ++g) {
-      const std::span<float> score = slots.scores(layout.unit_of(layer, g), kScore);
-      if (!add_attention(last, g * group, (g + 1) * group, weight, score)) {
-        throw Error("tova: attention rows of layer " + std::to_string(layer) +
-                    " contain NaN or an infinity");
-      }
-    }
+    const float weight =
+        1.0f / static_cast<float>(rows.group_size() * slots.layout().heads_per_unit());
+    add_attention_checked(slots, layer, rows, weight, kScore, /*last_query_only=*/true, restart_);
   }
 
   void select(const EvictionContext& context, Decision& decision) override {
@@ -98,6 +91,7 @@ class TovaPolicy final : public Policy {
 
   int budget_;
   bool head_wise_;
+  std::vector<std::uint8_t> restart_;  // [units]: 1 until the unit's first layer of the forward
   WorstCandidates worst_;
 };
 
