@@ -343,21 +343,18 @@ class Allocated final : public PolicyDecorator {
     const auto lower = [](const Candidate& a, const Candidate& b) { return better(b, a); };
     float bound = std::numeric_limits<float>::infinity();  // the highest score in worst_, once full
     const int heads = layout_.kv_heads();
-    for (int g = 0; g < heads; ++g) {
-      const int unit = layout_.unit_of(layer, g);
+    std::uint32_t nan = 0;
+    // Positions [begin, end) of `unit`'s stream order, all of them candidates but for flags.
+    const auto scan = [&](int unit, int begin, int end) {
       const std::span<const float> scores = slots.scores(unit, rule_.column);
       const std::span<const std::int32_t> order = slots.stream_order(unit);
       const std::span<const std::int64_t> originals = slots.original_positions(unit);
       const std::span<const std::uint8_t> flags = slots.flags(unit);
-      const int live = static_cast<int>(order.size());
-      const int first = std::min(protection.oldest, live);
-      const int last = live - std::min(protection.newest, live - first);
-      std::uint32_t nan = 0;
-      for (int i = first; i < last; ++i) {
+      for (int i = begin; i < end; ++i) {
         // worst_ holds the lowest seen so far, lowest first; most candidates rank above all and
         // are skipped at the CPU's vector width (a score above the bound is neither NaN nor kept).
-        i = detail::first_not_above(order.data(), i, last, scores.data(), bound);
-        if (i == last) break;
+        i = detail::first_not_above(order.data(), i, end, scores.data(), bound);
+        if (i == end) break;
         const std::int32_t slot = order[static_cast<std::size_t>(i)];
         if (protection.flags != 0 &&
             (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0)
@@ -373,13 +370,28 @@ class Allocated final : public PolicyDecorator {
         worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), c, lower), c);
         if (static_cast<int>(worst_.size()) == worst) bound = worst_.back().score;
       }
-      if (nan != 0) {  // name the first NaN's position
-        for (int i = first; i < last; ++i) {
-          const std::int32_t slot = order[static_cast<std::size_t>(i)];
-          if ((flags[static_cast<std::size_t>(slot)] & protection.flags) != 0) continue;
-          require_number(scores[static_cast<std::size_t>(slot)],
-                         originals[static_cast<std::size_t>(slot)]);
+    };
+    // Each head's newest candidates first: under an accumulated score (H2O) they rank lowest, so
+    // the bound is tight before the older ones are scanned, which then rarely stop the vector skip
+    // (scanned oldest first, each new lowest would). The order changes nothing found: `better` is
+    // a strict total order.
+    for (const bool newest : {true, false}) {
+      for (int g = 0; g < heads; ++g) {
+        const int unit = layout_.unit_of(layer, g);
+        const int live = slots.live(unit);
+        const int first = std::min(protection.oldest, live);
+        const int last = live - std::min(protection.newest, live - first);
+        const int split = std::max(first, last - kNewestFirst);
+        if (newest) {
+          scan(unit, split, last);
+        } else {
+          scan(unit, first, split);
         }
+      }
+    }
+    if (nan != 0) {  // name the first NaN's position (for_each_candidate checks every score)
+      for (int g = 0; g < heads; ++g) {
+        for_each_candidate(slots, layout_.unit_of(layer, g), protection, [](const Candidate&) {});
       }
     }
     for (int g = 0; g < heads; ++g) {
@@ -422,6 +434,8 @@ class Allocated final : public PolicyDecorator {
 
   // Up to this many evictions in a layer, the one-scan form (a decode step evicts H).
   static constexpr std::int64_t kWorstScan = 16;
+  // share_by_worst scans each head's newest this many candidates first.
+  static constexpr int kNewestFirst = 64;
 
   AllocationConfig config_;
   UnitLayout layout_;
