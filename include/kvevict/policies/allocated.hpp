@@ -344,37 +344,28 @@ class Allocated final : public PolicyDecorator {
     float bound = std::numeric_limits<float>::infinity();  // the highest score in worst_, once full
     const int heads = layout_.kv_heads();
     std::uint32_t nan = 0;
-    // Positions [begin, end) of `unit`'s stream order, all of them candidates but for flags.
-    const auto scan = [&](int unit, int begin, int end) {
-      const std::span<const float> scores = slots.scores(unit, rule_.column);
-      const std::span<const std::int32_t> order = slots.stream_order(unit);
-      const std::span<const std::int64_t> originals = slots.original_positions(unit);
-      const std::span<const std::uint8_t> flags = slots.flags(unit);
-      for (int i = begin; i < end; ++i) {
-        // worst_ holds the lowest seen so far, lowest first; most candidates rank above all and
-        // are skipped at the CPU's vector width (a score above the bound is neither NaN nor kept).
-        i = detail::first_not_above(order.data(), i, end, scores.data(), bound);
-        if (i == end) break;
-        const std::int32_t slot = order[static_cast<std::size_t>(i)];
-        if (protection.flags != 0 &&
-            (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0)
-          continue;
-        const float score = scores[static_cast<std::size_t>(slot)];
-        nan |= detail::nan_flag(score);
-        const Candidate c{score, originals[static_cast<std::size_t>(slot)],
-                          static_cast<std::int32_t>(unit), slot};
-        if (static_cast<int>(worst_.size()) == worst) {
-          if (!better(worst_.back(), c)) continue;
-          worst_.pop_back();
-        }
-        worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), c, lower), c);
-        if (static_cast<int>(worst_.size()) == worst) bound = worst_.back().score;
+    // Offers position i of `unit`'s stream order (a candidate but for its flags) to worst_, which
+    // holds the lowest seen so far, lowest first.
+    const auto offer = [&](int unit, int i) {
+      const std::int32_t slot = slots.stream_order(unit)[static_cast<std::size_t>(i)];
+      if (protection.flags != 0 &&
+          (slots.flags(unit)[static_cast<std::size_t>(slot)] & protection.flags) != 0)
+        return;
+      const float score = slots.scores(unit, rule_.column)[static_cast<std::size_t>(slot)];
+      nan |= detail::nan_flag(score);
+      const Candidate c{score, slots.original_positions(unit)[static_cast<std::size_t>(slot)],
+                        static_cast<std::int32_t>(unit), slot};
+      if (static_cast<int>(worst_.size()) == worst) {
+        if (!better(worst_.back(), c)) return;
+        worst_.pop_back();
       }
+      worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), c, lower), c);
+      if (static_cast<int>(worst_.size()) == worst) bound = worst_.back().score;
     };
-    // Each head's newest candidates first: under an accumulated score (H2O) they rank lowest, so
-    // the bound is tight before the older ones are scanned, which then rarely stop the vector skip
-    // (scanned oldest first, each new lowest would). The order changes nothing found: `better` is
-    // a strict total order.
+    // Each head's newest candidates first, newest to oldest: under an accumulated score (H2O)
+    // they rank lowest, so the bound is tight before the older ones are scanned, which then rarely
+    // stop the vector skip (scanned oldest first, each new lowest would). The order changes
+    // nothing found: `better` is a strict total order.
     for (const bool newest : {true, false}) {
       for (int g = 0; g < heads; ++g) {
         const int unit = layout_.unit_of(layer, g);
@@ -382,10 +373,22 @@ class Allocated final : public PolicyDecorator {
         const int first = std::min(protection.oldest, live);
         const int last = live - std::min(protection.newest, live - first);
         const int split = std::max(first, last - kNewestFirst);
+        const std::span<const float> scores = slots.scores(unit, rule_.column);
+        const std::span<const std::int32_t> order = slots.stream_order(unit);
         if (newest) {
-          scan(unit, split, last);
-        } else {
-          scan(unit, first, split);
+          for (int i = last - 1; i >= split; --i) {
+            // `> bound` skips neither NaN (flagged in offer) nor an equal score (ties by position).
+            if (!(scores[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] > bound))
+              offer(unit, i);
+          }
+          continue;
+        }
+        for (int i = first; i < split; ++i) {
+          // Most candidates rank above all of worst_ and are skipped at the CPU's vector width (a
+          // score above the bound is neither NaN nor kept).
+          i = detail::first_not_above(order.data(), i, split, scores.data(), bound);
+          if (i == split) break;
+          offer(unit, i);
         }
       }
     }
