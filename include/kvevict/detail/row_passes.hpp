@@ -68,8 +68,9 @@ KVEVICT_ROW_PASS_INLINE bool all_probabilities(const float* KVEVICT_RESTRICT row
   return all != 0;
 }
 
-// The flag of add_rows: 1 unless `value` is an attention probability (is_probability, negated
-// with the same integer tests).
+// The flag of add_rows: 1 unless `value` is an attention probability (is_probability's integer
+// tests, negated and combined with `&` rather than `||`: `!is_probability` in the sum's pass
+// measured slower, 1.02-1.26% of an H2O 4K step's samples against 0.90%).
 KVEVICT_ROW_PASS_INLINE std::uint32_t not_probability(float value) {
   const auto bits = std::bit_cast<std::uint32_t>(value);
   return static_cast<std::uint32_t>(bits > std::bit_cast<std::uint32_t>(kMaxProbability)) &
