@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -744,7 +745,7 @@ TestCells make_test_cells(kvevict::llama::kernels::CellType type, int rows, int 
 // are and are not multiples of the lanes, row counts with and without a group of four (the
 // 512-bit targets' pair tiles) and tile counts with and without a partial tile; the softmax with
 // masked (-inf) cells, which read 0, and with logits spread over 110 (results down to float's
-// subnormals, which must still be exp's, not 0).
+// subnormals, which must still be exp's, not 0); the queries' rounding to f16.
 TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
   namespace kernels = kvevict::llama::kernels;
   using kernels::CellType;
@@ -819,6 +820,36 @@ TEST(LlamaKernels, ScoresAndSoftmaxOnEveryTarget) {
                 << "n " << n << " cell " << c << " spread " << spread;
           }
         }
+      }
+    }
+    // The queries' rounding against f16 cells: ggml's own conversion, bit for bit, on ties
+    // (1 + odd multiples of 2^-11, and of the subnormal step 2^-24 / 2), subnormals, the largest
+    // f16 and the values that round to it or overflow, zeros, infinities, NaN, random values.
+    std::vector<float> values = {0.0f,
+                                 -0.0f,
+                                 1.0f + 0x1p-11f,
+                                 1.0f + 3 * 0x1p-11f,
+                                 0x1p-25f,
+                                 3 * 0x1p-25f,
+                                 5 * 0x1p-26f,
+                                 0x1p-26f,
+                                 65504.0f,
+                                 65519.0f,
+                                 65520.0f,
+                                 -70000.0f,
+                                 std::numeric_limits<float>::infinity(),
+                                 std::numeric_limits<float>::quiet_NaN()};
+    for (int i = 0; i < 1000; ++i) values.push_back(std::ldexp(uniform(rng), i % 40 - 28));
+    std::vector<float> rounded(values.size());
+    kernels::round_through_f16(values.data(), rounded.data(),
+                               static_cast<std::int64_t>(values.size()));
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const float want = ggml_fp16_to_fp32(ggml_fp32_to_fp16(values[i]));
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(rounded[i])) << "value " << i;
+      } else {
+        EXPECT_EQ(std::bit_cast<std::uint32_t>(rounded[i]), std::bit_cast<std::uint32_t>(want))
+            << "value " << i << ": " << values[i];
       }
     }
   }

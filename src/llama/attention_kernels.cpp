@@ -113,8 +113,44 @@ void scores_by_value(const float* x, std::ptrdiff_t x_stride, std::int64_t m, co
 #if HWY_TARGET != HWY_SCALAR
 constexpr std::size_t kLanes = hn::MaxLanes(D());
 
-// Lane c of the result is the sum of the lanes of sums[c], c in [0, kLanes): the vectors added
-// pairwise, even lanes to odd lanes, halving their number at each level (tiles-inl.hpp).
+// Lane c of the result is the sum of the lanes of sums[c], c in [0, kLanes).
+#if HWY_TARGET <= HWY_AVX3
+// On AVX-512 the first two levels add within each 128-bit block (unpacks, the cheapest shuffles),
+// the last two across blocks: 24 of the 30 shuffles stay in their block, where ConcatEven /
+// ConcatOdd (below) are lane-crossing two-source permutes at every level (bench_llama --kernels:
+// the q.K pass about 4% faster at 4K cells).
+HWY_INLINE V sum_each(D /*d*/, V* sums) {
+  static_assert(kLanes == 16);
+  // Level 1, pairs (a, b): per block [a0 + a2, b0 + b2, a1 + a3, b1 + b3].
+  __m512 pairs[8];
+  for (int c = 0; c < 8; ++c) {
+    const __m512 a = sums[2 * c].raw;
+    const __m512 b = sums[2 * c + 1].raw;
+    pairs[c] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  // Level 2, pairs of pairs (ab, cd): per block [a, b, c, d], the block's share of each sum.
+  __m512 quads[4];
+  for (int c = 0; c < 4; ++c) {
+    const __m512d ab = _mm512_castps_pd(pairs[2 * c]);
+    const __m512d cd = _mm512_castps_pd(pairs[2 * c + 1]);
+    quads[c] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+  }
+  // Level 3, blocks: [abcd of blocks 0 + 2, 1 + 3, efgh of 0 + 2, 1 + 3].
+  __m512 halves[2];
+  for (int c = 0; c < 2; ++c) {
+    const __m512 lo = quads[2 * c];
+    const __m512 hi = quads[2 * c + 1];
+    halves[c] = _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Level 4: [abcd, efgh, ijkl, mnop].
+  return V{_mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+}
+#else
+// The vectors added pairwise, even lanes to odd lanes, halving their number at each level
+// (tiles-inl.hpp).
 HWY_INLINE V sum_each(D d, V* sums) {
   for (std::size_t width = kLanes; width > 1; width /= 2) {
     for (std::size_t c = 0; c < width / 2; ++c) {
@@ -124,6 +160,7 @@ HWY_INLINE V sum_each(D d, V* sums) {
   }
   return sums[0];
 }
+#endif
 
 // Y[r][g] = X[r] . K_g for the kR rows of X and the kLanes / kR K rows keys[g] of a tile, over
 // k = kVecs vectors (kVecs 0: k / lanes, known at run time only); the first `count` results of
@@ -148,8 +185,19 @@ HWY_INLINE void key_tile(const float* x, std::ptrdiff_t x_stride, const std::uin
       }
     }
   }
+  const V result = sum_each(d, sums);
+#if HWY_TARGET <= HWY_AVX3
+  if (kR == 4 && count == kKeys) {  // the common case: each row's 4 scores are a 128-bit block
+    const __m512 v = result.raw;
+    _mm_storeu_ps(y, _mm512_castps512_ps128(v));
+    _mm_storeu_ps(y + y_stride, _mm512_extractf32x4_ps(v, 1));
+    _mm_storeu_ps(y + 2 * y_stride, _mm512_extractf32x4_ps(v, 2));
+    _mm_storeu_ps(y + 3 * y_stride, _mm512_extractf32x4_ps(v, 3));
+    return;
+  }
+#endif
   HWY_ALIGN float tile[kLanes];
-  hn::Store(sum_each(d, sums), d, tile);
+  hn::Store(result, d, tile);
   if (count == kKeys) {  // the common case: a fixed-size copy per row
     for (int r = 0; r < kR; ++r) std::memcpy(y + r * y_stride, tile + r * kKeys, sizeof tile / kR);
   } else {
@@ -157,8 +205,31 @@ HWY_INLINE void key_tile(const float* x, std::ptrdiff_t x_stride, const std::uin
   }
 }
 
+// One block of gathered K rows against rows [0, m) of X: Y[r][g] = X[r] . *rows[g] for g in
+// [0, count), count = kLanes unless kPartial; tiles of four rows of X (or one).
+template <class Row, int kVecs, bool kPartial>
+HWY_INLINE void key_block(const float* x, std::ptrdiff_t x_stride, std::int64_t m,
+                          const std::uint8_t* const* rows, std::int64_t k, float* y,
+                          std::ptrdiff_t y_stride, int count) {
+  constexpr int kRows = kLanes >= 4 ? 4 : static_cast<int>(kLanes);
+  constexpr int kTileKeys = static_cast<int>(kLanes) / kRows;
+  if (!kPartial) count = static_cast<int>(kLanes);
+  std::int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    for (int g = 0; g < count; g += kTileKeys) {
+      key_tile<Row, kRows, kVecs>(x + i * x_stride, x_stride, rows + g, k, y + i * y_stride + g,
+                                  y_stride, kPartial ? std::min(kTileKeys, count - g) : kTileKeys);
+    }
+  }
+  for (; i < m; ++i) {
+    key_tile<Row, 1, kVecs>(x + i * x_stride, x_stride, rows, k, y + i * y_stride, y_stride, count);
+  }
+}
+
 // Y[r][s] = X[r] . K[cells[s]], k a multiple of the lanes: blocks of kLanes gathered K rows (read
-// from memory once, then from L1 by every group of four rows of X). Not prefetched in software, as
+// from memory once, then from L1 by every group of four rows of X). The full blocks' code knows
+// its count: with it a run-time count (the last block's), the row addresses and tile bounds took
+// about an eighth of the pass (bench_llama --kernels). Not prefetched in software, as
 // tiles-inl.hpp's key_blocks are: the cells were read by llama.cpp's flash-attention kernel just
 // before (in L2 at the sizes measured), and the prefetches cost more than they saved (docs/
 // benchmarks.md).
@@ -166,28 +237,22 @@ template <class Row, int kVecs>
 void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
                 const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
                 std::ptrdiff_t y_stride) {
-  constexpr int kRows = kLanes >= 4 ? 4 : static_cast<int>(kLanes);
   constexpr auto kBlock = static_cast<std::int64_t>(kLanes);
-  constexpr int kTileKeys = static_cast<int>(kBlock) / kRows;
   const std::size_t row_bytes = keys.row_bytes;
   const std::uint8_t* rows[kLanes];
-  for (std::int64_t c = 0; c < n; c += kBlock) {
-    const int count = static_cast<int>(std::min(kBlock, n - c));
+  std::int64_t c = 0;
+  for (; c + kBlock <= n; c += kBlock) {
+    for (std::int64_t g = 0; g < kBlock; ++g) {
+      rows[g] = keys.base + static_cast<std::size_t>(cells[c + g]) * row_bytes;
+    }
+    key_block<Row, kVecs, false>(x, x_stride, m, rows, k, y + c, y_stride, 0);
+  }
+  if (c < n) {  // the other keys of the tile repeat the last one
+    const auto count = static_cast<int>(n - c);
     for (int g = 0; g < static_cast<int>(kBlock); ++g) {
       rows[g] = keys.base + static_cast<std::size_t>(cells[c + std::min(g, count - 1)]) * row_bytes;
     }
-    std::int64_t i = 0;
-    for (; i + kRows <= m; i += kRows) {
-      for (int g = 0; g < count; g += kTileKeys) {
-        key_tile<Row, kRows, kVecs>(x + i * x_stride, x_stride, rows + g, k,
-                                    y + i * y_stride + c + g, y_stride,
-                                    std::min(kTileKeys, count - g));
-      }
-    }
-    for (; i < m; ++i) {
-      key_tile<Row, 1, kVecs>(x + i * x_stride, x_stride, rows, k, y + i * y_stride + c, y_stride,
-                              count);
-    }
+    key_block<Row, kVecs, true>(x, x_stride, m, rows, k, y + c, y_stride, count);
   }
 }
 #endif
@@ -358,6 +423,21 @@ void SoftmaxRow(float* row, const float* bias, float scale, std::int64_t n) {
   for (; j < n; ++j) row[j] = row[j] * inverse / kExpScale;
 }
 
+void RoundThroughF16(const float* in, float* out, std::int64_t n) {
+  std::int64_t j = 0;
+#if HWY_TARGET <= HWY_AVX2
+  // vcvtps2ph rounds to nearest, ties to even, as ggml's conversion does on x86 (F16C), and as
+  // detail::float_to_f16 (the other targets) does in software.
+  const D d;
+  const hn::Rebind<hwy::float16_t, D> df16;
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  for (; j + lanes <= n; j += lanes) {
+    hn::StoreU(hn::PromoteTo(d, hn::DemoteTo(df16, hn::LoadU(d, in + j))), d, out + j);
+  }
+#endif
+  for (; j < n; ++j) out[j] = detail::f16_to_float(detail::float_to_f16(in[j]));
+}
+
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE
 }  // namespace kvevict::llama::kernels
@@ -368,6 +448,7 @@ namespace kvevict::llama::kernels {
 
 HWY_EXPORT(GatheredScores);
 HWY_EXPORT(SoftmaxRow);
+HWY_EXPORT(RoundThroughF16);
 
 void gathered_scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
                      const std::int32_t* cells, std::int64_t n, std::int64_t k, float* y,
@@ -377,6 +458,10 @@ void gathered_scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, co
 
 void softmax_row(float* row, const float* bias, float scale, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(SoftmaxRow)(row, bias, scale, n);
+}
+
+void round_through_f16(const float* in, float* out, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(RoundThroughF16)(in, out, n);
 }
 
 }  // namespace kvevict::llama::kernels

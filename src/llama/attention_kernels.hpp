@@ -34,4 +34,8 @@ void gathered_scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, co
 /// is formed in f32 over a few vectors at a time and accumulated in double, as ggml's CPU soft_max.
 void softmax_row(float* row, const float* bias, float scale, std::int64_t n);
 
+/// out[j] = in[j] rounded to f16 (to nearest, ties to even: ggml's fp32 -> fp16 conversion) and
+/// widened back to f32, j in [0, n). in and out may be the same.
+void round_through_f16(const float* in, float* out, std::int64_t n);
+
 }  // namespace kvevict::llama::kernels

@@ -451,11 +451,9 @@ struct GraphTap {
           if (dot_type == GGML_TYPE_F32) {
             std::copy_n(q_row, udim, out);
           } else if (dot_type == GGML_TYPE_F16) {
-            // As ggml's fp32 -> fp16 row conversion (to nearest, ties to even), inline: its call
-            // per row cost more than the rest of the layer's preparation.
-            for (std::size_t j = 0; j < udim; ++j) {
-              out[j] = detail::f16_to_float(detail::float_to_f16(q_row[j]));
-            }
+            // As ggml's fp32 -> fp16 row conversion, in registers: its call per row (through the
+            // type traits) cost more than the rest of the layer's preparation.
+            kernels::round_through_f16(q_row, out, dim);
           } else {
             dot_traits->from_float(q_row, rounded_query.data(), dim);
             dot_to_float(rounded_query.data(), out, dim);
