@@ -1524,7 +1524,6 @@ TEST(LlamaBatch, SixteenSequencesInAPoolForFour) {
   std::vector<kvevict::llama::LlamaFeed> feeds;
   for (int step = 0; step < 60; ++step) {
     feeds.clear();
-    int incoming = 0;
     for (int i = 0; i < kSequences; ++i) {
       // Sequence i starts at step i (they grow one after another) and takes 1 to 4 tokens.
       if (step < i) continue;
@@ -1533,7 +1532,6 @@ TEST(LlamaBatch, SixteenSequencesInAPoolForFour) {
       feeds.push_back({ids[static_cast<std::size_t>(i)],
                        std::span<const std::int32_t>(text).subspan(offset, n)});
       fed[i] += n;
-      incoming += static_cast<int>(n);
     }
     set.step(feeds);
     int held = 0;
