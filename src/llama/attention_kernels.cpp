@@ -227,11 +227,11 @@ HWY_INLINE void key_block(const float* x, std::ptrdiff_t x_stride, std::int64_t 
 }
 
 // Y[r][s] = X[r] . K[cells[s]], k a multiple of the lanes: blocks of kLanes gathered K rows (read
-// from memory once, then from L1 by every group of four rows of X). The full blocks' code knows
-// its count: with it a run-time count (the last block's), the row addresses and tile bounds took
-// about an eighth of the pass (bench_llama --kernels). Not prefetched in software, as
-// tiles-inl.hpp's key_blocks are: the cells were read by llama.cpp's flash-attention kernel just
-// before (in L2 at the sizes measured), and the prefetches cost more than they saved (docs/
+// from memory once, then from L1 by every group of four rows of X). Full blocks have their count
+// at compile time, only the last, partial one at run time: with a run-time count in every block,
+// the row addresses and tile bounds took about an eighth of the pass (bench_llama --kernels). Not
+// prefetched in software, as tiles-inl.hpp's key_blocks are: the cells were read by llama.cpp's
+// flash-attention kernel just before, and the prefetches cost more than they saved (docs/
 // benchmarks.md).
 template <class Row, int kVecs>
 void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const CellRows& keys,
