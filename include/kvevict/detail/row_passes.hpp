@@ -322,6 +322,23 @@ enum class Width { baseline, avx2, avx512 };
   return row_pass::add_rows(rows, count, n, weight, from, to);
 }
 
+/// Reads [data, data + bytes) one cache line at a time in address order, and nothing else. A
+/// selection gathers a unit's scores through its stream order, and at the start of a decision
+/// both arrays are usually out of cache (the forward's weights and K/V streamed through since the
+/// last one): read in order, the hardware prefetcher streams them in, where the gathers would
+/// wait on their lines one after another. Changes no value.
+inline void stream_into_cache(const void* data, std::size_t bytes) {
+  constexpr std::size_t kLine = 64;
+  const auto* bytes_of = static_cast<const unsigned char*>(data);
+  std::uint32_t sum = 0;
+  for (std::size_t at = 0; at < bytes; at += kLine) sum += bytes_of[at];
+#if defined(__GNUC__) || defined(__clang__)
+  asm volatile("" : : "r"(sum));  // the reads are all this does: keep them
+#else
+  static_cast<void>(*static_cast<volatile std::uint32_t*>(&sum));
+#endif
+}
+
 /// The index in [first, last) of the worst candidate of order[first, last) by `scores` (indexed by
 /// slot): the lowest score, the later of equals; nan is set if a candidate's score is NaN.
 [[nodiscard]] inline row_pass::Worst worst_in_order(const std::int32_t* order, int first, int last,

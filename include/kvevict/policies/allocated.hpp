@@ -362,6 +362,13 @@ class Allocated final : public PolicyDecorator {
       worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), c, lower), c);
       if (static_cast<int>(worst_.size()) == worst) bound = worst_.back().score;
     };
+    for (int g = 0; g < heads; ++g) {  // read in order first, then gathered (row_passes.hpp)
+      const int unit = layout_.unit_of(layer, g);
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      const std::span<const float> scores = slots.scores(unit, rule_.column);
+      detail::stream_into_cache(order.data(), order.size_bytes());
+      detail::stream_into_cache(scores.data(), scores.size_bytes());
+    }
     // Each head's newest candidates first, newest to oldest: under an accumulated score (H2O)
     // they rank lowest, so the bound is tight before the older ones are scanned, which then rarely
     // stop the vector skip (scanned oldest first, each new lowest would). The order changes
