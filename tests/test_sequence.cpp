@@ -982,6 +982,184 @@ TEST(SlotTable, RejectsBadChanges) {
       "capacity must be positive");
 }
 
+// StreamOrder::find, which guesses an entry's index from its original position before halving,
+// finds every live entry and no absent one: originals dense, sparse, in runs with gaps of every
+// size (up to near the largest int64), over orders of 0 to 3,000 entries.
+TEST(StreamOrder, FindsEveryEntryAndNoOther) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int n = trial < 20 ? trial : static_cast<int>(rng() % 3000);
+    std::vector<std::int64_t> originals(static_cast<std::size_t>(n));
+    std::int64_t next = static_cast<std::int64_t>(rng() % 100);
+    for (std::int64_t& original : originals) {
+      original = next;
+      const unsigned kind = static_cast<unsigned>(rng() % 10);
+      next += kind < 6   ? 1
+              : kind < 9 ? 2 + static_cast<std::int64_t>(rng() % 50)
+                         : static_cast<std::int64_t>(rng() % (std::int64_t{1} << 40)) + 1;
+    }
+    // Slots are a shuffle: the order maps stream index to slot.
+    std::vector<std::int32_t> slots(static_cast<std::size_t>(n));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    std::vector<std::int64_t> by_slot(static_cast<std::size_t>(n));
+    kvevict::detail::StreamOrder order;
+    order.reserve(n);
+    for (int i = 0; i < n; ++i) {
+      by_slot[static_cast<std::size_t>(slots[static_cast<std::size_t>(i)])] =
+          originals[static_cast<std::size_t>(i)];
+      order.push_back(slots[static_cast<std::size_t>(i)]);
+    }
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(order.find(originals[static_cast<std::size_t>(i)], by_slot.data()), i);
+      const std::int64_t absent = originals[static_cast<std::size_t>(i)] + 1;
+      if (i + 1 == n || originals[static_cast<std::size_t>(i) + 1] != absent) {
+        ASSERT_EQ(order.find(absent, by_slot.data()), -1);
+      }
+    }
+    if (n > 0) {
+      EXPECT_EQ(order.find(originals.front() - 1, by_slot.data()), -1);
+      EXPECT_EQ(order.find(std::numeric_limits<std::int64_t>::max(), by_slot.data()),
+                originals.back() == std::numeric_limits<std::int64_t>::max() ? n - 1 : -1);
+    }
+  }
+}
+
+// SlotTable::generation() changes with what a structure kept beside a unit cannot follow by itself
+// (a truncation, a compaction that moves slots, an append at an original seen before), and not
+// with evictions and appends above every original the unit has held.
+TEST(SlotTable, GenerationChangesOnlyWithWhatAKeptStructureCannotFollow) {
+  SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 16,
+                  1);
+  SlotTable other(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 16,
+                  1);
+  EXPECT_NE(slots.generation(0), other.generation(0));
+  std::vector<std::int32_t> out(4);
+  const auto append = [&](Positions originals) {
+    const std::size_t n = originals.size();
+    slots.append(0, originals, std::vector<std::int32_t>(n, 0), std::vector<std::uint8_t>(n, 0),
+                 out);
+  };
+  std::uint64_t generation = slots.generation(0);
+  append({0, 1, 2, 3});
+  slots.evict(0, std::vector<std::int32_t>{1, 3});  // slots 1 and 3 (positions 1 and 3)
+  append({4});
+  EXPECT_EQ(slots.generation(0), generation);
+  slots.evict(0, std::vector<std::int32_t>{out[0]});  // the newest, position 4, then 4 again
+  append({4});
+  EXPECT_NE(slots.generation(0), generation);
+  generation = slots.generation(0);
+  std::vector<kvevict::SlotMove> moves;
+  slots.compact(0, moves);
+  EXPECT_FALSE(moves.empty());
+  EXPECT_NE(slots.generation(0), generation);
+  generation = slots.generation(0);
+  slots.compact(0, moves);  // nothing moves
+  EXPECT_EQ(slots.generation(0), generation);
+  slots.truncate(0, 1);
+  EXPECT_NE(slots.generation(0), generation);
+}
+
+// WorstCandidates under ScoreTrend::never_falls (a heap kept between decisions) evicts what the
+// pass over every candidate evicts (ScoreTrend::any), decision after decision, in a stream whose
+// scores rise by steps with many ties (and stay put), with protected sinks and a recent window,
+// while other things happen to the unit between decisions: evictions of any token by someone else
+// (sinks and recent tokens included), decisions not applied, decisions of several tokens (the
+// general path), truncations, compactions and an original position appended again.
+TEST(WorstCandidates, AKeptHeapEvictsWhatThePassEvicts) {
+  const kvevict::UnitLayout layout(1, 2, kvevict::Granularity::head);
+  SlotTable slots(layout, PositionMode::original, 400, 1);
+  const kvevict::Protection protection{3, 20, 0};
+  kvevict::WorstCandidates kept(kvevict::ScoreTrend::never_falls);
+  kvevict::WorstCandidates pass(kvevict::ScoreTrend::any);
+  std::mt19937 rng(5);
+  const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  std::array<std::int64_t, 2> next_original{0, 0};
+  std::vector<std::int32_t> out(8);
+  int compared = 0;
+  for (int step = 0; step < 4000; ++step) {
+    for (int unit = 0; unit < 2; ++unit) {
+      const std::span<float> scores = slots.scores(unit, 0);
+      // Scores rise (or stay): a step of 0, 0.25 or 1 for a random third of the live tokens.
+      for (const std::int32_t slot : slots.stream_order(unit)) {
+        if (pick(3) == 0)
+          scores[static_cast<std::size_t>(slot)] +=
+              0.25f * static_cast<float>(pick(3) == 0 ? 4 : pick(2));
+      }
+      // New tokens, scored once.
+      const int fed = pick(8) == 0 ? 1 + pick(5) : 1;
+      if (slots.live(unit) + fed <= slots.capacity()) {
+        Positions originals;
+        for (int k = 0; k < fed; ++k) originals.push_back(next_original[unit]++);
+        out.resize(static_cast<std::size_t>(fed));
+        slots.append(unit, originals, std::vector<std::int32_t>(out.size(), 0),
+                     std::vector<std::uint8_t>(out.size(), 0), out);
+        const std::span<float> now = slots.scores(unit, 0);
+        for (const std::int32_t slot : out)
+          now[static_cast<std::size_t>(slot)] = static_cast<float>(pick(4));
+      }
+      // What else may happen to a unit between two decisions.
+      const std::span<const std::int32_t> order = slots.stream_order(unit);
+      const int event = pick(40);
+      if (event == 0 && !order.empty()) {  // someone else evicts any token
+        slots.evict(unit,
+                    std::vector<std::int32_t>{
+                        order[static_cast<std::size_t>(pick(static_cast<int>(order.size())))]});
+      } else if (event == 1 && order.size() > 2) {  // a rollback, then the same originals again
+        const int count = 1 + pick(2);
+        slots.truncate(unit, count);
+        next_original[unit] -= count;
+      } else if (event == 2) {
+        std::vector<kvevict::SlotMove> moves;
+        slots.compact(unit, moves);
+      } else if (event == 3 && !order.empty()) {  // the newest evicted, its original fed again
+        slots.evict(unit, std::vector<std::int32_t>{order.back()});
+        --next_original[unit];
+      }
+      const int live = slots.live(unit);
+      const int first = std::min(protection.oldest, live);
+      const int candidates = live - first - std::min(protection.newest, live - first);
+      if (candidates < 1 || live < 150) continue;
+      const int count = pick(20) == 0 ? 1 + pick(std::min(candidates, 4)) : 1;
+      kvevict::Decision by_heap;
+      kvevict::Decision by_pass;
+      by_heap.reset(2);
+      by_pass.reset(2);
+      const std::span<const float> view = slots.scores(unit, 0);
+      ASSERT_EQ(kept.evict(slots, unit, protection, candidates - count, view, by_heap), count);
+      ASSERT_EQ(pass.evict(slots, unit, protection, candidates - count, view, by_pass), count);
+      std::vector<std::int32_t> a(by_heap.evicted(unit).begin(), by_heap.evicted(unit).end());
+      std::vector<std::int32_t> b(by_pass.evicted(unit).begin(), by_pass.evicted(unit).end());
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      ASSERT_EQ(a, b) << "step " << step << ", unit " << unit;
+      ++compared;
+      if (pick(10) != 0) slots.evict(unit, a);  // now and then a decision is not applied
+    }
+  }
+  EXPECT_GT(compared, 5000);
+}
+
+// A NaN score is named when its token becomes a candidate of the kept heap, as the pass names it.
+TEST(WorstCandidates, AKeptHeapRefusesANaNScore) {
+  SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 16,
+                  1);
+  std::vector<std::int32_t> out(6);
+  slots.append(0, Positions{0, 1, 2, 3, 4, 5}, std::vector<std::int32_t>(6, 0),
+               std::vector<std::uint8_t>(6, 0), out);
+  kvevict::WorstCandidates kept(kvevict::ScoreTrend::never_falls);
+  kvevict::Decision decision;
+  decision.reset(1);
+  const kvevict::Protection protection{0, 2, 0};
+  EXPECT_EQ(kept.evict(slots, 0, protection, 3, slots.scores(0, 0), decision), 1);
+  slots.scores(0, 0)[static_cast<std::size_t>(out[4])] = std::nanf("");  // leaves the window next
+  out.resize(1);
+  slots.append(0, Positions{6}, std::vector<std::int32_t>(1, 0), std::vector<std::uint8_t>(1, 0),
+               out);
+  expect_error([&] { (void)kept.evict(slots, 0, protection, 4, slots.scores(0, 0), decision); },
+               "NaN at original position 4");
+}
+
 }  // namespace
 
 // The row passes (detail/row_passes.hpp) run at the CPU's widest vector width; every width this

@@ -146,14 +146,28 @@ class KeepSet {
   std::vector<std::int32_t> candidates_;
 };
 
+/// How a policy's scores move between decisions, for WorstCandidates.
+enum class ScoreTrend : std::uint8_t {
+  /// Any score may change (TOVA's last row, KeyDiff's moving anchor): each decision looks at every
+  /// candidate.
+  any,
+  /// A token's score never decreases while it is live (K-norm's fixed norm, H2O's sum of
+  /// probabilities). WorstCandidates then keeps the unit's candidates in a heap from one decision
+  /// to the next, and a steady-state step costs a few heap moves instead of a pass over the unit.
+  never_falls,
+};
+
 /// The budget rule of Window, StreamingLLM, H2O and TOVA for one unit: among the live slots that
 /// `protection` leaves (the candidates), keeps the `keep` best and evicts the rest, and more of
 /// the worst while the unit would hold over `max_live` (a KV pool's grant; protected slots are
 /// never evicted for it). Best is the highest score in `scores` (indexed by slot; ties to the
 /// lower original position), or, when `scores` is empty, the newest. Returns the number evicted.
-/// Cost: one pass over the candidates with scores; O(evicted) by recency.
+/// Cost: one pass over the candidates with scores; O(evicted) by recency; under
+/// ScoreTrend::never_falls, a steady-state eviction is O(log candidates) heap moves.
 class WorstCandidates {
  public:
+  explicit WorstCandidates(ScoreTrend trend = ScoreTrend::any) : trend_(trend) {}
+
   int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
             std::span<const float> scores, Decision& decision,
             int max_live = std::numeric_limits<int>::max()) {
@@ -188,8 +202,12 @@ class WorstCandidates {
       return count;
     }
     const std::span<const std::int64_t> originals = slots.original_positions(unit);
-    if (count == 1 && protection.flags == 0)
+    if (count == 1 && protection.flags == 0) {
+      if (trend_ == ScoreTrend::never_falls) {
+        return evict_one_kept(slots, unit, order, first, last, scores, originals, decision);
+      }
       return evict_one(unit, order, first, last, scores, originals, decision);
+    }
     // worse(a, b): a ranks below b. A strict total order (originals are unique), so the evicted
     // set is the complement of "the `keep` best" whatever the method.
     const auto worse = [&](std::int32_t a, std::int32_t b) {
@@ -309,6 +327,126 @@ class WorstCandidates {
     return 1;
   }
 
+  // ScoreTrend::never_falls: the candidates of each unit in a 4-ary heap, worst first, kept from
+  // one decision to the next. An entry holds the candidate's score when the heap last looked at it
+  // (a lower bound of its score now: scores never fall) and its original position (a later token
+  // may take its slot). Invariant: every live candidate up to original position `through` has an
+  // entry; entries of tokens evicted since are dropped when they come to the top.
+  struct HeapEntry {
+    float score = 0.0f;
+    std::int32_t slot = 0;
+    std::int64_t original = 0;
+  };
+  struct CandidateHeap {
+    std::vector<HeapEntry> entries;
+    std::uint64_t generation = 0;  // SlotTable::generation() it was built for (0: never built)
+    std::int64_t through = 0;
+  };
+
+  // a ranks below b: the lower score, and among equal scores the later token.
+  static bool worse(const HeapEntry& a, const HeapEntry& b) {
+    return a.score < b.score || (a.score == b.score && a.original > b.original);
+  }
+  static void sift_up(std::vector<HeapEntry>& heap, std::size_t at) {
+    const HeapEntry entry = heap[at];
+    while (at > 0) {
+      const std::size_t parent = (at - 1) / 4;
+      if (!worse(entry, heap[parent])) break;
+      heap[at] = heap[parent];
+      at = parent;
+    }
+    heap[at] = entry;
+  }
+  static void sift_down(std::vector<HeapEntry>& heap, std::size_t at) {
+    const HeapEntry entry = heap[at];
+    for (;;) {
+      const std::size_t first_child = 4 * at + 1;
+      if (first_child >= heap.size()) break;
+      const std::size_t end = std::min(first_child + 4, heap.size());
+      std::size_t child = first_child;
+      for (std::size_t c = first_child + 1; c < end; ++c)
+        child = worse(heap[c], heap[child]) ? c : child;
+      if (!worse(heap[child], entry)) break;
+      heap[at] = heap[child];
+      at = child;
+    }
+    heap[at] = entry;
+  }
+
+  // The single worst candidate under ScoreTrend::never_falls, from the unit's heap: the new
+  // candidates (the tokens that left the protected newest) go in, entries of evicted tokens come
+  // out, and a top whose score rose since it was pushed is pushed down with its score now, until
+  // the top's score is its own: every other entry's score is at least its key, so the top is the
+  // worst (the same one the pass finds). Rebuilt from the candidates when it cannot be in step:
+  // a new table or generation, a protected token at the top, a score that fell, too many stale
+  // entries.
+  int evict_one_kept(const SlotTable& slots, int unit, std::span<const std::int32_t> order,
+                     int first, int last, std::span<const float> scores,
+                     std::span<const std::int64_t> originals, Decision& decision) {
+    if (heaps_.size() < static_cast<std::size_t>(slots.units())) {
+      heaps_.resize(static_cast<std::size_t>(slots.units()));
+    }
+    CandidateHeap& heap = heaps_[static_cast<std::size_t>(unit)];
+    std::vector<HeapEntry>& entries = heap.entries;
+    const auto original_of = [&](int i) {
+      return originals[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])];
+    };
+    const auto entry_of = [&](int i) {
+      const std::int32_t slot = order[static_cast<std::size_t>(i)];
+      const float score = scores[static_cast<std::size_t>(slot)];
+      require_number(score, originals[static_cast<std::size_t>(slot)]);
+      return HeapEntry{score, slot, originals[static_cast<std::size_t>(slot)]};
+    };
+    const std::int64_t oldest = original_of(first);
+    const std::int64_t newest = original_of(last - 1);
+    const auto candidates = static_cast<std::size_t>(last - first);
+    bool rebuild = heap.generation != slots.generation(unit) || heap.through > newest ||
+                   entries.size() > 2 * candidates + 64;
+    if (!rebuild) {  // the new candidates, oldest first
+      int from = last;
+      while (from > first && original_of(from - 1) > heap.through) --from;
+      for (int i = from; i < last; ++i) {
+        entries.push_back(entry_of(i));
+        sift_up(entries, entries.size() - 1);
+      }
+    }
+    for (;;) {
+      if (rebuild || entries.empty()) {
+        entries.clear();
+        for (int i = first; i < last; ++i) entries.push_back(entry_of(i));
+        for (std::size_t at = entries.size() / 4 + 1; at-- > 0;) {
+          if (at < entries.size()) sift_down(entries, at);
+        }
+        heap.generation = slots.generation(unit);
+        rebuild = false;
+      }
+      heap.through = newest;
+      HeapEntry& top = entries.front();
+      if (!slots.is_live(unit, top.slot) ||
+          originals[static_cast<std::size_t>(top.slot)] != top.original) {  // evicted since
+        top = entries.back();
+        entries.pop_back();
+        if (!entries.empty()) sift_down(entries, 0);
+        continue;
+      }
+      const float now = scores[static_cast<std::size_t>(top.slot)];
+      if (top.original < oldest) {  // a protected token: a sink was evicted by someone else
+        rebuild = true;
+      } else if (now == top.score) {
+        decision.evict(unit, top.slot);
+        return 1;
+      } else if (now > top.score) {  // rose since: re-ranked by its score now
+        top.score = now;
+        sift_down(entries, 0);
+      } else {
+        require_number(now, top.original);
+        rebuild = true;  // fell: the caller's trend was wrong; still the right answer
+      }
+    }
+  }
+
+  ScoreTrend trend_;
+  std::vector<CandidateHeap> heaps_;
   std::vector<std::int32_t> worst_;
 };
 

@@ -32,9 +32,11 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -47,6 +49,14 @@
 #include "kvevict/positions.hpp"
 
 namespace kvevict {
+
+namespace detail {
+// A process-wide serial for SlotTable::generation(): no two tables share a value.
+inline std::uint64_t new_generation() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace detail
 
 /// Which free slot a new token takes. Decisions never depend on it (ties go by original position);
 /// the order only decides where rows sit, and so the order of sums over slots.
@@ -161,6 +171,13 @@ class SlotTable {
     std::swap(storage[column_index], storage[score_columns_]);
   }
 
+  /// A value that changes whenever the live tokens of `unit` change other than by evictions and by
+  /// appends above every original position the unit has held: a truncation, a compaction that
+  /// moves slots, an append at an original position seen before. Never shared by two tables.
+  /// Something kept beside a unit from one decision to the next (WorstCandidates' heap) learns
+  /// of evictions and appends by itself, and is rebuilt when this changes.
+  [[nodiscard]] std::uint64_t generation(int unit) const { return state(unit).generation; }
+
   /// The live slots of `unit`, oldest (lowest original position) first. Valid until the next
   /// change to the unit.
   [[nodiscard]] std::span<const std::int32_t> stream_order(int unit) const {
@@ -263,6 +280,8 @@ class SlotTable {
       const std::int64_t original = originals[k];
       KVEVICT_REQUIRE(s.order.size() == 0 || original > original_[index(unit, s.order[s.live - 1])],
                       "SlotTable::append: original positions must increase");
+      if (original <= s.newest_appended) s.generation = detail::new_generation();
+      s.newest_appended = original;
       std::int32_t slot;
       if (!s.free_slots.empty()) {
         if (reuse_ == SlotReuse::lowest_first) {
@@ -312,6 +331,7 @@ class SlotTable {
     KVEVICT_REQUIRE(count >= 0 && count <= s.live, "SlotTable::truncate: count " +
                                                        std::to_string(count) + " outside [0, " +
                                                        std::to_string(s.live) + "]");
+    if (count > 0) s.generation = detail::new_generation();
     for (int k = 0; k < count; ++k) {
       const std::int32_t slot = s.order[s.live - 1];
       s.order.pop_back(1);
@@ -357,6 +377,7 @@ class SlotTable {
       moves.push_back(SlotMove{from, to});
     }
     KVEVICT_REQUIRE(next_hole == holes.size(), "SlotTable::compact: free slots miscounted");
+    if (next_hole > 0) s.generation = detail::new_generation();
     holes.clear();
     s.slot_limit = s.live;
   }
@@ -399,6 +420,8 @@ class SlotTable {
     std::vector<std::int32_t> free_group_ids;  // ids to reuse
     std::vector<std::int32_t> group_order;     // ids, oldest stretch first
     std::int64_t evicted_since_fold = 0;
+    std::uint64_t generation = detail::new_generation();  // see generation()
+    std::int64_t newest_appended = std::numeric_limits<std::int64_t>::min();
   };
 
   [[nodiscard]] bool rank_positions() const { return mode_ != PositionMode::original; }

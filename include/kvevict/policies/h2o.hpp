@@ -76,7 +76,7 @@ class HeavyHitterPolicy final : public Policy {
   static constexpr int kScore = 0;  // the accumulated-attention column
 
   int heavy_;
-  WorstCandidates worst_;
+  WorstCandidates worst_{ScoreTrend::never_falls};  // probabilities only ever add
 };
 
 struct H2oConfig {

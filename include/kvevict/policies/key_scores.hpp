@@ -72,7 +72,8 @@ namespace detail {
 // up to date before its selection, where the score depends on the whole cache (KeyDiff).
 class KeyScoredPolicy : public Policy {
  public:
-  KeyScoredPolicy(int budget, std::string_view name) : budget_(budget), name_(name) {
+  KeyScoredPolicy(int budget, std::string_view name, ScoreTrend trend)
+      : budget_(budget), name_(name), worst_(trend) {
     KVEVICT_REQUIRE(budget >= 0,
                     std::string(name) + ": budget must be >= 0, got " + std::to_string(budget));
   }
@@ -116,7 +117,8 @@ class KeyScoredPolicy : public Policy {
 /// K-norm's score and keep rule: the `budget` unprotected tokens of smallest key norm.
 class KnormPolicy final : public detail::KeyScoredPolicy {
  public:
-  explicit KnormPolicy(int budget) : KeyScoredPolicy(budget, "knorm") {}
+  // A token's score is written once, with its key.
+  explicit KnormPolicy(int budget) : KeyScoredPolicy(budget, "knorm", ScoreTrend::never_falls) {}
 
   // -||k|| of each new token, averaged over the unit's heads (one head per unit: exactly -||k||).
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
@@ -136,7 +138,7 @@ class KnormPolicy final : public detail::KeyScoredPolicy {
 /// normalised cached keys.
 class KeyDiffPolicy final : public detail::KeyScoredPolicy {
  public:
-  explicit KeyDiffPolicy(int budget) : KeyScoredPolicy(budget, "keydiff") {}
+  explicit KeyDiffPolicy(int budget) : KeyScoredPolicy(budget, "keydiff", ScoreTrend::any) {}
 
   // Keeps each new key's unit vector at [unit][slot][head in unit][head_dim].
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
