@@ -982,9 +982,9 @@ TEST(SlotTable, RejectsBadChanges) {
       "capacity must be positive");
 }
 
-// StreamOrder::find, which guesses an entry's index from its original position before halving,
-// finds every live entry and no absent one: originals dense, sparse, in runs with gaps of every
-// size (up to near the largest int64), over orders of 0 to 3,000 entries.
+// StreamOrder::find, which applying every decision goes through, finds every live entry and no
+// absent one: originals dense, sparse, in runs with gaps of every size (up to near the largest
+// int64), over orders of 0 to 3,000 entries.
 TEST(StreamOrder, FindsEveryEntryAndNoOther) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 300; ++trial) {

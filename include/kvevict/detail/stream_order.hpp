@@ -64,47 +64,15 @@ class StreamOrder {
   /// Removes the newest `count` entries.
   void pop_back(int count) { size_ -= static_cast<std::size_t>(count); }
 
-  /// Index of the entry whose original position is `original` (`originals` indexed by slot), or
-  /// -1 when no live entry has it.
-  ///
-  /// At a decision the order and the originals are out of cache, so each probe of a search is a
-  /// miss, and a halving search waits on about 2 log2(n) of them in a row. Originals are distinct
-  /// integers rising along the order, mostly by one (evictions leave gaps), so the entry's index
-  /// is bounded by its distance in originals from both ends, and a guess in proportion lands on it
-  /// or near it: a few such rounds first, then halving over what is left.
+  /// Index of the entry whose original position is `original` (binary search over `originals`,
+  /// indexed by slot), or -1 when no live entry has it.
   [[nodiscard]] int find(std::int64_t original, const std::int64_t* originals) const {
-    const std::int32_t* entries = buffer_.data() + head_;
-    std::size_t lo = 0;
-    std::size_t hi = size_;  // the entry, if any, is in [lo, hi)
-    for (int round = 0; round < 4 && hi - lo > 8; ++round) {
-      const std::int64_t low = originals[entries[lo]];
-      const std::int64_t high = originals[entries[hi - 1]];
-      if (original < low || original > high) return -1;
-      // Distinct integers: at most original - low entries before it, high - original after it.
-      const auto first = static_cast<std::int64_t>(lo);
-      const auto end = static_cast<std::int64_t>(hi);
-      lo = static_cast<std::size_t>(std::max(first, end - 1 - std::min(high - original, end)));
-      hi = static_cast<std::size_t>(std::min(end, first + std::min(original - low, end) + 1));
-      if (hi - lo <= 8) break;
-      // Where it would sit if [low, high] were evenly filled, inside the bounds.
-      const double share = static_cast<double>(original - low) / static_cast<double>(high - low);
-      const std::size_t at = std::clamp(
-          static_cast<std::size_t>(
-              first + static_cast<std::int64_t>(share * static_cast<double>(end - 1 - first))),
-          lo, hi - 1);
-      const std::int64_t value = originals[entries[at]];
-      if (value == original) return static_cast<int>(at);
-      if (value < original) {
-        lo = at + 1;
-      } else {
-        hi = at;
-      }
-    }
+    const std::span<const std::int32_t> entries = view();
     const auto it = std::lower_bound(
-        entries + lo, entries + hi, original,
+        entries.begin(), entries.end(), original,
         [originals](std::int32_t slot, std::int64_t value) { return originals[slot] < value; });
-    if (it == entries + hi || originals[*it] != original) return -1;
-    return static_cast<int>(it - entries);
+    if (it == entries.end() || originals[*it] != original) return -1;
+    return static_cast<int>(it - entries.begin());
   }
 
  private:
