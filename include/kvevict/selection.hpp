@@ -339,7 +339,8 @@ class WorstCandidates {
   };
   struct CandidateHeap {
     std::vector<HeapEntry> entries;
-    std::uint64_t generation = 0;  // SlotTable::generation() it was built for (0: never built)
+    std::uint64_t generation = 0;  // SlotTable::generation() at the last decision
+    bool built = false;
     std::int64_t through = 0;
   };
 
@@ -378,8 +379,8 @@ class WorstCandidates {
   // out, and a top whose score rose since it was pushed is pushed down with its score now, until
   // the top's score is its own: every other entry's score is at least its key, so the top is the
   // worst (the same one the pass finds). Rebuilt from the candidates when it cannot be in step:
-  // a new table or generation, a protected token at the top, a score that fell, too many stale
-  // entries.
+  // a new generation (after one decision by the pass), a protected token at the top, a score that
+  // fell, too many stale entries.
   int evict_one_kept(const SlotTable& slots, int unit, std::span<const std::int32_t> order,
                      int first, int last, std::span<const float> scores,
                      std::span<const std::int64_t> originals, Decision& decision) {
@@ -400,8 +401,16 @@ class WorstCandidates {
     const std::int64_t oldest = original_of(first);
     const std::int64_t newest = original_of(last - 1);
     const auto candidates = static_cast<std::size_t>(last - first);
-    bool rebuild = heap.generation != slots.generation(unit) || heap.through > newest ||
-                   entries.size() > 2 * candidates + 64;
+    if (heap.generation != slots.generation(unit)) {
+      // A new table, a compaction, a truncation: the pass this time, and the heap built at the
+      // next decision if the generation holds (a unit compacted at every step, as Allocated's
+      // pyramid split does, never pays for building it).
+      heap.generation = slots.generation(unit);
+      heap.built = false;
+      entries.clear();
+      return evict_one(unit, order, first, last, scores, originals, decision);
+    }
+    bool rebuild = !heap.built || heap.through > newest || entries.size() > 2 * candidates + 64;
     if (!rebuild) {  // the new candidates, oldest first
       int from = last;
       while (from > first && original_of(from - 1) > heap.through) --from;
@@ -417,7 +426,7 @@ class WorstCandidates {
         for (std::size_t at = entries.size() / 4 + 1; at-- > 0;) {
           if (at < entries.size()) sift_down(entries, at);
         }
-        heap.generation = slots.generation(unit);
+        heap.built = true;
         rebuild = false;
       }
       heap.through = newest;
