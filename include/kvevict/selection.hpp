@@ -403,8 +403,8 @@ class WorstCandidates {
     const auto candidates = static_cast<std::size_t>(last - first);
     if (heap.generation != slots.generation(unit)) {
       // A new table, a compaction, a truncation: the pass this time, and the heap built at the
-      // next decision if the generation holds (a unit compacted at every step, as Allocated's
-      // pyramid split does, never pays for building it).
+      // next decision if the generation holds (a unit compacted often, as under Allocated's
+      // pyramid split, does not pay for building it after each compaction).
       heap.generation = slots.generation(unit);
       heap.built = false;
       entries.clear();
