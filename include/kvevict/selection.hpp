@@ -419,17 +419,16 @@ class WorstCandidates {
         sift_up(entries, entries.size() - 1);
       }
     }
+    heap.through = newest;
     for (;;) {
       if (rebuild || entries.empty()) {
         entries.clear();
         for (int i = first; i < last; ++i) entries.push_back(entry_of(i));
-        for (std::size_t at = entries.size() / 4 + 1; at-- > 0;) {
-          if (at < entries.size()) sift_down(entries, at);
-        }
+        // Heapify: sift down every node with a child, the last one first.
+        for (std::size_t at = (entries.size() + 2) / 4; at-- > 0;) sift_down(entries, at);
         heap.built = true;
         rebuild = false;
       }
-      heap.through = newest;
       HeapEntry& top = entries.front();
       if (!slots.is_live(unit, top.slot) ||
           originals[static_cast<std::size_t>(top.slot)] != top.original) {  // evicted since
