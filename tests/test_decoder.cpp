@@ -889,6 +889,129 @@ TEST(DecoderTargets, SkippedMaskedProductsChangeNoBit) {
   });
 }
 
+// Attention over a cache under cache_index: many runs of slots, few pending rotations among them,
+// free slots between some runs. Each probability must be the softmax of q rotated to p - d against
+// each key (d: its run's rotation), computed here in double; free slots and later chunk tokens get
+// exact zeros; and the bits must not depend on how the live slots are cut into runs (each run
+// split in two gives the same probabilities and outputs). Chunks of 1, 40 and 1,100 queries: the
+// last one's rotated queries exceed what attend() keeps, so it rotates them again per run.
+TEST(DecoderTargets, ManyRunsAttendAsTheirRotatedKeys) {
+  const int head_dim = 16;
+  const int heads = 2;
+  kvevict::RopeConfig rope_config;
+  rope_config.head_dim = head_dim;
+  rope_config.rotary_dim = head_dim;
+  const kvevict::Rope rope(rope_config);
+  const std::int64_t rotations[] = {0, 3, 7, 1, 12};
+  for (const int n : {1, 40, 1100}) {
+    SCOPED_TRACE("queries " + std::to_string(n));
+    // 60 older runs of 1-9 slots, every fourth followed by a free slot, then the chunk's own slots
+    // (rotation 0, as tokens just written).
+    std::vector<kvevict::model::KeyRun> runs;
+    std::vector<int> free_slots;
+    int slot = 0;
+    for (int r = 0; r < 60; ++r) {
+      const int length = 1 + (r * 7) % 9;
+      runs.push_back({slot, slot + length, rotations[(r * 3) % 5]});
+      slot += length;
+      if (r % 4 == 3) free_slots.push_back(slot++);
+    }
+    const int first = slot;
+    runs.push_back({first, first + n, 0});
+    const int limit = first + n;
+    std::vector<std::int64_t> positions(static_cast<std::size_t>(n));
+    std::vector<std::int32_t> slots(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      positions[static_cast<std::size_t>(i)] = 500 + i;
+      slots[static_cast<std::size_t>(i)] = first + i;
+    }
+    // Each run cut in two where it can be: the same slots and rotations.
+    std::vector<kvevict::model::KeyRun> split_runs;
+    for (const kvevict::model::KeyRun& run : runs) {
+      const int middle = run.begin + (run.end - run.begin) / 2;
+      if (middle > run.begin) split_runs.push_back({run.begin, middle, run.rotation});
+      split_runs.push_back({middle, run.end, run.rotation});
+    }
+    const std::vector<float> queries =
+        test_values(static_cast<std::size_t>(n * heads * head_dim), 61);
+    const std::vector<float> keys = test_values(static_cast<std::size_t>(limit * head_dim), 63);
+    const std::vector<float> values = test_values(static_cast<std::size_t>(limit * head_dim), 65);
+    const auto attend = [&](const std::vector<kvevict::model::KeyRun>& key_runs,
+                            std::vector<float>& p, std::vector<float>& out) {
+      kvevict::model::GroupAttention group;
+      group.queries = queries.data();
+      group.query_stride = heads * head_dim;
+      group.heads = heads;
+      group.query_positions = positions;
+      group.query_slots = slots;
+      group.keys = {reinterpret_cast<const std::uint8_t*>(keys.data()), kvevict::KvType::f32,
+                    head_dim * sizeof(float)};
+      group.values = {reinterpret_cast<const std::uint8_t*>(values.data()), kvevict::KvType::f32,
+                      head_dim * sizeof(float)};
+      group.slot_limit = limit;
+      group.head_dim = head_dim;
+      group.runs = key_runs;
+      kvevict::model::QueryAngles angles(rope);
+      kvevict::model::AttentionBuffers buffers;
+      p.assign(static_cast<std::size_t>(heads * n * limit), -1.0f);
+      out.assign(static_cast<std::size_t>(n * heads * head_dim), -1.0f);
+      kvevict::model::attend(group, angles, p.data(), out.data(), heads * head_dim, buffers);
+    };
+    for_each_target([&](const std::string&) {
+      std::vector<float> p;
+      std::vector<float> out;
+      attend(runs, p, out);
+      std::vector<float> split_p;
+      std::vector<float> split_out;
+      attend(split_runs, split_p, split_out);
+      EXPECT_EQ(std::memcmp(p.data(), split_p.data(), p.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(out.data(), split_out.data(), out.size() * sizeof(float)), 0);
+      // The reference, in double, for a few queries of each head.
+      for (int h = 0; h < heads; ++h) {
+        for (int i = 0; i < n; i += std::max(1, n / 4)) {
+          std::vector<double> expected(static_cast<std::size_t>(limit), 0.0);
+          double largest = -std::numeric_limits<double>::infinity();
+          for (const kvevict::model::KeyRun& run : runs) {
+            std::vector<double> q(head_dim);
+            for (int j = 0; j < head_dim; ++j) {
+              q[static_cast<std::size_t>(j)] =
+                  queries[static_cast<std::size_t>(i * heads * head_dim + h * head_dim + j)];
+            }
+            rope.rotate(q.data(), positions[static_cast<std::size_t>(i)] - run.rotation);
+            for (int s = run.begin; s < std::min(run.end, first + i + 1); ++s) {
+              double dot = 0.0;
+              for (int j = 0; j < head_dim; ++j) {
+                dot += q[static_cast<std::size_t>(j)] *
+                       keys[static_cast<std::size_t>(s * head_dim + j)];
+              }
+              expected[static_cast<std::size_t>(s)] = dot / std::sqrt(double{head_dim});
+              largest = std::max(largest, expected[static_cast<std::size_t>(s)]);
+            }
+          }
+          double total = 0.0;
+          for (const kvevict::model::KeyRun& run : runs) {
+            for (int s = run.begin; s < std::min(run.end, first + i + 1); ++s) {
+              expected[static_cast<std::size_t>(s)] =
+                  std::exp(expected[static_cast<std::size_t>(s)] - largest);
+              total += expected[static_cast<std::size_t>(s)];
+            }
+          }
+          const float* row = p.data() + static_cast<std::size_t>((h * n + i) * limit);
+          for (int s = 0; s < limit; ++s) {
+            const double want = expected[static_cast<std::size_t>(s)] / total;
+            if (want == 0.0) {
+              ASSERT_EQ(row[s], 0.0f) << "head " << h << " query " << i << " slot " << s;
+            } else {
+              ASSERT_NEAR(row[s], want, 1e-6) << "head " << h << " query " << i << " slot " << s;
+            }
+          }
+          for (const int free_slot : free_slots) EXPECT_EQ(row[free_slot], 0.0f);
+        }
+      }
+    });
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cached decoding against recomputation without a cache
 // ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@
 #include <cstring>
 #include <span>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kvevict/checked.hpp"
@@ -112,12 +114,20 @@ class KvStore final : public KvBackend {
   /// KeyRotation (post-RoPE storage), each from its stored form with one rounding; evicted slots
   /// need nothing.
   void apply(const AppliedDecision& decision) override {
+    // The rows a decision names are scattered over the head's block, out of cache after the
+    // attention's pass over every head: each is requested kRowsAhead rows before its turn, so
+    // that the misses overlap instead of following one another.
     if (decision.has_moves()) {
       for (int l = 0; l < shape_.layers; ++l) {
         for (int g = 0; g < shape_.kv_heads; ++g) {
-          for (const SlotMove& move : decision.moves(decision.layout.unit_of(l, g))) {
-            std::memcpy(key_row(l, g, move.to), key_row(l, g, move.from), row_bytes_);
-            std::memcpy(value_row(l, g, move.to), value_row(l, g, move.from), row_bytes_);
+          const std::span<const SlotMove> moves = decision.moves(decision.layout.unit_of(l, g));
+          for (std::size_t i = 0; i < moves.size(); ++i) {
+            if (i + kRowsAhead < moves.size()) {
+              prefetch_row(key_row(l, g, moves[i + kRowsAhead].from));
+              prefetch_row(value_row(l, g, moves[i + kRowsAhead].from));
+            }
+            std::memcpy(key_row(l, g, moves[i].to), key_row(l, g, moves[i].from), row_bytes_);
+            std::memcpy(value_row(l, g, moves[i].to), value_row(l, g, moves[i].from), row_bytes_);
           }
         }
       }
@@ -126,13 +136,30 @@ class KvStore final : public KvBackend {
       KVEVICT_REQUIRE(key_storage_ == KeyStorage::post_rope,
                       "KvStore: a key rotation for pre-RoPE keys");
       const double* cos_sin = rope_.angles(rotation.delta, angles_.data());
+      // The unit's heads, each with the same slots: rows visited head by head, row i of the walk
+      // being slots[i % count] of head i / count.
+      rotated_heads_.clear();
       for (int l = 0; l < shape_.layers; ++l) {
         for (int g = 0; g < shape_.kv_heads; ++g) {
-          if (decision.layout.unit_of(l, g) != rotation.unit) continue;
-          for (const std::int32_t slot : rotation.slots) rotate_key(l, g, slot, cos_sin);
-          bytes_rotated_ += rotation.slots.size() * row_bytes_;
+          if (decision.layout.unit_of(l, g) == rotation.unit) rotated_heads_.push_back({l, g});
         }
       }
+      const std::span<const std::int32_t> slots = rotation.slots;
+      const std::size_t count = slots.size();
+      const std::size_t rows = rotated_heads_.size() * count;
+      const auto row_of_walk = [&](std::size_t i) {
+        const auto [l, g] = rotated_heads_[i / count];
+        return std::tuple{l, g, slots[i % count]};
+      };
+      for (std::size_t i = 0; i < rows; ++i) {
+        if (i + kRowsAhead < rows) {
+          const auto [l, g, slot] = row_of_walk(i + kRowsAhead);
+          prefetch_row(key_row(l, g, slot));
+        }
+        const auto [l, g, slot] = row_of_walk(i);
+        rotate_key(l, g, slot, cos_sin);
+      }
+      bytes_rotated_ += rows * row_bytes_;
     }
   }
 
@@ -255,6 +282,16 @@ class KvStore final : public KvBackend {
     peak_reserved_bytes_ = std::max(peak_reserved_bytes_, reserved_bytes_);
   }
 
+  static constexpr std::size_t kRowsAhead = 8;
+  // Asks for a row's cache lines ahead of its use (a hint: no effect on the result).
+  void prefetch_row(const std::uint8_t* row) const {
+#if defined(__GNUC__) || defined(__clang__)
+    for (std::size_t b = 0; b < row_bytes_; b += 64) __builtin_prefetch(row + b);
+#else
+    (void)row;
+#endif
+  }
+
   // One fold of one key: f32 rows rotate in place (computed in double, rounded once); other types
   // are decoded exactly, rotated in double and rounded once.
   void rotate_key(int layer, int kv_head, std::int32_t slot, const double* cos_sin) {
@@ -276,8 +313,9 @@ class KvStore final : public KvBackend {
   std::vector<HeadRows> heads_;  // [layer * kv_heads + kv_head]
   Rope rope_;
   int capacity_ = 0;
-  std::vector<double> angles_;       // rotation scratch: [cos x pairs, sin x pairs]
-  std::vector<double> row_scratch_;  // one decoded key (folds of non-f32 rows)
+  std::vector<double> angles_;                      // rotation scratch: [cos x pairs, sin x pairs]
+  std::vector<double> row_scratch_;                 // one decoded key (folds of non-f32 rows)
+  std::vector<std::pair<int, int>> rotated_heads_;  // (layer, kv_head) of one rotation's unit
   std::size_t bytes_rotated_ = 0;
   std::size_t bytes_copied_ = 0;
   std::size_t reserved_bytes_ = 0;

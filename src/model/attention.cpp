@@ -11,6 +11,12 @@
 
 namespace kvevict::model {
 
+namespace {
+// Rotated queries kept in one attend(): 256 KiB, a decode step's queries under hundreds of
+// rotations.
+constexpr std::int64_t kKeptQueryFloats = std::int64_t{1} << 16;
+}  // namespace
+
 const double* QueryAngles::get(std::int64_t steps) {
   const int pairs = rope_->pairs();
   scratch_.resize(2 * static_cast<std::size_t>(pairs));
@@ -34,9 +40,7 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const bool interleaved = angles.rope().config().layout == RopeLayout::interleaved;
   const int pairs = angles.rope().pairs();
-  buffers.rotated.resize(static_cast<std::size_t>(rows * head_dim));
   buffers.output.assign(static_cast<std::size_t>(rows * head_dim), 0.0f);
-  float* rotated = buffers.rotated.data();  // [heads * n, head_dim]
   const auto row_of = [&](std::int64_t r) { return probabilities + r * limit; };
 
   // The chunk's own slots, when they are consecutive (a prefill into free slots, the usual case):
@@ -70,18 +74,48 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
     }
   };
 
-  // Scores q . k of every stacked query and live slot, the queries rotated once per run. // [rows,
-  // limit]
-  for (const KeyRun& run : group.runs) {
+  // Scores q . k of every stacked query and live slot, runs in slot order (the keys stream from
+  // memory), the queries rotated once per pending rotation: under cache_index a unit holds a few
+  // rotations (max_pending_rotations + 1) over many more runs, since freed slots are refilled by
+  // newer tokens. Rotated blocks are kept up to kKeptQueryFloats; past that (a long chunk over many
+  // rotations) the last block is rotated again for each run that needs it.
+  // [rows, limit]
+  const std::int64_t block = rows * head_dim;
+  const auto max_blocks =
+      static_cast<std::size_t>(std::max<std::int64_t>(1, kKeptQueryFloats / block));
+  // The group's queries rotated to p - rotation into `target`: [heads * n, head_dim].
+  const auto rotate_queries = [&](std::int64_t rotation, float* target) {
     for (std::int64_t i = 0; i < n; ++i) {
-      const double* cos_sin =
-          angles.get(group.query_positions[static_cast<std::size_t>(i)] - run.rotation);
       for (int h = 0; h < group.heads; ++h) {
-        float* target = rotated + (h * n + i) * head_dim;
-        std::copy_n(group.queries + i * group.query_stride + h * head_dim, head_dim, target);
-        kernels::rotate(target, head_dim, 1, cos_sin, pairs, interleaved);
+        std::copy_n(group.queries + i * group.query_stride + h * head_dim, head_dim,
+                    target + (h * n + i) * head_dim);
+      }
+      // Query i of every head: rows n * head_dim apart.
+      kernels::rotate(target + i * head_dim, n * head_dim, group.heads,
+                      angles.get(group.query_positions[static_cast<std::size_t>(i)] - rotation),
+                      pairs, interleaved);
+    }
+  };
+  std::vector<std::int64_t>& kept = buffers.rotations;
+  kept.clear();
+  std::size_t last_used = 0;
+  const auto queries_for = [&](std::int64_t rotation) -> const float* {
+    if (last_used >= kept.size() || kept[last_used] != rotation) {
+      const auto found = std::find(kept.begin(), kept.end(), rotation);
+      last_used = static_cast<std::size_t>(found - kept.begin());
+      if (found == kept.end()) {
+        if (kept.size() < max_blocks) kept.push_back(rotation);
+        last_used = kept.size() - 1;
+        kept[last_used] = rotation;
+        buffers.rotated.resize(kept.size() * static_cast<std::size_t>(block));
+        rotate_queries(rotation,
+                       buffers.rotated.data() + static_cast<std::int64_t>(last_used) * block);
       }
     }
+    return buffers.rotated.data() + static_cast<std::int64_t>(last_used) * block;
+  };
+  for (const KeyRun& run : group.runs) {
+    const float* rotated = queries_for(run.rotation);
     for_each_visible(
         run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
           kernels::stored_scores(rotated + r0 * head_dim, head_dim, count, group.keys, begin,
@@ -90,38 +124,29 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   }
   // Softmax of (q . k) / sqrt(head_dim) over each row's live, visible slots.
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
-  // The slots of the chunk's tokens after query i get `value`.
-  const auto mask_later = [&](float* row, std::size_t i, float value) {
+  // The slots of the chunk's tokens after query i get -inf.
+  const auto mask_later = [&](float* row, std::size_t i) {
     if (consecutive) {
-      std::fill(row + first + static_cast<std::int64_t>(i) + 1, row + first + n, value);
+      std::fill(row + first + static_cast<std::int64_t>(i) + 1, row + first + n, kMasked);
       return;
     }
-    for (std::size_t j = i + 1; j < slots.size(); ++j) row[slots[j]] = value;
+    for (std::size_t j = i + 1; j < slots.size(); ++j) row[slots[j]] = kMasked;
   };
+  // Over the whole row at once, the free slots between runs (and masked chunk tokens) at -inf: exp
+  // makes them exact zeros, and a probability does not depend on how the live slots fall into runs.
   for (std::int64_t r = 0; r < rows; ++r) {
     float* row = row_of(r);
     const auto i = static_cast<std::size_t>(r % n);
-    // Causal mask inside the chunk: query i does not see the tokens after it.
-    mask_later(row, i, kMasked);
-    float max = kMasked;
-    for (const KeyRun& run : group.runs) {
-      max = std::max(max, kernels::max(row + run.begin, run.end - run.begin));
-    }
-    for (const KeyRun& run : group.runs) {
-      kernels::exp_shifted(row + run.begin, run.end - run.begin, max, scale);
-    }
-    // Exact zeros at the free slots between runs and at the masked chunk tokens.
     int next = 0;
     for (const KeyRun& run : group.runs) {
-      std::fill(row + next, row + run.begin, 0.0f);
+      std::fill(row + next, row + run.begin, kMasked);
       next = run.end;
     }
-    std::fill(row + next, row + limit, 0.0f);
-    mask_later(row, i, 0.0f);
-    float total = 0.0f;
-    for (const KeyRun& run : group.runs)
-      total += kernels::sum(row + run.begin, run.end - run.begin);
-    kernels::scale(row, limit, 1.0f / total);
+    std::fill(row + next, row + limit, kMasked);
+    // Causal mask inside the chunk: query i does not see the tokens after it.
+    mask_later(row, i);
+    kernels::exp_shifted(row, limit, kernels::max(row, limit), scale);
+    kernels::scale(row, limit, 1.0f / kernels::sum(row, limit));
   }
   // Weighted sum of the values, each V row read once for the group.              // [rows,
   // head_dim]

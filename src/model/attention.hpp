@@ -6,8 +6,8 @@
 //
 // For post-RoPE keys stored rotated to key position p_k - d (d: the run's pending rotation), the
 // score of a query at position p_q is (R(p_q) q) . (R(p_k) k) = (R(p_q - d) q) . (R(p_k - d) k):
-// the query is rotated once per run instead of rotating every key. Pre-RoPE keys arrive already
-// rotated to their positions (d = 0 for the whole range).
+// the query is rotated once per pending rotation instead of rotating every key. Pre-RoPE keys
+// arrive already rotated to their positions (d = 0 for the whole range).
 #pragma once
 
 #include <cstddef>
@@ -72,7 +72,9 @@ struct GroupAttention {
 
 /// Scratch of attend(), grown on demand.
 struct AttentionBuffers {
-  std::vector<float> rotated;  ///< [heads * n, head_dim] the group's queries rotated for one run
+  /// [rotations][heads * n, head_dim] the group's queries rotated for each pending rotation met
+  std::vector<float> rotated;
+  std::vector<std::int64_t> rotations;  ///< the rotation of each block of `rotated`
   std::vector<float> output;   ///< [heads * n, head_dim] the group's attention outputs
 };
 

@@ -170,15 +170,20 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
   const auto ahead = static_cast<std::int64_t>(
       kLanes * std::max<std::size_t>(1, (std::size_t{4096} + block_bytes - 1) / block_bytes));
   const auto block = static_cast<std::int64_t>(kLanes);
+  constexpr int kTileKeys = static_cast<int>(kLanes) / kRows;
   std::int64_t c = 0;
   for (; c + block <= n; c += block) {
     const std::uint8_t* tile = keys + c * row_bytes;
-    if (c + ahead + block <= n) {
-      for (std::size_t b = 0; b < block_bytes; b += 64) hwy::Prefetch(tile + ahead * row_bytes + b);
+    // The keys `ahead` rows on, those of a short range's tail included.
+    const std::int64_t prefetch_rows = std::min(block, n - c - ahead);
+    for (std::size_t b = 0;
+         b < static_cast<std::size_t>(std::max<std::int64_t>(0, prefetch_rows)) * row_bytes;
+         b += 64) {
+      hwy::Prefetch(tile + ahead * row_bytes + b);
     }
     std::int64_t i = 0;
     for (; i + kRows <= m; i += kRows) {
-      for (int g = 0; g < block; g += block / kRows) {
+      for (int g = 0; g < block; g += kTileKeys) {
         key_tile<Row, kRows, kVecs>(x + i * x_stride, x_stride, tile + g * row_bytes, row_bytes, k,
                                     y + i * y_stride + c + g, y_stride);
       }
@@ -188,11 +193,21 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
                               y_stride);
     }
   }
-  if (c < n) {
-    for (std::int64_t i = 0; i < m; ++i) {
-      key_tile<Row, 1, kVecs, true>(x + i * x_stride, x_stride, keys + c * row_bytes, row_bytes, k,
-                                    y + i * y_stride + c, y_stride, static_cast<int>(n - c));
+  if (c == n) return;
+  // The last n - c < kLanes keys: kRows rows at a time by tiles of kTileKeys keys, as above (each
+  // score summed alike, whatever the tile: kLanes accumulators either way), then the rows left.
+  const std::uint8_t* tail = keys + c * row_bytes;
+  std::int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    for (std::int64_t g = 0; g < n - c; g += kTileKeys) {
+      key_tile<Row, kRows, kVecs, true>(
+          x + i * x_stride, x_stride, tail + g * row_bytes, row_bytes, k, y + i * y_stride + c + g,
+          y_stride, static_cast<int>(std::min<std::int64_t>(kTileKeys, n - c - g)));
     }
+  }
+  for (; i < m; ++i) {
+    key_tile<Row, 1, kVecs, true>(x + i * x_stride, x_stride, tail, row_bytes, k,
+                                  y + i * y_stride + c, y_stride, static_cast<int>(n - c));
   }
 }
 #endif
