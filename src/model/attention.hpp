@@ -75,7 +75,7 @@ struct AttentionBuffers {
   /// [rotations][heads * n, head_dim] the group's queries rotated for each pending rotation met
   std::vector<float> rotated;
   std::vector<std::int64_t> rotations;  ///< the rotation of each block of `rotated`
-  std::vector<float> output;   ///< [heads * n, head_dim] the group's attention outputs
+  std::vector<float> output;            ///< [heads * n, head_dim] the group's attention outputs
 };
 
 /// probabilities = softmax(q K^T / sqrt(head_dim)) over the live slots (exact zeros at free slots
