@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <kvevict/kvevict.hpp>
 #include <limits>
 #include <map>
@@ -20,6 +21,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "support/expect_error.hpp"
@@ -1161,6 +1163,68 @@ TEST(WorstCandidates, AKeptHeapRefusesANaNScore) {
 }
 
 }  // namespace
+
+// A fold's rotation of f32 keys (Rope::apply on floats) runs at the CPU's vector width; every width
+// must give the rotation computed in double, each product rounded and never fused, then rounded
+// once to float, as written out here, bit for bit, for both layouts and every length of tail.
+TEST(RowPasses, EveryVectorWidthRotatesAsTheDoubleFormula) {
+  namespace rp = kvevict::detail::row_pass;
+  using HalfSplit = void (*)(float*, float*, int, const double*, const double*);
+  using Interleaved = void (*)(float*, int, const double*, const double*);
+  std::vector<std::tuple<std::string, HalfSplit, Interleaved>> widths{
+      {"dispatch", &kvevict::detail::rotate_half_split, &kvevict::detail::rotate_interleaved},
+      {"baseline", &rp::rotate_half_split, &rp::rotate_interleaved}};
+#if KVEVICT_ROW_PASS_DISPATCH
+  if (__builtin_cpu_supports("avx2")) {
+    widths.emplace_back("avx2", &rp::rotate_half_split_avx2, &rp::rotate_interleaved_avx2);
+  }
+  if (__builtin_cpu_supports("avx512f")) {
+    widths.emplace_back("avx512", &rp::rotate_half_split_avx512, &rp::rotate_interleaved_avx512);
+  }
+#endif
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> value(-4.0f, 4.0f);
+  std::uniform_real_distribution<double> angle(-3.2, 3.2);
+  for (const int pairs : {1, 3, 4, 7, 8, 9, 16, 17, 32, 64}) {
+    std::vector<float> row(static_cast<std::size_t>(2 * pairs));
+    for (float& x : row) x = value(rng);
+    std::vector<double> cos(static_cast<std::size_t>(pairs));
+    std::vector<double> sin(static_cast<std::size_t>(pairs));
+    for (int i = 0; i < pairs; ++i) {
+      const double theta = angle(rng);
+      cos[static_cast<std::size_t>(i)] = std::cos(theta);
+      sin[static_cast<std::size_t>(i)] = std::sin(theta);
+    }
+    // Pair i as (x[first], x[second]): (a cos - b sin, b cos + a sin), each product its own double.
+    const auto expected = [&](bool interleaved) {
+      std::vector<float> out = row;
+      for (int i = 0; i < pairs; ++i) {
+        const auto u = static_cast<std::size_t>(interleaved ? 2 * i : i);
+        const auto v = static_cast<std::size_t>(interleaved ? 2 * i + 1 : pairs + i);
+        const double a = row[u];
+        const double b = row[v];
+        const double a_cos = a * cos[static_cast<std::size_t>(i)];
+        const double b_sin = b * sin[static_cast<std::size_t>(i)];
+        const double b_cos = b * cos[static_cast<std::size_t>(i)];
+        const double a_sin = a * sin[static_cast<std::size_t>(i)];
+        out[u] = static_cast<float>(a_cos - b_sin);
+        out[v] = static_cast<float>(b_cos + a_sin);
+      }
+      return out;
+    };
+    const std::vector<float> half_split = expected(false);
+    const std::vector<float> interleaved = expected(true);
+    for (const auto& [name, rotate_half, rotate_pairs] : widths) {
+      SCOPED_TRACE(name + ", pairs " + std::to_string(pairs));
+      std::vector<float> rotated = row;
+      rotate_half(rotated.data(), rotated.data() + pairs, pairs, cos.data(), sin.data());
+      EXPECT_EQ(std::memcmp(rotated.data(), half_split.data(), rotated.size() * sizeof(float)), 0);
+      rotated = row;
+      rotate_pairs(rotated.data(), pairs, cos.data(), sin.data());
+      EXPECT_EQ(std::memcmp(rotated.data(), interleaved.data(), rotated.size() * sizeof(float)), 0);
+    }
+  }
+}
 
 // The row passes (detail/row_passes.hpp) run at the CPU's widest vector width; every width this
 // CPU has must compute what the plain loop computes, bit for bit, tails included (lengths that are

@@ -16,8 +16,10 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
 
 namespace kvevict {
@@ -145,12 +147,19 @@ class Rope {
     return scratch;
   }
 
-  // One loop per layout with no branch inside, so that the compiler vectorises it. The rotation
-  // is computed in double and rounded once to Scalar.
+  // The rotation computed in double, rounded once to Scalar. f32 rows (stored keys, queries) take
+  // the passes compiled at the CPU's vector width (detail/row_passes.hpp): the same bits at every
+  // width.
   template <class Scalar>
   void apply(Scalar* row, const double* cos, const double* sin) const {
     const int half = pairs();
-    if (config_.layout == RopeLayout::half_split) {
+    if constexpr (std::is_same_v<Scalar, float>) {
+      if (config_.layout == RopeLayout::half_split) {
+        detail::rotate_half_split(row, row + half, half, cos, sin);
+      } else {
+        detail::rotate_interleaved(row, half, cos, sin);
+      }
+    } else if (config_.layout == RopeLayout::half_split) {
       Scalar* first = row;
       Scalar* second = row + half;
       for (int i = 0; i < half; ++i) {

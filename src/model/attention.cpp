@@ -134,15 +134,19 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   };
   // Over the whole row at once, the free slots between runs (and masked chunk tokens) at -inf: exp
   // makes them exact zeros, and a probability does not depend on how the live slots fall into runs.
+  // The free slots, as ranges [begin, end): found once for all rows (runs outnumber them).
+  std::vector<KeyRun>& gaps = buffers.gaps;
+  gaps.clear();
+  int next = 0;
+  for (const KeyRun& run : group.runs) {
+    if (next < run.begin) gaps.push_back({next, run.begin, 0});
+    next = run.end;
+  }
+  if (next < limit) gaps.push_back({next, static_cast<int>(limit), 0});
   for (std::int64_t r = 0; r < rows; ++r) {
     float* row = row_of(r);
     const auto i = static_cast<std::size_t>(r % n);
-    int next = 0;
-    for (const KeyRun& run : group.runs) {
-      std::fill(row + next, row + run.begin, kMasked);
-      next = run.end;
-    }
-    std::fill(row + next, row + limit, kMasked);
+    for (const KeyRun& gap : gaps) std::fill(row + gap.begin, row + gap.end, kMasked);
     // Causal mask inside the chunk: query i does not see the tokens after it.
     mask_later(row, i);
     kernels::exp_shifted(row, limit, kernels::max(row, limit), scale);

@@ -76,6 +76,7 @@ struct AttentionBuffers {
   std::vector<float> rotated;
   std::vector<std::int64_t> rotations;  ///< the rotation of each block of `rotated`
   std::vector<float> output;            ///< [heads * n, head_dim] the group's attention outputs
+  std::vector<KeyRun> gaps;             ///< the free slots between (and after) the runs
 };
 
 /// probabilities = softmax(q K^T / sqrt(head_dim)) over the live slots (exact zeros at free slots

@@ -1,5 +1,5 @@
-// The per-slot passes of the score-based policies over attention rows, compiled for the widest
-// vector unit the CPU has.
+// The per-slot passes of the score-based policies over attention rows, and the rotation of f32
+// keys that a fold applies, compiled for the widest vector unit the CPU has.
 //
 // The core is header-only, so it is compiled at the consumer's baseline (x86-64: SSE2, four floats
 // per instruction), where these passes cost a score-based policy most of its step. On x86 with GCC
@@ -180,6 +180,39 @@ KVEVICT_ROW_PASS_INLINE int first_not_above(const std::int32_t* order, int from,
   return i;
 }
 
+// A RoPE rotation of f32 pairs (a, b) -> (a cos - b sin, b cos + a sin), computed in double
+// (each product rounded, then the difference or sum: never fused) and rounded once to float:
+// pairs (first[i], second[i]) for half_split, (row[2i], row[2i + 1]) for interleaved.
+KVEVICT_ROW_PASS_INLINE void rotate_half_split(float* KVEVICT_RESTRICT first,
+                                               float* KVEVICT_RESTRICT second, int pairs,
+                                               const double* KVEVICT_RESTRICT cos,
+                                               const double* KVEVICT_RESTRICT sin) {
+  for (int i = 0; i < pairs; ++i) {
+    const double a = first[i];
+    const double b = second[i];
+    const double a_cos = a * cos[i];
+    const double b_sin = b * sin[i];
+    const double b_cos = b * cos[i];
+    const double a_sin = a * sin[i];
+    first[i] = static_cast<float>(a_cos - b_sin);
+    second[i] = static_cast<float>(b_cos + a_sin);
+  }
+}
+KVEVICT_ROW_PASS_INLINE void rotate_interleaved(float* KVEVICT_RESTRICT row, int pairs,
+                                                const double* KVEVICT_RESTRICT cos,
+                                                const double* KVEVICT_RESTRICT sin) {
+  for (int i = 0; i < pairs; ++i) {
+    const double a = row[2 * i];
+    const double b = row[2 * i + 1];
+    const double a_cos = a * cos[i];
+    const double b_sin = b * sin[i];
+    const double b_cos = b * cos[i];
+    const double a_sin = a * sin[i];
+    row[2 * i] = static_cast<float>(a_cos - b_sin);
+    row[2 * i + 1] = static_cast<float>(b_cos + a_sin);
+  }
+}
+
 #if KVEVICT_ROW_PASS_DISPATCH
 #if defined(__clang__)
 #define KVEVICT_TARGET_AVX512 [[gnu::target("avx512f")]]
@@ -202,6 +235,22 @@ KVEVICT_TARGET_AVX512 inline bool add_rows_avx512(const float* const* rows, int 
 KVEVICT_TARGET_AVX2 inline bool add_rows_avx2(const float* const* rows, int count, std::size_t n,
                                               float weight, const float* from, float* to) {
   return add_rows(rows, count, n, weight, from, to);
+}
+KVEVICT_TARGET_AVX512 inline void rotate_half_split_avx512(float* first, float* second, int pairs,
+                                                           const double* cos, const double* sin) {
+  rotate_half_split(first, second, pairs, cos, sin);
+}
+KVEVICT_TARGET_AVX2 inline void rotate_half_split_avx2(float* first, float* second, int pairs,
+                                                       const double* cos, const double* sin) {
+  rotate_half_split(first, second, pairs, cos, sin);
+}
+KVEVICT_TARGET_AVX512 inline void rotate_interleaved_avx512(float* row, int pairs,
+                                                            const double* cos, const double* sin) {
+  rotate_interleaved(row, pairs, cos, sin);
+}
+KVEVICT_TARGET_AVX2 inline void rotate_interleaved_avx2(float* row, int pairs, const double* cos,
+                                                        const double* sin) {
+  rotate_interleaved(row, pairs, cos, sin);
 }
 // The lanes of a 16-wide step at index i that lie before `last`.
 inline __mmask16 lanes_before(int i, int last) {
@@ -320,6 +369,38 @@ enum class Width { baseline, avx2, avx512 };
   }
 #endif
   return row_pass::add_rows(rows, count, n, weight, from, to);
+}
+
+/// Rotates the f32 pairs (first[i], second[i]), i in [0, pairs), by the angles of cos[i] and
+/// sin[i] (Rope's half_split layout), in double, rounded once: the same bits at every width.
+inline void rotate_half_split(float* first, float* second, int pairs, const double* cos,
+                              const double* sin) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  switch (row_pass::width()) {
+    case row_pass::Width::avx512:
+      return row_pass::rotate_half_split_avx512(first, second, pairs, cos, sin);
+    case row_pass::Width::avx2:
+      return row_pass::rotate_half_split_avx2(first, second, pairs, cos, sin);
+    case row_pass::Width::baseline:
+      break;
+  }
+#endif
+  row_pass::rotate_half_split(first, second, pairs, cos, sin);
+}
+
+/// The same for the pairs (row[2i], row[2i + 1]) (Rope's interleaved layout).
+inline void rotate_interleaved(float* row, int pairs, const double* cos, const double* sin) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  switch (row_pass::width()) {
+    case row_pass::Width::avx512:
+      return row_pass::rotate_interleaved_avx512(row, pairs, cos, sin);
+    case row_pass::Width::avx2:
+      return row_pass::rotate_interleaved_avx2(row, pairs, cos, sin);
+    case row_pass::Width::baseline:
+      break;
+  }
+#endif
+  row_pass::rotate_interleaved(row, pairs, cos, sin);
 }
 
 /// Reads [data, data + bytes) one cache line at a time in address order, and nothing else. A
