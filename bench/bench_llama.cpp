@@ -82,7 +82,8 @@
 // writer). Default: the random Llama of bench_decode_step (dim 512, 8 layers, 8 query / 2 KV
 // heads, hidden 1536, vocabulary 259, f32, seed 512). Tokens: bench_decode_step's stream (bytes
 // from an LCG, the <AC> anchor every 16th token); SirLLM, RandomLLM and IntervalLLM get a turn
-// at every step (their worst case: every step evicts).
+// every --turn-tokens steps (default 1: every step evicts, their worst case; a turn of N tokens
+// makes room for them at its start, one decision per N tokens as block:N would be).
 #include <fmt/format.h>
 #include <llama.h>
 #include <unistd.h>
@@ -133,6 +134,7 @@ struct Options {
   std::vector<int> budgets{1024, 4096};
   std::vector<std::string> policies;
   int steps = 64;
+  int turn_tokens = 1;  // policies that evict before a turn: a turn starts every N steps
   int threads = 1;
   std::string positions;    // empty: each policy's own position mode
   std::string granularity;  // empty: token
@@ -388,7 +390,8 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
     const double reposition_before = clock.seconds(Stage::reposition);
     const std::int64_t catalysts_before = sequence->stats().catalyst_runs;
     const Clock::time_point start = Clock::now();
-    (void)sequence->forward(std::span<const std::int32_t>(&token, 1), turns);
+    (void)sequence->forward(std::span<const std::int32_t>(&token, 1),
+                            turns && s % options.turn_tokens == 0);
     const double step = seconds_since(start);
     if (sequence->stats().catalyst_runs != catalysts_before) {
       ++row.catalyst_steps;
@@ -837,6 +840,11 @@ int main(int argc, char** argv) {
                  "are reported as errors and skipped)");
   app.add_option("--steps", options.steps, "timed single-token steps per run")
       ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  app.add_option("--turn-tokens", options.turn_tokens,
+                 "policies that evict before each turn (sirllm, random_llm, interval_llm): a turn "
+                 "starts every N timed steps")
+      ->check(CLI::Range(1, 1 << 20))
       ->capture_default_str();
   app.add_option("--fa,--flash-attn", options.flash_attention,
                  "flash attention of every decode-step run, plain included: on or off")
