@@ -59,6 +59,8 @@
 //   catalyst       catalyst / (attention + mlp)
 //   moved_bytes_per_evicted  K/V bytes rewritten or copied (folds, growth) per evicted slot
 //   live           tokens of head (0, 0) after the run; evictions: decisions per step
+//   runs_per_unit  runs of live slots sharing a pending rotation, per (layer, KV head), after
+//                  the run: attention's q.K and p.V calls per head
 //
 // BM_AttentionVsRead/budget:<N> (N = 4K and 16K; `--benchmark_filter=AttentionVsRead` runs only
 // these): the attention stage of a decode step of `full` over N + 1 slots against the time one
@@ -223,6 +225,14 @@ void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std
   state.counters["moved_bytes_per_evicted"] =
       evicted > 0 ? static_cast<double>(moved) / static_cast<double>(evicted) : 0.0;
   state.counters["live"] = decoder.cache().sequence().live(0, 0);
+  // Runs of live slots sharing a pending rotation, per unit after the last step: what attention
+  // walks (one q.K and one p.V call each).
+  const kvevict::SlotTable& slots = sequence.slots();
+  std::int64_t runs = 0;
+  for (int unit = 0; unit < slots.units(); ++unit) {
+    slots.for_each_key_run(unit, [&](int, int, std::int64_t) { ++runs; });
+  }
+  state.counters["runs_per_unit"] = static_cast<double>(runs) / slots.units();
   state.counters["evictions"] =
       static_cast<double>(sequence.stats().decisions - stats_before.decisions) / steps;
 }
