@@ -819,6 +819,54 @@ TEST(DecoderTargets, QuantizedProductsFollowTheirFormula) {
   for (const float value : y) EXPECT_TRUE(std::isnan(value));
 }
 
+// RoPE over every dimension of a head (the defaults otherwise).
+kvevict::Rope rope_over(int head_dim) {
+  kvevict::RopeConfig config;
+  config.head_dim = head_dim;
+  config.rotary_dim = head_dim;
+  return kvevict::Rope(config);
+}
+
+// One KV head's attention over f32 rows: queries [n][heads][head_dim] (n = positions.size()), keys
+// and values [limit][head_dim]. Fills the probabilities [heads * n, limit] and the outputs
+// [n][heads][head_dim].
+struct GroupRows {
+  const kvevict::Rope& rope;
+  int heads = 0;
+  int head_dim = 0;
+  int limit = 0;
+  const std::vector<float>& queries;
+  const std::vector<float>& keys;
+  const std::vector<float>& values;
+  std::span<const std::int64_t> positions;
+  std::span<const std::int32_t> slots;
+
+  void attend(std::span<const kvevict::model::KeyRun> runs, bool skip_masked,
+              std::vector<float>& probabilities, std::vector<float>& outputs) const {
+    const auto n = static_cast<int>(positions.size());
+    kvevict::model::GroupAttention group;
+    group.queries = queries.data();
+    group.query_stride = heads * head_dim;
+    group.heads = heads;
+    group.query_positions = positions;
+    group.query_slots = slots;
+    group.keys = {reinterpret_cast<const std::uint8_t*>(keys.data()), kvevict::KvType::f32,
+                  head_dim * sizeof(float)};
+    group.values = {reinterpret_cast<const std::uint8_t*>(values.data()), kvevict::KvType::f32,
+                    head_dim * sizeof(float)};
+    group.slot_limit = limit;
+    group.head_dim = head_dim;
+    group.runs = runs;
+    group.skip_masked = skip_masked;
+    kvevict::model::QueryAngles angles(rope);
+    kvevict::model::AttentionBuffers buffers;
+    probabilities.assign(static_cast<std::size_t>(heads * n * limit), -1.0f);
+    outputs.assign(static_cast<std::size_t>(n * heads * head_dim), -1.0f);
+    kvevict::model::attend(group, angles, probabilities.data(), outputs.data(), heads * head_dim,
+                           buffers);
+  }
+};
+
 // A long chunk's attention leaves out each block of queries' products with the chunk's later
 // slots; the probabilities and outputs must be those of whole rows, bit for bit: two query heads
 // of one KV head, 70 queries in consecutive slots [10, 80) after 10 older slots and before 5
@@ -828,10 +876,7 @@ TEST(DecoderTargets, SkippedMaskedProductsChangeNoBit) {
   const int heads = 2;
   const int n = 70;
   const int limit = 85;
-  kvevict::RopeConfig rope_config;
-  rope_config.head_dim = head_dim;
-  rope_config.rotary_dim = head_dim;
-  const kvevict::Rope rope(rope_config);
+  const kvevict::Rope rope = rope_over(head_dim);
   const std::vector<float> queries =
       test_values(static_cast<std::size_t>(n * heads * head_dim), 51);
   const std::vector<float> keys = test_values(static_cast<std::size_t>(limit * head_dim), 53);
@@ -843,31 +888,12 @@ TEST(DecoderTargets, SkippedMaskedProductsChangeNoBit) {
     slots[static_cast<std::size_t>(i)] = 10 + i;
   }
   const std::vector<kvevict::model::KeyRun> runs{{0, 40, 0}, {40, limit, 3}};
+  const GroupRows group{rope, heads, head_dim, limit, queries, keys, values, positions, slots};
   for_each_target([&](const std::string&) {
     std::vector<float> probabilities[2];
     std::vector<float> outputs[2];
     for (const bool skip : {false, true}) {
-      kvevict::model::GroupAttention group;
-      group.queries = queries.data();
-      group.query_stride = heads * head_dim;
-      group.heads = heads;
-      group.query_positions = positions;
-      group.query_slots = slots;
-      group.keys = {reinterpret_cast<const std::uint8_t*>(keys.data()), kvevict::KvType::f32,
-                    head_dim * sizeof(float)};
-      group.values = {reinterpret_cast<const std::uint8_t*>(values.data()), kvevict::KvType::f32,
-                      head_dim * sizeof(float)};
-      group.slot_limit = limit;
-      group.head_dim = head_dim;
-      group.runs = runs;
-      group.skip_masked = skip;
-      kvevict::model::QueryAngles angles(rope);
-      kvevict::model::AttentionBuffers buffers;
-      std::vector<float>& p = probabilities[skip ? 1 : 0];
-      std::vector<float>& out = outputs[skip ? 1 : 0];
-      p.assign(static_cast<std::size_t>(heads * n * limit), -1.0f);
-      out.assign(static_cast<std::size_t>(n * heads * head_dim), -1.0f);
-      kvevict::model::attend(group, angles, p.data(), out.data(), heads * head_dim, buffers);
+      group.attend(runs, skip, probabilities[skip ? 1 : 0], outputs[skip ? 1 : 0]);
     }
     EXPECT_EQ(std::memcmp(probabilities[0].data(), probabilities[1].data(),
                           probabilities[0].size() * sizeof(float)),
@@ -898,10 +924,7 @@ TEST(DecoderTargets, SkippedMaskedProductsChangeNoBit) {
 TEST(DecoderTargets, ManyRunsAttendAsTheirRotatedKeys) {
   const int head_dim = 16;
   const int heads = 2;
-  kvevict::RopeConfig rope_config;
-  rope_config.head_dim = head_dim;
-  rope_config.rotary_dim = head_dim;
-  const kvevict::Rope rope(rope_config);
+  const kvevict::Rope rope = rope_over(head_dim);
   const std::int64_t rotations[] = {0, 3, 7, 1, 12};
   for (const int n : {1, 40, 1100}) {
     SCOPED_TRACE("queries " + std::to_string(n));
@@ -936,34 +959,14 @@ TEST(DecoderTargets, ManyRunsAttendAsTheirRotatedKeys) {
         test_values(static_cast<std::size_t>(n * heads * head_dim), 61);
     const std::vector<float> keys = test_values(static_cast<std::size_t>(limit * head_dim), 63);
     const std::vector<float> values = test_values(static_cast<std::size_t>(limit * head_dim), 65);
-    const auto attend = [&](const std::vector<kvevict::model::KeyRun>& key_runs,
-                            std::vector<float>& p, std::vector<float>& out) {
-      kvevict::model::GroupAttention group;
-      group.queries = queries.data();
-      group.query_stride = heads * head_dim;
-      group.heads = heads;
-      group.query_positions = positions;
-      group.query_slots = slots;
-      group.keys = {reinterpret_cast<const std::uint8_t*>(keys.data()), kvevict::KvType::f32,
-                    head_dim * sizeof(float)};
-      group.values = {reinterpret_cast<const std::uint8_t*>(values.data()), kvevict::KvType::f32,
-                      head_dim * sizeof(float)};
-      group.slot_limit = limit;
-      group.head_dim = head_dim;
-      group.runs = key_runs;
-      kvevict::model::QueryAngles angles(rope);
-      kvevict::model::AttentionBuffers buffers;
-      p.assign(static_cast<std::size_t>(heads * n * limit), -1.0f);
-      out.assign(static_cast<std::size_t>(n * heads * head_dim), -1.0f);
-      kvevict::model::attend(group, angles, p.data(), out.data(), heads * head_dim, buffers);
-    };
+    const GroupRows group{rope, heads, head_dim, limit, queries, keys, values, positions, slots};
     for_each_target([&](const std::string&) {
       std::vector<float> p;
       std::vector<float> out;
-      attend(runs, p, out);
+      group.attend(runs, true, p, out);
       std::vector<float> split_p;
       std::vector<float> split_out;
-      attend(split_runs, split_p, split_out);
+      group.attend(split_runs, true, split_p, split_out);
       EXPECT_EQ(std::memcmp(p.data(), split_p.data(), p.size() * sizeof(float)), 0);
       EXPECT_EQ(std::memcmp(out.data(), split_out.data(), out.size() * sizeof(float)), 0);
       // The reference, in double, for a few queries of each head.
