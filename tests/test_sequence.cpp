@@ -1162,6 +1162,67 @@ TEST(WorstCandidates, AKeptHeapRefusesANaNScore) {
                "NaN at original position 4");
 }
 
+// KeepSet::keep_top_k keeps the k best candidates by score, ties to the lower original position:
+// one set, however it is found. A few left out (a turn's evictions) take a one-pass search, more
+// the partial sort; both must keep what sorting every candidate by that order keeps, ties
+// included, with slots out of stream order (freed slots reused) and the oldest kept beforehand.
+TEST(KeepSet, TopKKeepsTheBestByScoreThenOriginal) {
+  std::mt19937 rng(5);
+  for (int round = 0; round < 300; ++round) {
+    const int n = 2 + (round * 37) % 200;
+    SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original,
+                    n, 1);
+    std::vector<std::int64_t> originals(static_cast<std::size_t>(n));
+    std::iota(originals.begin(), originals.end(), std::int64_t{0});
+    std::vector<std::int32_t> out(static_cast<std::size_t>(n));
+    slots.append(0, originals, std::vector<std::int32_t>(static_cast<std::size_t>(n), 0),
+                 std::vector<std::uint8_t>(static_cast<std::size_t>(n), 0), out);
+    // A third of the slots freed and refilled by newer tokens: slot order is not stream order.
+    std::vector<std::int32_t> freed;
+    for (int s = 0; s < n; s += 3) freed.push_back(s);
+    slots.evict(0, freed);
+    std::vector<std::int64_t> newer(freed.size());
+    std::iota(newer.begin(), newer.end(), std::int64_t{n});
+    out.resize(freed.size());
+    slots.append(0, newer, std::vector<std::int32_t>(freed.size(), 0),
+                 std::vector<std::uint8_t>(freed.size(), 0), out);
+    // Scores with many ties: a few values only.
+    const std::span<float> scores = slots.scores(0, 0);
+    std::uniform_int_distribution<int> value(0, 1 + round % 7);
+    for (const std::int32_t slot : slots.stream_order(0)) {
+      scores[static_cast<std::size_t>(slot)] = 0.5f * static_cast<float>(value(rng));
+    }
+    const int oldest = round % 3;
+    const int candidates = n - std::min(oldest, n);
+    std::uniform_int_distribution<int> pick(0, candidates + 1);
+    for (const int k : {candidates - 1, candidates - 2, candidates - 16, candidates - 17, pick(rng),
+                        candidates, candidates + 1}) {
+      SCOPED_TRACE("n " + std::to_string(n) + ", k " + std::to_string(k));
+      kvevict::KeepSet keep;
+      keep.begin(slots, 0);
+      keep.keep_oldest(oldest);
+      keep.keep_top_k(scores, k);
+      // The reference: every candidate sorted by (score descending, original ascending).
+      const std::span<const std::int64_t> original_of = slots.original_positions(0);
+      std::vector<std::int32_t> ranked(slots.stream_order(0).begin() + std::min(oldest, n),
+                                       slots.stream_order(0).end());
+      std::sort(ranked.begin(), ranked.end(), [&](std::int32_t a, std::int32_t b) {
+        const float sa = scores[static_cast<std::size_t>(a)];
+        const float sb = scores[static_cast<std::size_t>(b)];
+        if (sa != sb) return sa > sb;
+        return original_of[static_cast<std::size_t>(a)] < original_of[static_cast<std::size_t>(b)];
+      });
+      const int expected_kept = std::min(oldest, n) + std::clamp(k, 0, candidates);
+      EXPECT_EQ(keep.kept(), expected_kept);
+      for (int i = 0; i < static_cast<int>(ranked.size()); ++i) {
+        EXPECT_EQ(keep.is_kept(ranked[static_cast<std::size_t>(i)]), i < k)
+            << "rank " << i << ", original "
+            << original_of[static_cast<std::size_t>(ranked[static_cast<std::size_t>(i)])];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // A fold's rotation of f32 keys (Rope::apply on floats) runs at the CPU's vector width; every width

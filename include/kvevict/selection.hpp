@@ -109,17 +109,42 @@ class KeepSet {
       candidates_.push_back(slot);
     }
     if (k <= 0) return;
-    if (k < static_cast<int>(candidates_.size())) {
-      const auto better = [&](std::int32_t a, std::int32_t b) {
-        const float sa = scores[static_cast<std::size_t>(a)];
-        const float sb = scores[static_cast<std::size_t>(b)];
-        return sa > sb || (sa == sb && originals[static_cast<std::size_t>(a)] <
-                                           originals[static_cast<std::size_t>(b)]);
-      };
+    const int left_out = static_cast<int>(candidates_.size()) - k;
+    if (left_out <= 0) {
+      for (const std::int32_t slot : candidates_) keep(slot);
+      return;
+    }
+    // A strict order (originals are distinct), so the top k are one set however they are found.
+    const auto better = [&](std::int32_t a, std::int32_t b) {
+      const float sa = scores[static_cast<std::size_t>(a)];
+      const float sb = scores[static_cast<std::size_t>(b)];
+      return sa > sb || (sa == sb && originals[static_cast<std::size_t>(a)] <
+                                         originals[static_cast<std::size_t>(b)]);
+    };
+    if (left_out > kFewLeftOut) {
       std::nth_element(candidates_.begin(), candidates_.begin() + k, candidates_.end(), better);
       candidates_.resize(static_cast<std::size_t>(k));
+      for (const std::int32_t slot : candidates_) keep(slot);
+      return;
     }
-    for (const std::int32_t slot : candidates_) keep(slot);
+    // A turn's few evictions (SirLLM: as many as the turn has tokens): the candidates left out are
+    // the `left_out` worst, found in one pass, sorted worst first; the rest are the top k.
+    worst_.clear();
+    for (const std::int32_t slot : candidates_) {
+      if (static_cast<int>(worst_.size()) == left_out) {
+        if (!better(worst_.back(), slot)) continue;
+        worst_.pop_back();
+      }
+      worst_.insert(std::upper_bound(worst_.begin(), worst_.end(), slot,
+                                     [&](std::int32_t a, std::int32_t b) { return better(b, a); }),
+                    slot);
+    }
+    constexpr std::uint8_t kLeftOut = 2;  // neither kept (1) nor free to keep (0), for this pass
+    for (const std::int32_t slot : worst_) kept_[static_cast<std::size_t>(slot)] = kLeftOut;
+    for (const std::int32_t slot : candidates_) {
+      if (kept_[static_cast<std::size_t>(slot)] == 0) keep(slot);
+    }
+    for (const std::int32_t slot : worst_) kept_[static_cast<std::size_t>(slot)] = 0;
   }
   /// Keeps the newest slots not kept yet until `total` slots are kept (or none are left).
   void fill_newest(int total) {
@@ -144,6 +169,8 @@ class KeepSet {
   int kept_count_ = 0;
   std::vector<std::uint8_t> kept_;  // [slot limit]
   std::vector<std::int32_t> candidates_;
+  static constexpr int kFewLeftOut = 16;  // keep_top_k: up to this many left out, one pass
+  std::vector<std::int32_t> worst_;       // keep_top_k: the candidates left out, worst first
 };
 
 /// How a policy's scores move between decisions, for WorstCandidates.
