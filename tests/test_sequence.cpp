@@ -1339,9 +1339,14 @@ TEST(RowPasses, EveryVectorWidthComputesThePlainLoopsBits) {
         }
       }
     }
-    // A value that is no probability, in any of the rows at every position (the vector body and
-    // the tail): found by the check and by the sum's flag, at every width.
-    for (std::size_t bad = 0; bad < std::min<std::size_t>(n, 40); ++bad) {
+    // A value that is no probability, in any of the rows at every position of the first and the
+    // last 40 (the vector body, the blocks that prefetch ahead and the tail): found by the check
+    // and by the sum's flag, at every width.
+    std::vector<std::size_t> bad_positions;
+    for (std::size_t bad = 0; bad < n; bad = bad + 1 == 40 && n > 80 ? n - 40 : bad + 1) {
+      bad_positions.push_back(bad);
+    }
+    for (const std::size_t bad : bad_positions) {
       for (const float value :
            {-1e-9f, 1.01f, std::numeric_limits<float>::quiet_NaN(),
             std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {

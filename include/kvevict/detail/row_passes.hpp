@@ -80,19 +80,31 @@ KVEVICT_ROW_PASS_INLINE std::uint32_t not_probability(float value) {
 // Where each sum of add_rows starts: the output itself, another column, or zero.
 enum class SumStart { in_place, from, zero };
 
-// K rows (K <= 4; r0 stands in for the unused ones) in one pass over the output: to[s] = start +
-// weight * r0[s] + ... + weight * r(K-1)[s], each product rounded before it is added, the rows
-// added in their order: the same operations per slot as K passes of one row each, with one read
-// and one write of the sums instead of K. Returns false if a row held a value that is not an
-// attention probability.
+// Asks for the 64-byte lines of [p, p + bytes) ahead of their use, for reading or for writing (a
+// hint: no effect on any result).
+KVEVICT_ROW_PASS_INLINE void prefetch_lines(const void* p, std::size_t bytes, bool for_write) {
+#if defined(__GNUC__) || defined(__clang__)
+  const auto* bytes_at = static_cast<const char*>(p);
+  for (std::size_t b = 0; b < bytes; b += 64) {
+    if (for_write) {
+      __builtin_prefetch(bytes_at + b, 1);
+    } else {
+      __builtin_prefetch(bytes_at + b, 0);
+    }
+  }
+#else
+  (void)p, (void)bytes, (void)for_write;
+#endif
+}
+
+// K rows (K <= 4; r0 stands in for the unused ones) over slots [0, n): to[s] = start + weight *
+// r0[s] + ... + weight * r(K-1)[s], each product rounded before it is added, the rows added in
+// their order. Returns the flag of not_probability over every value read.
 template <int K, SumStart kStart>
-KVEVICT_ROW_PASS_INLINE bool add_rows_of(const float* KVEVICT_RESTRICT r0,
-                                         const float* KVEVICT_RESTRICT r1,
-                                         const float* KVEVICT_RESTRICT r2,
-                                         const float* KVEVICT_RESTRICT r3, std::size_t n,
-                                         float weight, const float* KVEVICT_RESTRICT from,
-                                         float* KVEVICT_RESTRICT to) {
-  static_assert(K >= 1 && K <= 4);
+KVEVICT_ROW_PASS_INLINE std::uint32_t add_rows_span(
+    const float* KVEVICT_RESTRICT r0, const float* KVEVICT_RESTRICT r1,
+    const float* KVEVICT_RESTRICT r2, const float* KVEVICT_RESTRICT r3, std::size_t n, float weight,
+    const float* KVEVICT_RESTRICT from, float* KVEVICT_RESTRICT to) {
   std::uint32_t flag = 0;
   for (std::size_t s = 0; s < n; ++s) {
     float acc = 0.0f;
@@ -118,6 +130,34 @@ KVEVICT_ROW_PASS_INLINE bool add_rows_of(const float* KVEVICT_RESTRICT r0,
     }
     to[s] = acc;
   }
+  return flag;
+}
+
+// add_rows_span in one pass over the output: the same operations per slot as K passes of one row
+// each, with one read and one write of the sums instead of K. Returns false if a row held a value
+// that is not an attention probability.
+template <int K, SumStart kStart>
+KVEVICT_ROW_PASS_INLINE bool add_rows_of(const float* r0, const float* r1, const float* r2,
+                                         const float* r3, std::size_t n, float weight,
+                                         const float* from, float* to) {
+  static_assert(K >= 1 && K <= 4);
+  // The rows were just written, but the score columns come from memory at every step (a model's
+  // weights pass through the caches between two steps), and a stream prefetcher stops at each
+  // 4 KiB page: blocks of slots ask for their columns kAhead floats ahead.
+  constexpr std::size_t kBlock = 64;    // four lines of floats
+  constexpr std::size_t kAhead = 1024;  // 4 KiB
+  std::uint32_t flag = 0;
+  std::size_t s = 0;
+  for (; n - s >= kAhead + kBlock; s += kBlock) {
+    if constexpr (kStart == SumStart::from) {
+      prefetch_lines(from + s + kAhead, kBlock * sizeof(float), /*for_write=*/false);
+    }
+    prefetch_lines(to + s + kAhead, kBlock * sizeof(float), /*for_write=*/true);
+    flag |= add_rows_span<K, kStart>(r0 + s, r1 + s, r2 + s, r3 + s, kBlock, weight,
+                                     kStart == SumStart::from ? from + s : from, to + s);
+  }
+  flag |= add_rows_span<K, kStart>(r0 + s, r1 + s, r2 + s, r3 + s, n - s, weight,
+                                   kStart == SumStart::from ? from + s : from, to + s);
   return flag == 0;
 }
 
