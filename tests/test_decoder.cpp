@@ -828,8 +828,8 @@ kvevict::Rope rope_over(int head_dim) {
 }
 
 // One KV head's attention over f32 rows: queries [n][heads][head_dim] (n = positions.size()), keys
-// and values [limit][head_dim]. Fills the probabilities [heads * n, limit] and the outputs
-// [n][heads][head_dim].
+// and values [limit][head_dim]. Fills the probabilities [heads * n, limit] (attention writes them
+// with a wider row stride) and the outputs [n][heads][head_dim].
 struct GroupRows {
   const kvevict::Rope& rope;
   int heads = 0;
@@ -860,10 +860,22 @@ struct GroupRows {
     group.skip_masked = skip_masked;
     kvevict::model::QueryAngles angles(rope);
     kvevict::model::AttentionBuffers buffers;
-    probabilities.assign(static_cast<std::size_t>(heads * n * limit), -1.0f);
+    // Rows written kPad floats apart beyond the slots (as into a layer's widest row): the padding
+    // must stay untouched.
+    constexpr int kPad = 5;
+    constexpr float kUntouched = -7.0f;
+    const int stride = limit + kPad;
+    std::vector<float> padded(static_cast<std::size_t>(heads * n * stride), kUntouched);
     outputs.assign(static_cast<std::size_t>(n * heads * head_dim), -1.0f);
-    kvevict::model::attend(group, angles, probabilities.data(), outputs.data(), heads * head_dim,
+    kvevict::model::attend(group, angles, padded.data(), stride, outputs.data(), heads * head_dim,
                            buffers);
+    probabilities.resize(static_cast<std::size_t>(heads * n * limit));
+    for (int r = 0; r < heads * n; ++r) {
+      const auto row = padded.begin() + static_cast<std::ptrdiff_t>(r) * stride;
+      std::copy_n(row, limit, probabilities.begin() + static_cast<std::ptrdiff_t>(r) * limit);
+      EXPECT_TRUE(std::all_of(row + limit, row + stride, [](float p) { return p == kUntouched; }))
+          << "row " << r << ": written past its slots";
+    }
   }
 };
 

@@ -31,8 +31,9 @@ const double* QueryAngles::get(std::int64_t steps) {
   return values_.data() + (steps_.size() - 1) * 2 * static_cast<std::size_t>(pairs);
 }
 
-void attend(const GroupAttention& group, QueryAngles& angles, float* probabilities, float* out,
-            std::ptrdiff_t out_stride, AttentionBuffers& buffers) {
+void attend(const GroupAttention& group, QueryAngles& angles, float* probabilities,
+            std::ptrdiff_t probability_stride, float* out, std::ptrdiff_t out_stride,
+            AttentionBuffers& buffers) {
   const auto n = static_cast<std::int64_t>(group.query_positions.size());
   const std::int64_t rows = group.heads * n;  // the group's stacked queries
   const std::int64_t head_dim = group.head_dim;
@@ -41,7 +42,8 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   const bool interleaved = angles.rope().config().layout == RopeLayout::interleaved;
   const int pairs = angles.rope().pairs();
   buffers.output.assign(static_cast<std::size_t>(rows * head_dim), 0.0f);
-  const auto row_of = [&](std::int64_t r) { return probabilities + r * limit; };
+  const std::ptrdiff_t stride = probability_stride;
+  const auto row_of = [&](std::int64_t r) { return probabilities + r * stride; };
 
   // The chunk's own slots, when they are consecutive (a prefill into free slots, the usual case):
   // query i cannot see slots [first + i + 1, first + n), so a block of queries [i0, i1) skips
@@ -79,7 +81,7 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   // rotations (max_pending_rotations + 1) over many more runs, since freed slots are refilled by
   // newer tokens. Rotated blocks are kept up to kKeptQueryFloats; past that (a long chunk over many
   // rotations) the last block is rotated again for each run that needs it.
-  // [rows, limit]
+  // [rows, limit] at `stride`
   const std::int64_t block = rows * head_dim;
   const auto max_blocks =
       static_cast<std::size_t>(std::max<std::int64_t>(1, kKeptQueryFloats / block));
@@ -119,7 +121,7 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
     for_each_visible(
         run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
           kernels::stored_scores(rotated + r0 * head_dim, head_dim, count, group.keys, begin,
-                                 end - begin, head_dim, row_of(r0) + begin, limit);
+                                 end - begin, head_dim, row_of(r0) + begin, stride);
         });
   }
   // Softmax of (q . k) / sqrt(head_dim) over each row's live, visible slots.
@@ -157,7 +159,7 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   for (const KeyRun& run : group.runs) {
     for_each_visible(
         run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
-          kernels::add_weighted_stored_rows(row_of(r0) + begin, limit, count, group.values, begin,
+          kernels::add_weighted_stored_rows(row_of(r0) + begin, stride, count, group.values, begin,
                                             end - begin, head_dim,
                                             buffers.output.data() + r0 * head_dim, head_dim);
         });

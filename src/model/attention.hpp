@@ -80,9 +80,12 @@ struct AttentionBuffers {
 };
 
 /// probabilities = softmax(q K^T / sqrt(head_dim)) over the live slots (exact zeros at free slots
-/// and masked chunk tokens), [heads * n, slot_limit] row-major at `probabilities`; out = that times
-/// V, query i of head h written at out + i * out_stride + h * head_dim.
-void attend(const GroupAttention& group, QueryAngles& angles, float* probabilities, float* out,
-            std::ptrdiff_t out_stride, AttentionBuffers& buffers);
+/// and masked chunk tokens): row h * n + i (head h, query i) holds slots [0, slot_limit) at
+/// probabilities + (h * n + i) * probability_stride (probability_stride >= slot_limit; the floats
+/// past slot_limit are not written); out = that times V, query i of head h written at out + i *
+/// out_stride + h * head_dim.
+void attend(const GroupAttention& group, QueryAngles& angles, float* probabilities,
+            std::ptrdiff_t probability_stride, float* out, std::ptrdiff_t out_stride,
+            AttentionBuffers& buffers);
 
 }  // namespace kvevict::model
