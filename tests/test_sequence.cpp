@@ -1391,6 +1391,39 @@ TEST(RowPasses, EveryVectorWidthComputesThePlainLoopsBits) {
 // The budget rule's single eviction (WorstCandidates) at every width: the lowest score, the later
 // candidate among equals, over a stream order that is no slot order; scores with many ties, both
 // zeros and infinities; NaN flagged.
+// Where a run of equal group ids ends (SlotTable::for_each_key_run's scan): the first index from
+// `from` on whose value differs, or `last`, at every width; runs of every length, with the ends of
+// 16-lane steps and the page-ahead prefetch's reach (1,024 ids) crossed.
+TEST(RowPasses, FirstOtherEndsARunAtEveryWidth) {
+  namespace rp = kvevict::detail::row_pass;
+  std::mt19937 rng(5);
+  for (const int length : {0, 1, 15, 16, 17, 100, 1100, 5000}) {
+    std::vector<std::int32_t> ids;
+    while (static_cast<int>(ids.size()) < length) {
+      const auto value = static_cast<std::int32_t>(rng() % 4) - 1;  // -1: a free slot's id
+      const int run = 1 + static_cast<int>(rng() % (rng() % 2 == 0 ? 3 : 2000));
+      for (int i = 0; i < run && static_cast<int>(ids.size()) < length; ++i) ids.push_back(value);
+    }
+    for (int trial = 0; trial < 200; ++trial) {
+      const int from = length == 0 ? 0 : static_cast<int>(rng() % static_cast<unsigned>(length));
+      const int last = from + static_cast<int>(rng() % static_cast<unsigned>(length - from + 1));
+      const std::int32_t value =
+          from < last && trial % 2 == 0 ? ids[static_cast<std::size_t>(from)] : -1;
+      int expected = from;
+      while (expected < last && ids[static_cast<std::size_t>(expected)] == value) ++expected;
+      SCOPED_TRACE("length " + std::to_string(length) + ", [" + std::to_string(from) + ", " +
+                   std::to_string(last) + "), value " + std::to_string(value));
+      EXPECT_EQ(kvevict::detail::first_other(ids.data(), from, last, value), expected);
+      EXPECT_EQ(rp::first_other(ids.data(), from, last, value), expected);
+#if KVEVICT_ROW_PASS_DISPATCH
+      if (__builtin_cpu_supports("avx512f")) {
+        EXPECT_EQ(rp::first_other_avx512(ids.data(), from, last, value), expected);
+      }
+#endif
+    }
+  }
+}
+
 TEST(RowPasses, TheWorstCandidateIsTheSameAtEveryWidth) {
   namespace rp = kvevict::detail::row_pass;
   std::mt19937 rng(11);

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "kvevict/checked.hpp"
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/detail/stream_order.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/granularity.hpp"
@@ -430,25 +431,25 @@ class SlotTable {
   void for_each_run(int unit, KeyOf key_of, Fn&& fn) const {
     const UnitState& s = state(unit);
     const std::int32_t* groups = group_.data() + index(unit, 0);
-    int begin = 0;
-    while (begin < s.slot_limit) {
-      if (groups[begin] == kFree) {
-        ++begin;
-        continue;
-      }
+    const int limit = s.slot_limit;
+    int begin = detail::first_other(groups, 0, limit, kFree);
+    while (begin < limit) {
       const std::int32_t first_group = groups[begin];
       const std::int64_t key = key_of(s.groups[static_cast<std::size_t>(first_group)]);
-      int end = begin + 1;
       // Slots of one group share the key; look the group up only where the id changes.
       std::int32_t current = first_group;
-      while (end < s.slot_limit && groups[end] != kFree &&
-             (groups[end] == current ||
-              key_of(s.groups[static_cast<std::size_t>(groups[end])]) == key)) {
+      int end = begin + 1;
+      for (;;) {
+        end = detail::first_other(groups, end, limit, current);
+        if (end == limit || groups[end] == kFree ||
+            key_of(s.groups[static_cast<std::size_t>(groups[end])]) != key) {
+          break;
+        }
         current = groups[end];
         ++end;
       }
       fn(begin, end, key);
-      begin = end;
+      begin = detail::first_other(groups, end, limit, kFree);
     }
   }
   [[nodiscard]] UnitState& state(int unit) { return units_[static_cast<std::size_t>(unit)]; }

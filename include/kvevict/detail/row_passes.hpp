@@ -220,6 +220,15 @@ KVEVICT_ROW_PASS_INLINE int first_not_above(const std::int32_t* order, int from,
   return i;
 }
 
+// The first index i in [from, last) with values[i] != value, or `last`: where a run of equal
+// values ends (a SlotTable's group ids, read by attention at every step).
+KVEVICT_ROW_PASS_INLINE int first_other(const std::int32_t* values, int from, int last,
+                                        std::int32_t value) {
+  int i = from;
+  while (i < last && values[i] == value) ++i;
+  return i;
+}
+
 // A RoPE rotation of f32 pairs (a, b) -> (a cos - b sin, b cos + a sin), computed in double
 // (each product rounded, then the difference or sum: never fused) and rounded once to float:
 // pairs (first[i], second[i]) for half_split, (row[2i], row[2i + 1]) for interleaved.
@@ -346,6 +355,21 @@ KVEVICT_TARGET_AVX512 inline int first_not_above_avx512(const std::int32_t* orde
     // Not greater, or unordered (NaN): where the scalar loop stops.
     const __mmask16 stop = _mm512_mask_cmp_ps_mask(lanes, score, limit, _CMP_NGT_UQ);
     if (stop != 0) return i + std::countr_zero(static_cast<unsigned>(stop));
+  }
+  return last;
+}
+KVEVICT_TARGET_AVX512 inline int first_other_avx512(const std::int32_t* values, int from, int last,
+                                                    std::int32_t value) {
+  // The ids come from memory at every step (a model's weights pass through the caches between
+  // two), and a stream prefetcher stops at each 4 KiB page: each line asks for the one a page on.
+  constexpr int kAhead = 1024;
+  const __m512i same = _mm512_set1_epi32(value);
+  for (int i = from; i < last; i += 16) {
+    if (last - i > kAhead) __builtin_prefetch(values + i + kAhead);
+    const __mmask16 lanes = lanes_before(i, last);
+    const __mmask16 other =
+        _mm512_mask_cmpneq_epi32_mask(lanes, _mm512_maskz_loadu_epi32(lanes, values + i), same);
+    if (other != 0) return i + std::countr_zero(static_cast<unsigned>(other));
   }
   return last;
 }
@@ -482,6 +506,17 @@ inline void stream_into_cache(const void* data, std::size_t bytes) {
   }
 #endif
   return row_pass::first_not_above(order, from, last, scores, bound);
+}
+
+/// The first index i in [from, last) with values[i] != value, or `last`.
+[[nodiscard]] inline int first_other(const std::int32_t* values, int from, int last,
+                                     std::int32_t value) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  if (row_pass::width() == row_pass::Width::avx512) {
+    return row_pass::first_other_avx512(values, from, last, value);
+  }
+#endif
+  return row_pass::first_other(values, from, last, value);
 }
 
 }  // namespace kvevict::detail
