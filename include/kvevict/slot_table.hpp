@@ -429,27 +429,39 @@ class SlotTable {
 
   template <class KeyOf, class Fn>
   void for_each_run(int unit, KeyOf key_of, Fn&& fn) const {
+    constexpr int kLongStretch = 16;
     const UnitState& s = state(unit);
     const std::int32_t* groups = group_.data() + index(unit, 0);
     const int limit = s.slot_limit;
-    int begin = detail::first_other(groups, 0, limit, kFree);
+    int begin = 0;
     while (begin < limit) {
+      if (groups[begin] == kFree) {
+        ++begin;
+        continue;
+      }
       const std::int32_t first_group = groups[begin];
       const std::int64_t key = key_of(s.groups[static_cast<std::size_t>(first_group)]);
       // Slots of one group share the key; look the group up only where the id changes.
       std::int32_t current = first_group;
       int end = begin + 1;
-      for (;;) {
-        end = detail::first_other(groups, end, limit, current);
-        if (end == limit || groups[end] == kFree ||
-            key_of(s.groups[static_cast<std::size_t>(groups[end])]) != key) {
-          break;
+      int same = 1;  // ids equal to `current` in a row
+      while (end < limit) {
+        const std::int32_t id = groups[end];
+        if (id == current) {
+          ++end;
+          // A long stretch of one group (a sliding window's, H2O's): the rest of it at the vector
+          // width. Short ones (each eviction in the middle of the stream starts a group) stay in
+          // this loop, where the CPU runs ahead from one to the next.
+          if (++same == kLongStretch) end = detail::first_other(groups, end, limit, current);
+          continue;
         }
-        current = groups[end];
+        if (id == kFree || key_of(s.groups[static_cast<std::size_t>(id)]) != key) break;
+        current = id;
+        same = 1;
         ++end;
       }
       fn(begin, end, key);
-      begin = detail::first_other(groups, end, limit, kFree);
+      begin = end;
     }
   }
   [[nodiscard]] UnitState& state(int unit) { return units_[static_cast<std::size_t>(unit)]; }
