@@ -631,34 +631,31 @@ void DecoderBatch::attention(int layer, Member& m, Pass pass) {
     heads.head_dim = hd;
     heads.runs = scratch.runs;
     float* const out = att_rows + static_cast<std::ptrdiff_t>(g) * group * hd;
-    // The group's rows handed over, [group, queries, stride]: every row of the chunk is one, so
-    // that attention writes them there directly (no copy), zero past this KV head's slots.
+    // The group's rows handed over, [group, queries, stride], zero past this KV head's slots: when
+    // every row of the chunk is one, attention writes them there directly (no copy).
     float* const handed = give_rows ? s.rows.data() + static_cast<std::size_t>(g) * group *
                                                           static_cast<std::size_t>(queries) * stride
                                     : nullptr;
     if (queries == n && handed != nullptr) {
       attend(heads, scratch.angles, handed, stride, out, q_dim, scratch.buffers);
-      if (limit < stride) {
-        for (int r = 0; r < group * n; ++r) {
-          std::fill_n(handed + static_cast<std::size_t>(r) * stride + limit, stride - limit, 0.0f);
-        }
+    } else {
+      scratch.probabilities.resize(checked_allocation(
+          {group, n, limit},
+          "Decoder: attention probabilities of a " + std::to_string(n) +
+              "-token chunk over one KV head (max_chunk, --chunk, sets the largest chunk)",
+          kMaxScratchFloats));
+      attend(heads, scratch.angles, scratch.probabilities.data(), limit, out, q_dim,
+             scratch.buffers);
+      if (handed == nullptr) return;
+      // Only the last query's rows are handed over (TOVA's over a chunk): copied.
+      for (int hh = 0; hh < group; ++hh) {
+        std::copy_n(
+            scratch.probabilities.data() + (static_cast<std::size_t>(hh) * n + n - 1) * limit,
+            limit, handed + static_cast<std::size_t>(hh) * stride);
       }
-      return;
     }
-    scratch.probabilities.resize(checked_allocation(
-        {group, n, limit},
-        "Decoder: attention probabilities of a " + std::to_string(n) +
-            "-token chunk over one KV head (max_chunk, --chunk, sets the largest chunk)",
-        kMaxScratchFloats));
-    attend(heads, scratch.angles, scratch.probabilities.data(), limit, out, q_dim, scratch.buffers);
-    if (handed == nullptr) return;
-    // Only the last query's rows are handed over (TOVA's over a chunk): copied.
-    for (int hh = 0; hh < group; ++hh) {
-      const float* row =
-          scratch.probabilities.data() + (static_cast<std::size_t>(hh) * n + n - 1) * limit;
-      float* to = handed + static_cast<std::size_t>(hh) * stride;
-      std::copy_n(row, limit, to);
-      std::fill(to + limit, to + stride, 0.0f);
+    for (int r = 0; r < group * queries; ++r) {
+      std::fill_n(handed + static_cast<std::size_t>(r) * stride + limit, stride - limit, 0.0f);
     }
   };
   if (s.pool != nullptr) {
