@@ -262,6 +262,81 @@ KVEVICT_ROW_PASS_INLINE void rotate_interleaved(float* KVEVICT_RESTRICT row, int
   }
 }
 
+// Rows of `row_floats` floats at rows + slot * row_floats, taken in the order of `order` (a unit's
+// slots in stream order): a copy of the K cache, which comes from memory at every step. Each row
+// asks for the one kAheadRows further on, since the slots, and so the rows, are scattered.
+inline constexpr int kAheadRows = 24;
+KVEVICT_ROW_PASS_INLINE const float* row_at(const float* rows, std::size_t row_floats,
+                                            std::int32_t slot) {
+  return rows + static_cast<std::size_t>(slot) * row_floats;
+}
+
+// sums[i] += rows of order[0, count) at i, in that order, in double, i in [0, row_floats).
+KVEVICT_ROW_PASS_INLINE void add_rows_in_order(const float* rows, std::size_t row_floats,
+                                               const std::int32_t* order, int count,
+                                               double* KVEVICT_RESTRICT sums) {
+  for (int k = 0; k < count; ++k) {
+    if (k + kAheadRows < count) {
+      prefetch_lines(row_at(rows, row_floats, order[k + kAheadRows]), row_floats * sizeof(float),
+                     /*for_write=*/false);
+    }
+    const float* KVEVICT_RESTRICT row = row_at(rows, row_floats, order[k]);
+    for (std::size_t i = 0; i < row_floats; ++i) sums[i] += row[i];
+  }
+}
+
+// score_rows_in_order for kLanes slots order[0, kLanes) at once: kLanes independent sums, each
+// slot's operations those of one slot alone.
+template <int kLanes>
+KVEVICT_ROW_PASS_INLINE void score_rows_of(const float* rows, std::size_t row_floats,
+                                           const std::int32_t* order, int heads, int head_dim,
+                                           const double* KVEVICT_RESTRICT anchor,
+                                           const double* KVEVICT_RESTRICT inverse_norms,
+                                           float* KVEVICT_RESTRICT scores) {
+  const float* row[kLanes];
+  for (int j = 0; j < kLanes; ++j) row[j] = row_at(rows, row_floats, order[j]);
+  double total[kLanes] = {};
+  for (int h = 0; h < heads; ++h) {
+    const std::size_t base = static_cast<std::size_t>(h) * static_cast<std::size_t>(head_dim);
+    double dot[kLanes] = {};
+    for (int d = 0; d < head_dim; ++d) {
+      const double a = anchor[base + static_cast<std::size_t>(d)];
+      for (int j = 0; j < kLanes; ++j) {
+        const double product = row[j][base + static_cast<std::size_t>(d)] * a;  // rounded first
+        dot[j] += product;
+      }
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      const double weighted = dot[j] * inverse_norms[h];
+      total[j] += weighted;
+    }
+  }
+  for (int j = 0; j < kLanes; ++j) scores[order[j]] = static_cast<float>(-total[j] / heads);
+}
+
+// KeyDiff's scores of the slots order[0, count): for slot s with row u (heads pieces of head_dim),
+// scores[s] = float(-(dot_0 * inverse_norms[0] + ... ) / heads), dot_h = the sum over d, in order,
+// of double(u[h * head_dim + d]) * anchor[h * head_dim + d], each product rounded before it is
+// added. One slot's sum is a chain of head_dim dependent additions: eight slots go at once.
+KVEVICT_ROW_PASS_INLINE void score_rows_in_order(const float* rows, std::size_t row_floats,
+                                                 const std::int32_t* order, int count, int heads,
+                                                 int head_dim, const double* anchor,
+                                                 const double* inverse_norms, float* scores) {
+  constexpr int kLanes = 8;
+  int k = 0;
+  for (; count - k >= kLanes; k += kLanes) {
+    for (int j = kLanes; j < 2 * kLanes && k + j < count; ++j) {
+      prefetch_lines(row_at(rows, row_floats, order[k + j]), row_floats * sizeof(float),
+                     /*for_write=*/false);
+    }
+    score_rows_of<kLanes>(rows, row_floats, order + k, heads, head_dim, anchor, inverse_norms,
+                          scores);
+  }
+  for (; k < count; ++k) {
+    score_rows_of<1>(rows, row_floats, order + k, heads, head_dim, anchor, inverse_norms, scores);
+  }
+}
+
 #if KVEVICT_ROW_PASS_DISPATCH
 #if defined(__clang__)
 #define KVEVICT_TARGET_AVX512 [[gnu::target("avx512f")]]
@@ -300,6 +375,17 @@ KVEVICT_TARGET_AVX512 inline void rotate_interleaved_avx512(float* row, int pair
 KVEVICT_TARGET_AVX2 inline void rotate_interleaved_avx2(float* row, int pairs, const double* cos,
                                                         const double* sin) {
   rotate_interleaved(row, pairs, cos, sin);
+}
+KVEVICT_TARGET_AVX512 inline void add_rows_in_order_avx512(const float* rows,
+                                                           std::size_t row_floats,
+                                                           const std::int32_t* order, int count,
+                                                           double* sums) {
+  add_rows_in_order(rows, row_floats, order, count, sums);
+}
+KVEVICT_TARGET_AVX2 inline void add_rows_in_order_avx2(const float* rows, std::size_t row_floats,
+                                                       const std::int32_t* order, int count,
+                                                       double* sums) {
+  add_rows_in_order(rows, row_floats, order, count, sums);
 }
 // The lanes of a 16-wide step at index i that lie before `last`.
 inline __mmask16 lanes_before(int i, int last) {
@@ -465,6 +551,36 @@ inline void rotate_interleaved(float* row, int pairs, const double* cos, const d
   }
 #endif
   row_pass::rotate_interleaved(row, pairs, cos, sin);
+}
+
+/// sums[i] += the rows of the slots order[0, count), in that order, in double, i in
+/// [0, row_floats); row s is rows[s * row_floats, (s + 1) * row_floats). The same bits at every
+/// width (each sum is the plain loop's, in order).
+inline void add_rows_in_order(const float* rows, std::size_t row_floats, const std::int32_t* order,
+                              int count, double* sums) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  switch (row_pass::width()) {
+    case row_pass::Width::avx512:
+      return row_pass::add_rows_in_order_avx512(rows, row_floats, order, count, sums);
+    case row_pass::Width::avx2:
+      return row_pass::add_rows_in_order_avx2(rows, row_floats, order, count, sums);
+    case row_pass::Width::baseline:
+      break;
+  }
+#endif
+  row_pass::add_rows_in_order(rows, row_floats, order, count, sums);
+}
+
+/// For each slot s of order[0, count), with row u (heads pieces of head_dim floats):
+/// scores[s] = float(-(dot_0 * inverse_norms[0] + dot_1 * inverse_norms[1] + ...) / heads), where
+/// dot_h = double(u[h * head_dim]) * anchor[h * head_dim] + ..., summed in order of d, each product
+/// rounded before it is added (never fused). Eight slots' sums at a time, in scalar registers: no
+/// vector width gains (the gathers of an AVX-512 form made the pass twice as slow on AMD Zen).
+inline void score_rows_in_order(const float* rows, std::size_t row_floats,
+                                const std::int32_t* order, int count, int heads, int head_dim,
+                                const double* anchor, const double* inverse_norms, float* scores) {
+  row_pass::score_rows_in_order(rows, row_floats, order, count, heads, head_dim, anchor,
+                                inverse_norms, scores);
 }
 
 /// Reads [data, data + bytes) one cache line at a time in address order, and nothing else. A

@@ -25,8 +25,9 @@
 // Signal: Signal::keys, the chunk's keys per layer (Sequence::observe_keys). K-norm keeps one float
 // per slot. KeyDiff keeps every cached key's unit vector (head_dim floats per slot and head, as
 // much memory as an f32 K cache), because its anchor moves with every eviction and the signal hands
-// only the new keys; its selection is one pass of n x head_dim multiply-adds per unit (a q.K row's
-// cost).
+// only the new keys; its selection reads those vectors twice per unit, in stream order: the
+// anchor's sum, then n x head_dim multiply-adds for the scores, eight slots' sums at a time
+// (detail::add_rows_in_order, detail::score_rows_in_order).
 #pragma once
 
 #include <algorithm>
@@ -40,6 +41,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/protection.hpp"
 #include "kvevict/policy.hpp"
@@ -191,11 +193,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
     const std::size_t per_slot = per_slot_floats(layout);
     const std::vector<float>& directions = directions_[static_cast<std::size_t>(unit)];
     const std::span<const std::int32_t> order = slots.stream_order(unit);
+    const int live = static_cast<int>(order.size());
     anchor_.assign(per_slot, 0.0);
-    for (const std::int32_t slot : order) {
-      const float* u = directions.data() + static_cast<std::size_t>(slot) * per_slot;
-      for (std::size_t i = 0; i < per_slot; ++i) anchor_[i] += u[i];
-    }
+    detail::add_rows_in_order(directions.data(), per_slot, order.data(), live, anchor_.data());
     const int heads = layout.heads_per_unit();
     inverse_norms_.assign(static_cast<std::size_t>(heads), 0.0);
     for (int h = 0; h < heads; ++h) {
@@ -206,18 +206,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
       // cosine_similarity's eps: a zero anchor makes every score 0 (ties go to the lower position).
       inverse_norms_[static_cast<std::size_t>(h)] = 1.0 / std::max(std::sqrt(norm), 1e-8);
     }
-    const std::span<float> score = slots.scores(unit, kScore);
-    for (const std::int32_t slot : order) {
-      const float* u = directions.data() + static_cast<std::size_t>(slot) * per_slot;
-      double total = 0.0;
-      for (int h = 0; h < heads; ++h) {
-        double dot = 0.0;
-        const std::size_t base = static_cast<std::size_t>(h) * head_dim_;
-        for (int d = 0; d < head_dim_; ++d) dot += u[base + d] * anchor_[base + d];
-        total += dot * inverse_norms_[static_cast<std::size_t>(h)];
-      }
-      score[static_cast<std::size_t>(slot)] = static_cast<float>(-total / heads);
-    }
+    detail::score_rows_in_order(directions.data(), per_slot, order.data(), live, heads, head_dim_,
+                                anchor_.data(), inverse_norms_.data(),
+                                slots.scores(unit, kScore).data());
   }
 
   int head_dim_ = 0;
