@@ -1388,9 +1388,6 @@ TEST(RowPasses, EveryVectorWidthComputesThePlainLoopsBits) {
   EXPECT_FALSE(kvevict::detail::add_rows(above_row.data(), 1, 1, 1.0f, nullptr, sum.data()));
 }
 
-// The budget rule's single eviction (WorstCandidates) at every width: the lowest score, the later
-// candidate among equals, over a stream order that is no slot order; scores with many ties, both
-// zeros and infinities; NaN flagged.
 // Where a run of equal group ids ends (SlotTable::for_each_key_run's scan): the first index from
 // `from` on whose value differs, or `last`, at every width; runs of every length, with the ends of
 // 16-lane steps and the page-ahead prefetch's reach (1,024 ids) crossed.
@@ -1424,6 +1421,9 @@ TEST(RowPasses, FirstOtherEndsARunAtEveryWidth) {
   }
 }
 
+// The budget rule's single eviction (WorstCandidates) at every width: the lowest score, the later
+// candidate among equals, over a stream order that is no slot order; scores with many ties, both
+// zeros and infinities; NaN flagged.
 TEST(RowPasses, TheWorstCandidateIsTheSameAtEveryWidth) {
   namespace rp = kvevict::detail::row_pass;
   std::mt19937 rng(11);
