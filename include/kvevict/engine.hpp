@@ -54,8 +54,9 @@ struct SequenceConfig {
   /// that must not reallocate while running leave it at 0.
   int max_initial_capacity = 0;
   /// post_rope keys under a shifting position mode: the most distinct pending rotations a unit
-  /// carries (each costs attention one query rotation per run) before kvevict folds them into the
-  /// stored keys. 0 = fold at every decision (attention that cannot rotate the query per run).
+  /// carries (each costs attention one query rotation per run); past it kvevict folds the
+  /// smallest stretches of stream order into the stored keys (docs/design.md, "Folds"). 0 = every
+  /// key turned to its position at every decision (attention that cannot rotate the query per run).
   int max_pending_rotations = 32;
   /// Which free slot a new token takes: lowest_first when the engine allocates cells that way
   /// (llama.cpp), so that slot i stays the engine's cell i.

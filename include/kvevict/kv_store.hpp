@@ -9,12 +9,12 @@
 //
 // Roundings of a stored key. Writing a key is one rounding to the type (post-RoPE: rotated in
 // double, then rounded). A fold rotates it from its stored form (decoded exactly, rotated in
-// double) and rounds once more. kvevict folds a key only when its unit carries more than
-// max_pending_rotations different pending rotations, and only keys whose position changed since
-// they were written or last folded; under a rank position mode positions only fall, so a key is
-// folded at most 1 + capacity times (docs/design.md, "Folds"), and under `original` never. A key
-// therefore carries at most 2 + capacity roundings, each within kv_rounding_unit(type) of the
-// rotated value (tests/test_kv_types.cpp checks the bound over 10,000 evictions).
+// double) and rounds once more. kvevict folds keys only when their unit carries more than
+// max_pending_rotations (L) different pending rotations; under a rank position mode a key is
+// folded at most max(L, 1) + capacity times (docs/design.md, "Folds"), and under `original` never.
+// A key therefore carries at most 1 + max(L, 1) + capacity roundings, each within
+// kv_rounding_unit(type) of the rotated value (tests/test_kv_types.cpp checks the bound over
+// 10,000 evictions).
 #pragma once
 
 #include <Eigen/Core>

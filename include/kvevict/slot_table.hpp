@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <span>
 #include <string>
 #include <utility>
@@ -204,12 +205,22 @@ class SlotTable {
     return original_[i] + group(unit, group_[i]).key_offset;
   }
   /// An upper bound on the number of different pending rotations in `unit`. Pending rotations
-  /// never increase along stream order, and each eviction lowers those of a suffix of the groups,
-  /// so every eviction since the last fold adds at most one new value.
+  /// never increase along stream order (a fold keeps that: it only raises a stretch to its older
+  /// neighbour's), and each eviction lowers those of a suffix of the groups, so every eviction
+  /// since the last fold adds at most one new value to those the fold left.
   [[nodiscard]] int pending_rotation_bound(int unit) const {
     const UnitState& s = state(unit);
     return static_cast<int>(std::min<std::int64_t>(static_cast<std::int64_t>(s.group_order.size()),
-                                                   std::int64_t{1} + s.evicted_since_fold));
+                                                   s.rotations_at_fold + s.evicted_since_fold));
+  }
+  /// The number of different pending rotations in `unit` (one walk of its groups).
+  [[nodiscard]] int pending_rotations(int unit) const {
+    const UnitState& s = state(unit);
+    int count = 0;
+    for (std::size_t k = 0; k < s.group_order.size(); ++k) {
+      count += k == 0 || pending_of(s, k) != pending_of(s, k - 1) ? 1 : 0;
+    }
+    return count;
   }
 
   /// Calls fn(begin, end, rotation) for every maximal range [begin, end) of live slots of `unit`
@@ -383,30 +394,69 @@ class SlotTable {
     s.slot_limit = s.live;
   }
 
-  /// Applies every pending rotation of `unit` to the stored keys: calls
-  /// `rotate(delta, slots)` once per group whose pending rotation is not zero, then records the
-  /// keys as rotated to their positions.
+  /// Brings `unit` to at most `limit` different pending rotations, rotating as few stored keys as
+  /// that takes: calls `rotate(delta, slots)` (delta < 0 under a rank mode: keys only move back)
+  /// for each stretch of stream order whose keys turn, and returns how many keys turned. `limit` 0
+  /// rotates every key to its position. Otherwise the values are stretches of stream order,
+  /// falling from oldest to newest (pending_rotation_bound()); the cheapest way to drop m of them
+  /// turns the m smallest stretches after the oldest, each to the value of the nearest older one
+  /// kept, so that the values still fall and every turn moves a key back (docs/design.md, "Folds").
   template <class RotateFn>
-  void fold(int unit, RotateFn&& rotate) {
+  std::int64_t fold(int unit, int limit, RotateFn&& rotate) {
     UnitState& s = state(unit);
-    // A slot turns by its own group's pending rotation, and a group is a stretch of stream order:
-    // one walk of the order hands each stretch over (a walk per group cost O(groups x live)).
+    std::vector<PendingStretch>& stretches = stretches_;
+    stretches.clear();
+    std::int64_t first = 0;  // stream index of the current stretch's first token
+    for (std::size_t k = 0; k < s.group_order.size(); ++k) {
+      const std::int64_t live = s.groups[static_cast<std::size_t>(s.group_order[k])].live;
+      if (k == 0 || pending_of(s, k) != pending_of(s, k - 1)) {
+        stretches.push_back(PendingStretch{pending_of(s, k), first, 0, false});
+      }
+      stretches.back().live += live;
+      first += live;
+    }
+    const std::size_t kept = limit == 0 ? 0 : static_cast<std::size_t>(limit);
+    if (limit == 0) {
+      for (PendingStretch& stretch : stretches) stretch.turned = stretch.pending != 0;
+    } else if (stretches.size() > kept) {
+      // The smallest stretches after the oldest (ties: the older), whose keys turn.
+      by_size_.resize(stretches.size() - 1);
+      std::iota(by_size_.begin(), by_size_.end(), std::int32_t{1});
+      const auto smaller = [&](std::int32_t a, std::int32_t b) {
+        const PendingStretch& x = stretches[static_cast<std::size_t>(a)];
+        const PendingStretch& y = stretches[static_cast<std::size_t>(b)];
+        return x.live < y.live || (x.live == y.live && a < b);
+      };
+      const auto dropped = static_cast<std::ptrdiff_t>(stretches.size() - kept);
+      std::nth_element(by_size_.begin(), by_size_.begin() + dropped - 1, by_size_.end(), smaller);
+      for (std::ptrdiff_t k = 0; k < dropped; ++k) {
+        stretches[static_cast<std::size_t>(by_size_[static_cast<std::size_t>(k)])].turned = true;
+      }
+    }
+    // Each turned stretch takes the value of the nearest older stretch kept (0 when limit is 0).
     const std::span<const std::int32_t> order = s.order.view();
-    const std::int32_t* groups = group_.data() + index(unit, 0);
-    std::size_t begin = 0;
-    while (begin < order.size()) {
-      const std::int32_t g = groups[order[begin]];
-      std::size_t end = begin + 1;
-      while (end < order.size() && groups[order[end]] == g) ++end;
-      const std::int64_t delta = s.groups[static_cast<std::size_t>(g)].pending_rotation();
-      if (delta != 0) rotate(delta, order.subspan(begin, end - begin));
-      begin = end;
+    std::int64_t rotated = 0;
+    std::int64_t target = 0;
+    std::size_t k = 0;  // walks group_order beside the stretches
+    for (const PendingStretch& stretch : stretches) {
+      if (!stretch.turned) {
+        if (limit != 0) target = stretch.pending;
+        k = advance_groups(s, k, stretch.live);
+        continue;
+      }
+      rotate(stretch.pending - target, order.subspan(static_cast<std::size_t>(stretch.first),
+                                                     static_cast<std::size_t>(stretch.live)));
+      rotated += stretch.live;
+      for (std::int64_t left = stretch.live; left > 0; ++k) {
+        PositionGroup& group = s.groups[static_cast<std::size_t>(s.group_order[k])];
+        group.key_offset = group.position_offset - target;
+        left -= group.live;
+      }
     }
-    for (const std::int32_t g : s.group_order) {
-      PositionGroup& group = s.groups[static_cast<std::size_t>(g)];
-      group.key_offset = group.position_offset;
-    }
+    s.rotations_at_fold =
+        static_cast<std::int64_t>(std::min(stretches.size(), limit == 0 ? std::size_t{1} : kept));
     s.evicted_since_fold = 0;
+    return rotated;
   }
 
  private:
@@ -421,11 +471,30 @@ class SlotTable {
     std::vector<std::int32_t> free_group_ids;  // ids to reuse
     std::vector<std::int32_t> group_order;     // ids, oldest stretch first
     std::int64_t evicted_since_fold = 0;
+    std::int64_t rotations_at_fold = 1;  // different pending rotations the last fold left
     std::uint64_t generation = detail::new_generation();  // see generation()
     std::int64_t newest_appended = std::numeric_limits<std::int64_t>::min();
   };
 
+  // fold()'s view of a unit: a maximal stretch of stream order with one pending rotation.
+  struct PendingStretch {
+    std::int64_t pending = 0;
+    std::int64_t first = 0;  // stream index of its oldest token
+    std::int64_t live = 0;
+    bool turned = false;  // its keys turn to an older stretch's value
+  };
+
   [[nodiscard]] bool rank_positions() const { return mode_ != PositionMode::original; }
+  // Pending rotation of the k-th group in stream order.
+  [[nodiscard]] std::int64_t pending_of(const UnitState& s, std::size_t k) const {
+    return s.groups[static_cast<std::size_t>(s.group_order[k])].pending_rotation();
+  }
+  // The index in group_order just past the groups that hold the `live` tokens from the k-th on.
+  [[nodiscard]] std::size_t advance_groups(const UnitState& s, std::size_t k,
+                                           std::int64_t live) const {
+    while (live > 0) live -= s.groups[static_cast<std::size_t>(s.group_order[k++])].live;
+    return k;
+  }
 
   template <class KeyOf, class Fn>
   void for_each_run(int unit, KeyOf key_of, Fn&& fn) const {
@@ -636,6 +705,8 @@ class SlotTable {
   std::vector<float> score_;            // [units][score_columns + 1][capacity], in storage order
   std::vector<std::uint8_t> score_storage_;  // [units][score_columns + 1]: column -> storage index
   std::vector<std::int32_t> scratch_;        // evict's working list
+  std::vector<PendingStretch> stretches_;    // fold's working lists
+  std::vector<std::int32_t> by_size_;
 };
 
 }  // namespace kvevict

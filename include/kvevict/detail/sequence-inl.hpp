@@ -583,12 +583,15 @@ class SequenceCore {
       if (config_.compact_slots) compact(unit);
       if (!slots.empty() && fold_keys &&
           slots_.pending_rotation_bound(unit) > config_.max_pending_rotations) {
-        slots_.fold(unit, [&](std::int64_t delta, std::span<const std::int32_t> rotated) {
-          add_rotation(unit, delta, rotated);
-          stats_.rotated_keys +=
-              static_cast<std::int64_t>(rotated.size()) * layout_.heads_per_unit();
-        });
-        ++stats_.folds;
+        const std::int64_t rotated =
+            slots_.fold(unit, config_.max_pending_rotations,
+                        [&](std::int64_t delta, std::span<const std::int32_t> turned) {
+                          add_rotation(unit, delta, turned);
+                        });
+        if (rotated > 0) {
+          stats_.rotated_keys += rotated * layout_.heads_per_unit();
+          ++stats_.folds;
+        }
       }
       applied_.rotation_begin_[static_cast<std::size_t>(unit) + 1] = applied_.rotations_.size();
     }

@@ -42,12 +42,13 @@ struct RandomLlmConfig {
 namespace detail {
 
 /// Uniform integer in [0, bound), bound > 0. Rejects the raw draws below 2^64 mod bound, so that
-/// the accepted range is a whole number of copies of [0, bound): no modulo bias.
+/// the accepted range is a whole number of copies of [0, bound): no modulo bias. That threshold is
+/// below `bound`, so a draw of at least `bound` (all but a bound / 2^64 share) is accepted without
+/// dividing for it.
 inline std::uint64_t uniform_below(std::mt19937_64& engine, std::uint64_t bound) {
-  const std::uint64_t threshold = (std::uint64_t{0} - bound) % bound;
   for (;;) {
     const std::uint64_t draw = engine();
-    if (draw >= threshold) return draw % bound;
+    if (draw >= bound || draw >= (std::uint64_t{0} - bound) % bound) return draw % bound;
   }
 }
 
@@ -63,20 +64,21 @@ class RandomLlmPolicy final : public detail::HistorySampler {
  protected:
   void pick_history(std::span<const std::int32_t> history, int count, KeepSet& keep) override {
     // Partial Fisher-Yates over history indices: after step i, picks_[0..i] is a uniform sample
-    // without replacement.
+    // without replacement. The draws first, then the keeps: a keep's byte store would make the
+    // compiler reload the engine's state at every draw.
     picks_.resize(history.size());
-    std::iota(picks_.begin(), picks_.end(), std::size_t{0});
+    std::iota(picks_.begin(), picks_.end(), std::uint32_t{0});
     const std::size_t size = picks_.size();
     for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) {
       const std::size_t j = i + static_cast<std::size_t>(detail::uniform_below(engine_, size - i));
       std::swap(picks_[i], picks_[j]);
-      keep.keep(history[picks_[i]]);
     }
+    for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) keep.keep(history[picks_[i]]);
   }
 
  private:
   std::mt19937_64 engine_;
-  std::vector<std::size_t> picks_;
+  std::vector<std::uint32_t> picks_;  // history indices (a unit holds < 2^28 slots)
 };
 
 /// RandomLlmPolicy with `sinks` protected first tokens, named "random_llm".
