@@ -72,6 +72,17 @@ class KeepSet {
     kept_count_ += flag == 0 ? 1 : 0;
     flag = 1;
   }
+  /// Keeps every slot of `slots`, counting in a register: keep()'s byte store may alias the
+  /// count, which a loop of keep() then reloads at every slot.
+  void keep_each(std::span<const std::int32_t> slots) {
+    std::uint8_t* const kept = kept_.data();
+    int added = 0;
+    for (const std::int32_t slot : slots) {
+      added += kept[static_cast<std::size_t>(slot)] == 0 ? 1 : 0;
+      kept[static_cast<std::size_t>(slot)] = 1;
+    }
+    kept_count_ += added;
+  }
   /// Keeps the `count` oldest live slots.
   void keep_oldest(int count) {
     for (int i = 0; i < std::min(count, live()); ++i) keep(order_[static_cast<std::size_t>(i)]);

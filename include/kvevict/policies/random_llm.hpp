@@ -67,18 +67,21 @@ class RandomLlmPolicy final : public detail::HistorySampler {
     // without replacement. The draws first, then the keeps: a keep's byte store would make the
     // compiler reload the engine's state at every draw.
     picks_.resize(history.size());
-    std::iota(picks_.begin(), picks_.end(), std::uint32_t{0});
+    std::iota(picks_.begin(), picks_.end(), std::int32_t{0});
     const std::size_t size = picks_.size();
     for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) {
       const std::size_t j = i + static_cast<std::size_t>(detail::uniform_below(engine_, size - i));
       std::swap(picks_[i], picks_[j]);
     }
-    for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i) keep.keep(history[picks_[i]]);
+    // The picked indices become their slots in place.
+    const std::span<std::int32_t> picked(picks_.data(), static_cast<std::size_t>(count));
+    for (std::int32_t& pick : picked) pick = history[static_cast<std::size_t>(pick)];
+    keep.keep_each(picked);
   }
 
  private:
   std::mt19937_64 engine_;
-  std::vector<std::uint32_t> picks_;  // history indices (a unit holds < 2^28 slots)
+  std::vector<std::int32_t> picks_;  // history indices (a unit holds < 2^28 slots), then slots
 };
 
 /// RandomLlmPolicy with `sinks` protected first tokens, named "random_llm".
