@@ -410,12 +410,13 @@ class SlotTable {
     for (std::size_t k = 0; k < s.group_order.size(); ++k) {
       const std::int64_t live = s.groups[static_cast<std::size_t>(s.group_order[k])].live;
       if (k == 0 || pending_of(s, k) != pending_of(s, k - 1)) {
-        stretches.push_back(PendingStretch{pending_of(s, k), first, 0, false});
+        stretches.push_back(PendingStretch{pending_of(s, k), first, 0, k, k});
       }
       stretches.back().live += live;
+      stretches.back().groups_end = k + 1;
       first += live;
     }
-    const std::size_t kept = limit == 0 ? 0 : static_cast<std::size_t>(limit);
+    const auto kept = static_cast<std::size_t>(limit);
     if (limit == 0) {
       for (PendingStretch& stretch : stretches) stretch.turned = stretch.pending != 0;
     } else if (stretches.size() > kept) {
@@ -437,24 +438,22 @@ class SlotTable {
     const std::span<const std::int32_t> order = s.order.view();
     std::int64_t rotated = 0;
     std::int64_t target = 0;
-    std::size_t k = 0;  // walks group_order beside the stretches
     for (const PendingStretch& stretch : stretches) {
       if (!stretch.turned) {
         if (limit != 0) target = stretch.pending;
-        k = advance_groups(s, k, stretch.live);
         continue;
       }
       rotate(stretch.pending - target, order.subspan(static_cast<std::size_t>(stretch.first),
                                                      static_cast<std::size_t>(stretch.live)));
       rotated += stretch.live;
-      for (std::int64_t left = stretch.live; left > 0; ++k) {
+      for (std::size_t k = stretch.groups_begin; k < stretch.groups_end; ++k) {
         PositionGroup& group = s.groups[static_cast<std::size_t>(s.group_order[k])];
         group.key_offset = group.position_offset - target;
-        left -= group.live;
       }
     }
+    // Left: `limit` values, or one (zero) when limit is 0.
     s.rotations_at_fold =
-        static_cast<std::int64_t>(std::min(stretches.size(), limit == 0 ? std::size_t{1} : kept));
+        static_cast<std::int64_t>(std::min(stretches.size(), std::max(kept, std::size_t{1})));
     s.evicted_since_fold = 0;
     return rotated;
   }
@@ -481,6 +480,8 @@ class SlotTable {
     std::int64_t pending = 0;
     std::int64_t first = 0;  // stream index of its oldest token
     std::int64_t live = 0;
+    std::size_t groups_begin = 0;  // its groups: group_order[groups_begin, groups_end)
+    std::size_t groups_end = 0;
     bool turned = false;  // its keys turn to an older stretch's value
   };
 
@@ -488,12 +489,6 @@ class SlotTable {
   // Pending rotation of the k-th group in stream order.
   [[nodiscard]] std::int64_t pending_of(const UnitState& s, std::size_t k) const {
     return s.groups[static_cast<std::size_t>(s.group_order[k])].pending_rotation();
-  }
-  // The index in group_order just past the groups that hold the `live` tokens from the k-th on.
-  [[nodiscard]] std::size_t advance_groups(const UnitState& s, std::size_t k,
-                                           std::int64_t live) const {
-    while (live > 0) live -= s.groups[static_cast<std::size_t>(s.group_order[k++])].live;
-    return k;
   }
 
   template <class KeyOf, class Fn>
