@@ -994,8 +994,7 @@ TEST(SlotTable, RejectsBadChanges) {
 
 // StreamOrder::find, which applying every decision goes through, finds every live entry and no
 // absent one: originals dense, sparse, in runs with gaps of every size (up to near the largest
-// int64), or packed just below the largest int64 (where a double cannot tell them apart), over
-// orders of 0 to 3,000 entries.
+// int64), or packed just below the largest int64, over orders of 0 to 3,000 entries.
 TEST(StreamOrder, FindsEveryEntryAndNoOther) {
   std::mt19937_64 rng(3);
   for (int trial = 0; trial < 300; ++trial) {

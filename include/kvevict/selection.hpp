@@ -67,13 +67,9 @@ class KeepSet {
   /// The unit's live slots, oldest first.
   [[nodiscard]] std::span<const std::int32_t> order() const { return order_; }
 
-  void keep(std::int32_t slot) {
-    std::uint8_t& flag = kept_[static_cast<std::size_t>(slot)];
-    kept_count_ += flag == 0 ? 1 : 0;
-    flag = 1;
-  }
-  /// Keeps every slot of `slots`, counting in a register: keep()'s byte store may alias the
-  /// count, which a loop of keep() then reloads at every slot.
+  void keep(std::int32_t slot) { keep_each({&slot, 1}); }
+  /// Keeps every slot of `slots`, counting in a register: each byte store may alias the count,
+  /// which a loop of keep() therefore reloads at every slot.
   void keep_each(std::span<const std::int32_t> slots) {
     std::uint8_t* const kept = kept_.data();
     int added = 0;
@@ -85,13 +81,11 @@ class KeepSet {
   }
   /// Keeps the `count` oldest live slots.
   void keep_oldest(int count) {
-    for (int i = 0; i < std::min(count, live()); ++i) keep(order_[static_cast<std::size_t>(i)]);
+    keep_each(order_.first(static_cast<std::size_t>(std::clamp(count, 0, live()))));
   }
   /// Keeps the `count` newest live slots.
   void keep_newest(int count) {
-    for (int i = std::max(live() - count, 0); i < live(); ++i) {
-      keep(order_[static_cast<std::size_t>(i)]);
-    }
+    keep_each(order_.last(static_cast<std::size_t>(std::clamp(count, 0, live()))));
   }
   /// Keeps every live slot whose flags share a bit with `mask`.
   void keep_flagged(std::uint8_t mask) {
