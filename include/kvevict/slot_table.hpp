@@ -161,6 +161,9 @@ class SlotTable {
   [[nodiscard]] std::span<float> spare_scores(int unit) {
     return {score_data(unit, score_columns_), static_cast<std::size_t>(slot_limit(unit))};
   }
+  [[nodiscard]] std::span<const float> spare_scores(int unit) const {
+    return {score_data(unit, score_columns_), static_cast<std::size_t>(slot_limit(unit))};
+  }
   /// Column `column_index` of `unit` becomes what spare_scores(unit) held, and the spare what the
   /// column held: O(1), nothing is copied.
   void swap_spare_scores(int unit, int column_index) {

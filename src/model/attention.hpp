@@ -68,6 +68,11 @@ struct GroupAttention {
   /// 32 queries with the chunk's slots after the block (masked: exact zeros either way). Tests turn
   /// it off to compare the bits.
   bool skip_masked = true;
+  /// Columns of floats indexed by slot over [0, slot_limit) that the caller reads and writes after
+  /// attend() (a policy's scores, summed from the rows): asked for from memory while P V reads the
+  /// same slots' values, so that they are in cache when the caller's pass reaches them. A hint: no
+  /// effect on any result.
+  std::span<const float* const> warm_columns;
 };
 
 /// Scratch of attend(), grown on demand.

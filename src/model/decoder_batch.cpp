@@ -141,12 +141,13 @@ float negative_log_softmax(const float* logits, int vocab, std::int32_t token) {
 // What one thread needs for the attention of one KV head at a time.
 struct HeadScratch {
   explicit HeadScratch(const Rope& rope) : angles(rope) {}
-  QueryAngles angles;                   // query rotations (the same for every sequence's RoPE)
-  std::vector<KeyRun> runs;             // one KV head's live slots
-  std::vector<float> probabilities;     // [group * n, slot_limit] one KV head's softmax rows
-  AttentionBuffers buffers;             // attend()'s scratch
-  EvictingCache::Matrix key_scratch;    // rotated keys of one KV head (pre-RoPE storage)
-  std::vector<std::int64_t> positions;  // [n] query positions in one KV head
+  QueryAngles angles;                      // query rotations (the same for every sequence's RoPE)
+  std::vector<KeyRun> runs;                // one KV head's live slots
+  std::vector<float> probabilities;        // [group * n, slot_limit] one KV head's softmax rows
+  AttentionBuffers buffers;                // attend()'s scratch
+  EvictingCache::Matrix key_scratch;       // rotated keys of one KV head (pre-RoPE storage)
+  std::vector<std::int64_t> positions;     // [n] query positions in one KV head
+  std::vector<const float*> warm_columns;  // one KV head's score columns and spare
 };
 
 }  // namespace
@@ -630,6 +631,19 @@ void DecoderBatch::attention(int layer, Member& m, Pass pass) {
     heads.slot_limit = limit;
     heads.head_dim = hd;
     heads.runs = scratch.runs;
+    // The score columns the policy's sum reads and the spare it writes, when it is handed rows:
+    // asked for during P V, so that the sum after the layer finds them in cache.
+    scratch.warm_columns.clear();
+    if (give_rows) {
+      const SlotTable& table = sequence.slots();
+      const int unit = sequence.unit_of(layer, g);
+      for (int column = 0; column < table.score_columns(); ++column) {
+        scratch.warm_columns.push_back(table.scores(unit, column).data());
+      }
+      if (table.score_columns() > 0)
+        scratch.warm_columns.push_back(table.spare_scores(unit).data());
+    }
+    heads.warm_columns = scratch.warm_columns;
     float* const out = att_rows + static_cast<std::ptrdiff_t>(g) * group * hd;
     // The group's rows handed over, [group, queries, stride], zero past this KV head's slots: when
     // every row of the chunk is one, attention writes them there directly (no copy).
