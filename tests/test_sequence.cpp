@@ -1038,6 +1038,85 @@ TEST(StreamOrder, FindsEveryEntryAndNoOther) {
   }
 }
 
+// SlotTable::locate_oldest runs every unit's halving search side by side: each unit's result is
+// the stream index of the oldest slot it evicts (the slot found there is that slot), -1 for a
+// unit that evicts nothing, over units of 0 to 600 live tokens (the slots a shuffle, the originals
+// with gaps) and 1 to 3 evictions each. evict() with that index, or with a stale one, leaves the
+// same stream order as a search would.
+TEST(SlotTable, LocateOldestFindsEachUnitsOldestEvictedSlot) {
+  std::mt19937_64 rng(5);
+  constexpr int kUnits = 12;
+  for (int trial = 0; trial < 40; ++trial) {
+    SlotTable located(kvevict::UnitLayout(kUnits, 1, kvevict::Granularity::head),
+                      PositionMode::original, 600, 0);
+    SlotTable searched(kvevict::UnitLayout(kUnits, 1, kvevict::Granularity::head),
+                       PositionMode::original, 600, 0);
+    std::vector<std::vector<std::int32_t>> evicted(kUnits);
+    for (int unit = 0; unit < kUnits; ++unit) {
+      const int n = unit == 0 ? 0 : static_cast<int>(rng() % 601);
+      Positions originals(static_cast<std::size_t>(n));
+      std::int64_t next = static_cast<std::int64_t>(rng() % 50);
+      for (std::int64_t& original : originals) {
+        original = next;
+        next += 1 + static_cast<std::int64_t>(rng() % 3);
+      }
+      std::vector<std::int32_t> out(static_cast<std::size_t>(n));
+      for (SlotTable* table : {&located, &searched}) {
+        table->append(unit, originals, std::vector<std::int32_t>(out.size(), 0),
+                      std::vector<std::uint8_t>(out.size(), 0), out);
+      }
+      // Free slots in a scattered order, so that stream order and slot order differ.
+      if (n > 8) {
+        const std::vector<std::int32_t> holes{1, 5, 3};
+        for (SlotTable* table : {&located, &searched}) table->evict(unit, holes);
+        std::vector<std::int32_t> refill(3);
+        Positions newer{next, next + 1, next + 2};
+        for (SlotTable* table : {&located, &searched}) {
+          table->append(unit, newer, std::vector<std::int32_t>(3, 0),
+                        std::vector<std::uint8_t>(3, 0), refill);
+        }
+      }
+      const std::span<const std::int32_t> order = located.stream_order(unit);
+      if (unit % 5 == 4 || order.empty()) continue;  // some units evict nothing
+      const int count = 1 + static_cast<int>(rng() % 3);
+      std::vector<std::int32_t>& slots = evicted[static_cast<std::size_t>(unit)];
+      for (int k = 0; k < count; ++k) {
+        const std::int32_t slot = order[rng() % order.size()];
+        if (std::find(slots.begin(), slots.end(), slot) == slots.end()) slots.push_back(slot);
+      }
+    }
+    std::vector<int> at;
+    located.locate_oldest(
+        [&](int unit) {
+          return std::span<const std::int32_t>(evicted[static_cast<std::size_t>(unit)]);
+        },
+        at);
+    ASSERT_EQ(at.size(), static_cast<std::size_t>(kUnits));
+    for (int unit = 0; unit < kUnits; ++unit) {
+      const std::vector<std::int32_t>& slots = evicted[static_cast<std::size_t>(unit)];
+      if (slots.empty()) {
+        EXPECT_EQ(at[static_cast<std::size_t>(unit)], -1);
+        continue;
+      }
+      const std::span<const std::int64_t> originals = located.original_positions(unit);
+      const std::int32_t oldest =
+          *std::min_element(slots.begin(), slots.end(), [&](std::int32_t a, std::int32_t b) {
+            return originals[static_cast<std::size_t>(a)] < originals[static_cast<std::size_t>(b)];
+          });
+      const std::span<const std::int32_t> order = located.stream_order(unit);
+      const int index = at[static_cast<std::size_t>(unit)];
+      ASSERT_GE(index, 0);
+      ASSERT_LT(index, static_cast<int>(order.size()));
+      EXPECT_EQ(order[static_cast<std::size_t>(index)], oldest);
+      // The located index, a stale one (the next entry) and none give the same order.
+      const int stale = index + 1 < static_cast<int>(order.size()) ? index + 1 : 0;
+      located.evict(unit, slots, trial % 2 == 0 ? index : stale);
+      searched.evict(unit, slots);
+      EXPECT_TRUE(std::ranges::equal(located.stream_order(unit), searched.stream_order(unit)));
+    }
+  }
+}
+
 // SlotTable::generation() changes with what a structure kept beside a unit cannot follow by itself
 // (a truncation, a compaction that moves slots, an append at an original seen before), and not
 // with evictions and appends above every original the unit has held.

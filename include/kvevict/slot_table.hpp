@@ -322,8 +322,10 @@ class SlotTable {
   }
 
   /// Evicts the live slots `slots` (any order, no duplicates) of `unit`: frees them and, under
-  /// cache_index / reset_on_compact, lowers the positions of every newer token.
-  void evict(int unit, std::span<const std::int32_t> slots) {
+  /// cache_index / reset_on_compact, lowers the positions of every newer token. `oldest_at` may
+  /// name where the oldest of them sits in the stream order (locate_oldest); a wrong or stale
+  /// index (-1 included) only costs a search.
+  void evict(int unit, std::span<const std::int32_t> slots, int oldest_at = -1) {
     UnitState& s = state(unit);
     // Oldest first, so that each eviction's shift applies to positions as the mode defines them.
     scratch_.assign(slots.begin(), slots.end());
@@ -334,9 +336,61 @@ class SlotTable {
       KVEVICT_REQUIRE(is_live(unit, slot), "SlotTable::evict: slot " + std::to_string(slot) +
                                                " of unit " + std::to_string(unit) +
                                                " is not live (evicted twice?)");
-      evict_one(s, unit, slot);
+      const bool located = oldest_at >= 0 && oldest_at < s.live && s.order[oldest_at] == slot;
+      evict_one(s, unit, slot, located ? oldest_at : s.order.find(originals[slot], originals));
+      oldest_at = -1;
     }
     add_total_live(-static_cast<std::int64_t>(scratch_.size()));
+  }
+
+  /// For each unit, where the oldest of its slots in `evicted(unit)` sits in its stream order
+  /// (-1 for a unit that evicts nothing): at[unit], for evict(). The units' halving searches run
+  /// side by side, one step of every search at a time, so that their reads overlap rather than
+  /// wait one after another: a search reads about 2 log2(live) lines (the stream order, then the
+  /// original position of the slot found there), each from memory after a decode step's weights
+  /// have passed through the caches.
+  template <class EvictedOf>
+  void locate_oldest(const EvictedOf& evicted, std::vector<int>& at) {
+    at.assign(units_.size(), -1);
+    searches_.clear();
+    for (int unit = 0; unit < units(); ++unit) {
+      const std::span<const std::int32_t> slots = evicted(unit);
+      if (slots.empty()) continue;
+      const std::int64_t* originals = original_.data() + index(unit, 0);
+      std::int64_t oldest = std::numeric_limits<std::int64_t>::max();
+      for (const std::int32_t slot : slots) oldest = std::min(oldest, originals[slot]);
+      searches_.push_back(
+          {state(unit).order.view().data(), originals, oldest, 0, state(unit).live, 0, unit});
+    }
+    // std::lower_bound's steps, every search's first, then every search's second...
+    for (bool going = true; going;) {
+      going = false;
+      for (const Search& f : searches_) {
+        if (f.count > 0)
+          detail::row_pass::prefetch_lines(f.entries + f.first + f.count / 2, 1, false);
+      }
+      for (Search& f : searches_) {
+        if (f.count == 0) continue;
+        f.slot = f.entries[f.first + f.count / 2];
+        detail::row_pass::prefetch_lines(f.originals + f.slot, 1, false);
+      }
+      for (Search& f : searches_) {
+        if (f.count == 0) continue;
+        const int half = f.count / 2;
+        if (f.originals[f.slot] < f.target) {
+          f.first += half + 1;
+          f.count -= half + 1;
+        } else {
+          f.count = half;
+        }
+        going = going || f.count > 0;
+      }
+    }
+    for (const Search& f : searches_) {
+      const bool found =
+          f.first < state(f.unit).live && f.originals[f.entries[f.first]] == f.target;
+      at[static_cast<std::size_t>(f.unit)] = found ? f.first : -1;
+    }
   }
 
   /// Removes the newest `count` tokens of `unit` without moving anyone's position (a rolled-back
@@ -609,10 +663,9 @@ class SlotTable {
     }
   }
 
-  void evict_one(UnitState& s, int unit, std::int32_t slot) {
-    const std::int64_t* originals = original_.data() + index(unit, 0);
+  // Evicts `slot`, found at index `at` of the stream order (-1: not found).
+  void evict_one(UnitState& s, int unit, std::int32_t slot, int at) {
     const std::int32_t* groups = group_.data() + index(unit, 0);
-    const int at = s.order.find(originals[slot], originals);
     KVEVICT_REQUIRE(at >= 0, "SlotTable: live slot missing from the stream order");
     const std::int32_t g = groups[slot];
     if (rank_positions()) {
@@ -703,7 +756,18 @@ class SlotTable {
   std::vector<float> score_;            // [units][score_columns + 1][capacity], in storage order
   std::vector<std::uint8_t> score_storage_;  // [units][score_columns + 1]: column -> storage index
   std::vector<std::int32_t> scratch_;        // evict's working list
-  std::vector<PendingStretch> stretches_;    // fold's working lists
+  // One halving search of locate_oldest: `count` entries from `first` left to search.
+  struct Search {
+    const std::int32_t* entries;
+    const std::int64_t* originals;
+    std::int64_t target;
+    int first;
+    int count;
+    std::int32_t slot;  // the entry read at this step
+    int unit;
+  };
+  std::vector<Search> searches_;           // locate_oldest's
+  std::vector<PendingStretch> stretches_;  // fold's working lists
   std::vector<std::int32_t> by_size_;
 };
 

@@ -571,12 +571,13 @@ class SequenceCore {
     std::int64_t evicted = 0;
     const bool fold_keys =
         config_.key_storage == KeyStorage::post_rope && position_mode_ != PositionMode::original;
+    slots_.locate_oldest([this](int unit) { return decision_.evicted(unit); }, oldest_at_);
     for (int unit = 0; unit < layout_.units(); ++unit) {
       const std::span<const std::int32_t> slots = decision_.evicted(unit);
       record_evicted(unit, slots);
       applied_.evicted_begin_[static_cast<std::size_t>(unit) + 1] = applied_.evicted_.size();
       if (!slots.empty()) {
-        slots_.evict(unit, slots);
+        slots_.evict(unit, slots, oldest_at_[static_cast<std::size_t>(unit)]);
         evicted += static_cast<std::int64_t>(slots.size());
       }
       // Before the fold, so that its rotations name the slots after the moves.
@@ -713,6 +714,8 @@ class SequenceCore {
   UnitLayout layout_;
   SlotTable slots_;
   Decision decision_;
+  std::vector<int> oldest_at_;  // decide's: where each unit's oldest evicted slot sits
+                                // (SlotTable::locate_oldest)
   AppliedDecision applied_;
   SequenceStats stats_;
   State state_ = State::idle;
