@@ -365,10 +365,6 @@ class SlotTable {
     // std::lower_bound's steps, every search's first, then every search's second...
     for (bool going = true; going;) {
       going = false;
-      for (const Search& f : searches_) {
-        if (f.count > 0)
-          detail::row_pass::prefetch_lines(f.entries + f.first + f.count / 2, 1, false);
-      }
       for (Search& f : searches_) {
         if (f.count == 0) continue;
         f.slot = f.entries[f.first + f.count / 2];

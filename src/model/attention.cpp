@@ -167,11 +167,11 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
     kernels::scale(row, limit, 1.0f / kernels::sum(row, limit));
   }
   // Weighted sum of the values, each V row read once for the group.        // [rows, head_dim]
-  // With columns to warm, in pieces of kWarmPiece slots, each piece's lines of the columns asked
-  // for before its values are read: the columns come from memory (the step's weights and K/V
-  // pass through every cache between two of their reads), a few lines per 2 KiB of columns
-  // beside the piece's values (at least 64 KiB of V in f32 at head_dim 64, 16 KiB in Q8_0). P V
-  // adds its terms in slot order into the output, so the pieces give the same bits as one call.
+  // With columns to warm, P V runs in pieces of kWarmPiece slots and asks for each piece's lines of
+  // the columns (2 KiB each) before reading its values (36-128 KiB: Q8_0 to f32 at head_dim 64):
+  // the columns come from memory, since a step's weights and K/V pass through every cache between
+  // two of their reads. P V adds its terms into the output in slot order, so the pieces give the
+  // bits of one call.
   constexpr std::int64_t kWarmPiece = 512;
   const std::int64_t piece = group.warm_columns.empty() ? limit : kWarmPiece;
   for (const KeyRun& run : group.runs) {
