@@ -362,7 +362,9 @@ class SlotTable {
       searches_.push_back(
           {state(unit).order.view().data(), originals, oldest, 0, state(unit).live, 0, unit});
     }
-    // std::lower_bound's steps, every search's first, then every search's second...
+    // std::lower_bound's steps, one of every search at a time: each search's middle entry read
+    // (loads independent of each other, which the CPU overlaps) and the original it names asked
+    // for, then every comparison.
     for (bool going = true; going;) {
       going = false;
       for (Search& f : searches_) {
