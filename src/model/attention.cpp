@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <kvevict/detail/row_passes.hpp>
 #include <limits>
 #include <span>
 
@@ -15,18 +16,6 @@ namespace {
 // Rotated queries kept in one attend(): 256 KiB, a decode step's queries under hundreds of
 // rotations.
 constexpr std::int64_t kKeptQueryFloats = std::int64_t{1} << 16;
-
-// Asks for the 64-byte lines of column[begin, end) ahead of a read and a write (a hint).
-void prefetch_for_write(const float* column, std::int64_t begin, std::int64_t end) {
-#if defined(__GNUC__) || defined(__clang__)
-  constexpr std::int64_t kLineFloats = 16;
-  for (std::int64_t s = begin - begin % kLineFloats; s < end; s += kLineFloats) {
-    __builtin_prefetch(column + s, 1);
-  }
-#else
-  (void)column, (void)begin, (void)end;
-#endif
-}
 }  // namespace
 
 const double* QueryAngles::get(std::int64_t steps) {
@@ -179,7 +168,11 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
         run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
           for (std::int64_t b = begin; b < end; b += piece) {
             const std::int64_t e = std::min(end, b + piece);
-            for (const float* column : group.warm_columns) prefetch_for_write(column, b, e);
+            for (const float* column : group.warm_columns) {
+              kvevict::detail::row_pass::prefetch_lines(
+                  column + b, sizeof(float) * static_cast<std::size_t>(e - b),
+                  /*for_write=*/true);
+            }
             kernels::add_weighted_stored_rows(row_of(r0) + b, stride, count, group.values, b, e - b,
                                               head_dim, buffers.output.data() + r0 * head_dim,
                                               head_dim);
