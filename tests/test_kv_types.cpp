@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <kvevict/kv_type.hpp>
 #include <kvevict/kvevict.hpp>
 #include <kvevict/model/decoder.hpp>
@@ -345,6 +346,64 @@ TEST(KvKernels, ProductsOfStoredRowsMatchTheDecodedRowsOnEveryTarget) {
               }
               ASSERT_LE(std::fabs(out[i * k + j] - exact), (n + 2) * 0x1p-24 * magnitude);
             }
+          }
+        }
+      }
+    }
+  }
+  kernels::force_target(0);
+}
+
+// stored_scores_by_run scores each key with its run's rows in one call; each score must be the
+// bits of stored_scores over that run alone (the attention's many short runs under cache_index go
+// through one call, and a probability must not depend on how the live slots fall into runs). Runs
+// of 1-9 keys and one of 50, rows that fill the tiles (4), leave rows over (1, 5) and span two
+// blocks of 64 (70), row widths that are multiples of the lanes or not (40), on every target.
+TEST(KvKernels, ScoresByRunAreTheBitsOfAScoreCallPerRun) {
+  namespace kernels = kvevict::model::kernels;
+  for (const std::int64_t target : kernels::available_targets()) {
+    kernels::force_target(target);
+    for (const KvType type : kTypes) {
+      for (const int k : {32, 64, 40}) {
+        if (type == KvType::q8_0 && k % 32 != 0) continue;
+        for (const std::int64_t m : {1, 4, 5, 70}) {
+          SCOPED_TRACE(kernels::target_name(target) + " " + name(type) + " k " + std::to_string(k) +
+                       " m " + std::to_string(m));
+          // Runs of 1-9 keys, then one of 50, each with its own rows of X.
+          std::vector<std::int64_t> ends;
+          std::int64_t n = 0;
+          for (int r = 0; r < 25; ++r) ends.push_back(n += 1 + (r * 5) % 9);
+          ends.push_back(n += 50);
+          const std::int64_t first = 2;
+          const std::size_t row_bytes = kvevict::kv_row_bytes(type, k);
+          std::vector<float> stored_words(((first + n) * row_bytes + 3) / 4);
+          auto* bytes = reinterpret_cast<std::uint8_t*>(stored_words.data());
+          const std::vector<float> source =
+              normal_values(static_cast<std::size_t>((first + n) * k), 13);
+          for (std::int64_t s = 0; s < first + n; ++s) {
+            kvevict::encode_kv_row(type, source.data() + s * k, k, bytes + s * row_bytes);
+          }
+          const kvevict::StoredRows stored{bytes, type, row_bytes};
+          const std::vector<float> x =
+              normal_values(ends.size() * static_cast<std::size_t>(m * k), 17);
+          std::vector<kernels::QueryRun> runs;
+          for (std::size_t r = 0; r < ends.size(); ++r) {
+            runs.push_back({ends[r], x.data() + r * static_cast<std::size_t>(m * k)});
+          }
+          const std::ptrdiff_t stride = n + 3;
+          std::vector<float> by_run(static_cast<std::size_t>(m * stride), -1.0f);
+          std::vector<float> per_run(by_run.size(), -1.0f);
+          kernels::stored_scores_by_run(runs, k, m, stored, first, n, k, by_run.data(), stride);
+          std::int64_t begin = 0;
+          for (const kernels::QueryRun& run : runs) {
+            kernels::stored_scores(run.x, k, m, stored, first + begin, run.end - begin, k,
+                                   per_run.data() + begin, stride);
+            begin = run.end;
+          }
+          ASSERT_EQ(std::memcmp(by_run.data(), per_run.data(), by_run.size() * sizeof(float)), 0);
+          // The padding past n is not written.
+          for (std::int64_t i = 0; i < m; ++i) {
+            EXPECT_EQ(by_run[static_cast<std::size_t>(i * stride + n)], -1.0f);
           }
         }
       }

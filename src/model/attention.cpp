@@ -77,7 +77,7 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
     }
   };
 
-  // Scores q . k of every stacked query and live slot, runs in slot order (the keys stream from
+  // Scores q . k of every stacked query and live slot, in slot order (the keys stream from
   // memory), the queries rotated once per pending rotation: under cache_index a unit holds a few
   // rotations (max_pending_rotations + 1) over many more runs, since freed slots are refilled by
   // newer tokens. Rotated blocks are kept up to kKeptQueryFloats; past that (a long chunk over many
@@ -102,7 +102,8 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   std::vector<std::int64_t>& kept = buffers.rotations;
   kept.clear();
   std::size_t last_used = 0;
-  const auto queries_for = [&](std::int64_t rotation) -> const float* {
+  // Index in `kept` (and block of buffers.rotated) of the queries rotated by `rotation`.
+  const auto block_of = [&](std::int64_t rotation) {
     if (last_used >= kept.size() || kept[last_used] != rotation) {
       const auto found = std::find(kept.begin(), kept.end(), rotation);
       last_used = static_cast<std::size_t>(found - kept.begin());
@@ -115,15 +116,52 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
                        buffers.rotated.data() + static_cast<std::int64_t>(last_used) * block);
       }
     }
-    return buffers.rotated.data() + static_cast<std::int64_t>(last_used) * block;
+    return static_cast<std::int64_t>(last_used);
   };
+  // The live ranges: runs that touch merged, whatever their rotations ([begin, end), rotation 0).
+  std::vector<KeyRun>& live = buffers.live;
+  live.clear();
   for (const KeyRun& run : group.runs) {
-    const float* rotated = queries_for(run.rotation);
-    for_each_visible(
-        run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
-          kernels::stored_scores(rotated + r0 * head_dim, head_dim, count, group.keys, begin,
-                                 end - begin, head_dim, row_of(r0) + begin, stride);
-        });
+    if (!live.empty() && live.back().end == run.begin) {
+      live.back().end = run.end;
+    } else {
+      live.push_back({run.begin, run.end, 0});
+    }
+  }
+  // Whole rows (no causal blocks) with every rotation's queries kept: each live range in one call,
+  // each run's keys against its rotation's queries (the bits of a call per run).
+  bool by_range = !causal_blocks && live.size() < group.runs.size();
+  std::vector<std::int64_t>& run_blocks = buffers.run_blocks;
+  run_blocks.clear();
+  for (std::size_t r = 0; by_range && r < group.runs.size(); ++r) {
+    const std::int64_t rotation = group.runs[r].rotation;
+    by_range =
+        kept.size() < max_blocks || std::find(kept.begin(), kept.end(), rotation) != kept.end();
+    run_blocks.push_back(block_of(rotation));
+  }
+  if (by_range) {
+    std::vector<kernels::QueryRun>& query_runs = buffers.query_runs;
+    std::size_t r = 0;
+    for (const KeyRun& range : live) {
+      query_runs.clear();
+      for (; r < group.runs.size() && group.runs[r].end <= range.end; ++r) {
+        query_runs.push_back(
+            {group.runs[r].end - range.begin, buffers.rotated.data() + run_blocks[r] * block});
+      }
+      kernels::stored_scores_by_run(query_runs, head_dim, rows, group.keys, range.begin,
+                                    range.end - range.begin, head_dim, row_of(0) + range.begin,
+                                    stride);
+    }
+  } else {
+    for (const KeyRun& run : group.runs) {
+      const std::int64_t at = block_of(run.rotation);  // may grow buffers.rotated
+      const float* rotated = buffers.rotated.data() + at * block;
+      for_each_visible(
+          run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
+            kernels::stored_scores(rotated + r0 * head_dim, head_dim, count, group.keys, begin,
+                                   end - begin, head_dim, row_of(r0) + begin, stride);
+          });
+    }
   }
   // Softmax of (q . k) / sqrt(head_dim) over each row's live, visible slots.
   constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -141,9 +179,9 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   std::vector<KeyRun>& gaps = buffers.gaps;
   gaps.clear();
   int next = 0;
-  for (const KeyRun& run : group.runs) {
-    if (next < run.begin) gaps.push_back({next, run.begin, 0});
-    next = run.end;
+  for (const KeyRun& range : live) {
+    if (next < range.begin) gaps.push_back({next, range.begin, 0});
+    next = range.end;
   }
   if (next < limit) gaps.push_back({next, static_cast<int>(limit), 0});
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -160,12 +198,13 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   // the columns (2 KiB each) before reading its values (36-128 KiB: Q8_0 to f32 at head_dim 64):
   // the columns come from memory, since a step's weights and K/V pass through every cache between
   // two of their reads. P V adds its terms into the output in slot order, so the pieces give the
-  // bits of one call.
+  // bits of one call; for the same reason it runs over the live ranges, not the runs (values are
+  // not rotated).
   constexpr std::int64_t kWarmPiece = 512;
   const std::int64_t piece = group.warm_columns.empty() ? limit : kWarmPiece;
-  for (const KeyRun& run : group.runs) {
+  for (const KeyRun& range : live) {
     for_each_visible(
-        run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
+        range, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
           for (std::int64_t b = begin; b < end; b += piece) {
             const std::int64_t e = std::min(end, b + piece);
             for (const float* column : group.warm_columns) {

@@ -87,6 +87,24 @@ void StoredScores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, KvTyp
   }
 }
 
+void StoredScoresByRun(const QueryRun* runs, std::size_t run_count, std::ptrdiff_t x_stride,
+                       std::int64_t m, KvType type, const std::uint8_t* keys, std::size_t row_bytes,
+                       std::int64_t n, std::int64_t k, float* y, std::ptrdiff_t y_stride) {
+  const auto by_run = [&](auto row) {
+    scores_by_run<decltype(row)>(runs, run_count, x_stride, m, keys, row_bytes, n, k, y, y_stride);
+  };
+  switch (type) {
+    case KvType::f32:
+      return by_run(F32Row());
+    case KvType::f16:
+      return by_run(F16Row());
+    case KvType::bf16:
+      return by_run(BF16Row());
+    case KvType::q8_0:
+      return by_run(Q8_0Row());
+  }
+}
+
 void AddWeightedStoredRows(const float* p, std::ptrdiff_t p_stride, std::int64_t m, KvType type,
                            const std::uint8_t* values, std::size_t row_bytes, std::int64_t n,
                            std::int64_t k, float* y, std::ptrdiff_t y_stride) {
@@ -111,6 +129,7 @@ HWY_AFTER_NAMESPACE();
 namespace kvevict::model::kernels {
 
 HWY_EXPORT(StoredScores);
+HWY_EXPORT(StoredScoresByRun);
 HWY_EXPORT(AddWeightedStoredRows);
 
 void stored_scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const StoredRows& keys,
@@ -122,6 +141,14 @@ void stored_scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, cons
   }
   HWY_DYNAMIC_DISPATCH(StoredScores)
   (x, x_stride, m, keys.type, keys.row(first), keys.row_bytes, n, k, y, y_stride);
+}
+
+void stored_scores_by_run(std::span<const QueryRun> runs, std::ptrdiff_t x_stride, std::int64_t m,
+                          const StoredRows& keys, std::int64_t first, std::int64_t n,
+                          std::int64_t k, float* y, std::ptrdiff_t y_stride) {
+  HWY_DYNAMIC_DISPATCH(StoredScoresByRun)
+  (runs.data(), runs.size(), x_stride, m, keys.type, keys.row(first), keys.row_bytes, n, k, y,
+   y_stride);
 }
 
 void add_weighted_stored_rows(const float* p, std::ptrdiff_t p_stride, std::int64_t m,

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 HWY_BEFORE_NAMESPACE();
 namespace kvevict::model::kernels {
@@ -128,8 +129,11 @@ HWY_INLINE V sum_each(D d, V* sums) {
 // scores side by side in the result. kPartial: only the first `count` keys exist (zeros stand for
 // the others), so that a key's score is summed in the same order wherever it falls: the logits do
 // not depend on how the rows of W are split between threads.
-template <class Row, int kR, int kVecs, bool kPartial = false>
-HWY_INLINE void key_tile(const float* x, std::ptrdiff_t x_stride, const std::uint8_t* keys,
+// kPerKey: key g is scored with its own rows, xs[g] (key_blocks_by_run); otherwise every key with
+// xs[0]'s, each of their vectors loaded once for all the tile's keys. A key's sum is the same
+// either way.
+template <class Row, int kR, int kVecs, bool kPartial = false, bool kPerKey = false>
+HWY_INLINE void key_tile(const float* const* xs, std::ptrdiff_t x_stride, const std::uint8_t* keys,
                          std::size_t row_bytes, std::int64_t k, float* y, std::ptrdiff_t y_stride,
                          int count = static_cast<int>(kLanes) / kR) {
   constexpr int kKeys = static_cast<int>(kLanes) / kR;
@@ -145,9 +149,16 @@ HWY_INLINE void key_tile(const float* x, std::ptrdiff_t x_stride, const std::uin
       kv[g] = !kPartial || g < count ? Row::load(d, keys + g * row_bytes, jv * lanes) : hn::Zero(d);
     }
     for (int r = 0; r < kR; ++r) {
-      const V xv = hn::LoadU(d, x + r * x_stride + jv * lanes);
-      for (int g = 0; g < kKeys; ++g) {
-        sums[r * kKeys + g] = hn::MulAdd(xv, kv[g], sums[r * kKeys + g]);
+      if constexpr (kPerKey) {
+        for (int g = 0; g < kKeys; ++g) {
+          const V xv = hn::LoadU(d, xs[g] + r * x_stride + jv * lanes);
+          sums[r * kKeys + g] = hn::MulAdd(xv, kv[g], sums[r * kKeys + g]);
+        }
+      } else {
+        const V xv = hn::LoadU(d, xs[0] + r * x_stride + jv * lanes);
+        for (int g = 0; g < kKeys; ++g) {
+          sums[r * kKeys + g] = hn::MulAdd(xv, kv[g], sums[r * kKeys + g]);
+        }
       }
     }
   }
@@ -183,14 +194,15 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
     }
     std::int64_t i = 0;
     for (; i + kRows <= m; i += kRows) {
+      const float* xi = x + i * x_stride;
       for (int g = 0; g < block; g += kTileKeys) {
-        key_tile<Row, kRows, kVecs>(x + i * x_stride, x_stride, tile + g * row_bytes, row_bytes, k,
+        key_tile<Row, kRows, kVecs>(&xi, x_stride, tile + g * row_bytes, row_bytes, k,
                                     y + i * y_stride + c + g, y_stride);
       }
     }
     for (; i < m; ++i) {
-      key_tile<Row, 1, kVecs>(x + i * x_stride, x_stride, tile, row_bytes, k, y + i * y_stride + c,
-                              y_stride);
+      const float* xi = x + i * x_stride;
+      key_tile<Row, 1, kVecs>(&xi, x_stride, tile, row_bytes, k, y + i * y_stride + c, y_stride);
     }
   }
   if (c == n) return;
@@ -199,15 +211,102 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
   const std::uint8_t* tail = keys + c * row_bytes;
   std::int64_t i = 0;
   for (; i + kRows <= m; i += kRows) {
+    const float* xi = x + i * x_stride;
     for (std::int64_t g = 0; g < n - c; g += kTileKeys) {
       key_tile<Row, kRows, kVecs, true>(
-          x + i * x_stride, x_stride, tail + g * row_bytes, row_bytes, k, y + i * y_stride + c + g,
-          y_stride, static_cast<int>(std::min<std::int64_t>(kTileKeys, n - c - g)));
+          &xi, x_stride, tail + g * row_bytes, row_bytes, k, y + i * y_stride + c + g, y_stride,
+          static_cast<int>(std::min<std::int64_t>(kTileKeys, n - c - g)));
     }
   }
   for (; i < m; ++i) {
-    key_tile<Row, 1, kVecs, true>(x + i * x_stride, x_stride, tail, row_bytes, k,
-                                  y + i * y_stride + c, y_stride, static_cast<int>(n - c));
+    const float* xi = x + i * x_stride;
+    key_tile<Row, 1, kVecs, true>(&xi, x_stride, tail, row_bytes, k, y + i * y_stride + c, y_stride,
+                                  static_cast<int>(n - c));
+  }
+}
+
+// One tile of key_blocks_by_run: its keys' rows in rows[0, kR x keys-per-tile), each key's own.
+// The tile reads its rows once when they are one run's (kPerKey otherwise).
+template <class Row, int kR, int kVecs>
+HWY_INLINE void key_tile_of_runs(const float* const* rows, std::ptrdiff_t x_stride,
+                                 const std::uint8_t* keys, std::size_t row_bytes, std::int64_t k,
+                                 float* y, std::ptrdiff_t y_stride, int count) {
+  constexpr int kKeys = static_cast<int>(kLanes) / kR;
+  const bool one_run =
+      std::all_of(rows + 1, rows + kKeys, [&](const float* r) { return r == rows[0]; });
+  if (count == kKeys) {
+    if (one_run) return key_tile<Row, kR, kVecs>(rows, x_stride, keys, row_bytes, k, y, y_stride);
+    return key_tile<Row, kR, kVecs, false, true>(rows, x_stride, keys, row_bytes, k, y, y_stride);
+  }
+  if (one_run) {
+    return key_tile<Row, kR, kVecs, true>(rows, x_stride, keys, row_bytes, k, y, y_stride, count);
+  }
+  key_tile<Row, kR, kVecs, true, true>(rows, x_stride, keys, row_bytes, k, y, y_stride, count);
+}
+
+// key_blocks with a block of query rows per run of keys: keys [runs[r - 1].end, runs[r].end) (from
+// 0; the last end is n) are scored with the rows at runs[r].x + x_offset. Each score is key_tile's
+// sum for its key alone, so the bits are those of key_blocks over each run on its own, whatever
+// the runs' lengths: under cache_index a unit's live slots fall into thousands of runs of a few
+// slots (freed slots are refilled by newer tokens), which one call each would pay for many times.
+template <class Row, int kVecs, class Run>
+HWY_INLINE void key_blocks_by_run(const Run* runs, std::ptrdiff_t x_offset, std::ptrdiff_t x_stride,
+                                  std::int64_t m, const std::uint8_t* keys, std::size_t row_bytes,
+                                  std::int64_t n, std::int64_t k, float* y,
+                                  std::ptrdiff_t y_stride) {
+  constexpr int kRows = kLanes >= 4 ? 4 : static_cast<int>(kLanes);
+  constexpr int kTileKeys = static_cast<int>(kLanes) / kRows;
+  const std::size_t block_bytes = kLanes * row_bytes;
+  const auto ahead = static_cast<std::int64_t>(
+      kLanes * std::max<std::size_t>(1, (std::size_t{4096} + block_bytes - 1) / block_bytes));
+  const auto block = static_cast<std::int64_t>(kLanes);
+  const Run* run = runs;
+  const float* xs[kLanes];    // the rows of each key of the block (past n: the last key's)
+  const float* rows[kLanes];  // those of a tile, at row i
+  for (std::int64_t c = 0; c < n; c += block) {
+    const std::int64_t count = std::min(block, n - c);
+    const std::uint8_t* tile = keys + c * row_bytes;
+    // The keys `ahead` rows on, as key_blocks.
+    const std::int64_t prefetch_rows = std::min(block, n - c - ahead);
+    for (std::size_t b = 0;
+         b < static_cast<std::size_t>(std::max<std::int64_t>(0, prefetch_rows)) * row_bytes;
+         b += 64) {
+      hwy::Prefetch(tile + ahead * row_bytes + b);
+    }
+    for (std::int64_t g = 0; g < block; ++g) {
+      while (g < count && run->end <= c + g) ++run;
+      xs[g] = run->x + x_offset;
+    }
+    std::int64_t i = 0;
+    for (; i + kRows <= m; i += kRows) {
+      for (int g = 0; g < count; g += kTileKeys) {
+        for (int t = 0; t < kTileKeys; ++t) rows[t] = xs[g + t] + i * x_stride;
+        key_tile_of_runs<Row, kRows, kVecs>(
+            rows, x_stride, tile + g * row_bytes, row_bytes, k, y + i * y_stride + c + g, y_stride,
+            static_cast<int>(std::min<std::int64_t>(kTileKeys, count - g)));
+      }
+    }
+    for (; i < m; ++i) {
+      for (std::int64_t t = 0; t < block; ++t) rows[t] = xs[t] + i * x_stride;
+      key_tile_of_runs<Row, 1, kVecs>(rows, x_stride, tile, row_bytes, k, y + i * y_stride + c,
+                                      y_stride, static_cast<int>(count));
+    }
+  }
+}
+
+// f(std::integral_constant<int, V>) with V = vecs for the row widths unrolled (2, 4 and 8
+// vectors), 0 (known at run time only) for the others.
+template <class F>
+HWY_INLINE void with_row_vectors(std::int64_t vecs, F&& f) {
+  switch (vecs) {
+    case 2:
+      return f(std::integral_constant<int, 2>());
+    case 4:
+      return f(std::integral_constant<int, 4>());
+    case 8:
+      return f(std::integral_constant<int, 8>());
+    default:
+      return f(std::integral_constant<int, 0>());
   }
 }
 #endif
@@ -227,19 +326,10 @@ void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const std::
       const std::int64_t rows = std::min(kRowBlock, m - i0);
       const float* xb = x + i0 * x_stride;
       float* yb = y + i0 * y_stride;
-      switch (k / lanes) {
-        case 2:
-          key_blocks<Row, 2>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
-          break;
-        case 4:
-          key_blocks<Row, 4>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
-          break;
-        case 8:
-          key_blocks<Row, 8>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
-          break;
-        default:
-          key_blocks<Row, 0>(xb, x_stride, rows, keys, row_bytes, n, k, yb, y_stride);
-      }
+      with_row_vectors(k / lanes, [&](auto vecs) {
+        key_blocks<Row, decltype(vecs)::value>(xb, x_stride, rows, keys, row_bytes, n, k, yb,
+                                               y_stride);
+      });
     }
     return;
   }
@@ -264,6 +354,39 @@ void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const std::
       score_columns<Row, 1>(xb, x_stride, rows, keys + c * row_bytes, row_bytes, k, yb + c,
                             y_stride);
     }
+  }
+}
+
+// scores() with the rows of X changing along the keys (key_blocks_by_run): keys [runs[r - 1].end,
+// runs[r].end) of [0, n) against the rows at runs[r].x, run_count > 0 runs, the last ending at n.
+// The bits of scores() over each run alone.
+template <class Row, class Run>
+void scores_by_run(const Run* runs, std::size_t run_count, std::ptrdiff_t x_stride, std::int64_t m,
+                   const std::uint8_t* keys, std::size_t row_bytes, std::int64_t n, std::int64_t k,
+                   float* y, std::ptrdiff_t y_stride) {
+#if HWY_TARGET != HWY_SCALAR
+  constexpr std::int64_t kRowBlock = 64;  // as scores()
+  const auto lanes = static_cast<std::int64_t>(hn::Lanes(D()));
+  if (k % lanes == 0) {
+    for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
+      const std::int64_t rows = std::min(kRowBlock, m - i0);
+      float* yb = y + i0 * y_stride;
+      with_row_vectors(k / lanes, [&](auto vecs) {
+        key_blocks_by_run<Row, decltype(vecs)::value>(runs, i0 * x_stride, x_stride, rows, keys,
+                                                      row_bytes, n, k, yb, y_stride);
+      });
+    }
+    return;
+  }
+#endif
+  // Rows not a multiple of the lanes: scores() over each run.
+  static_cast<void>(n);  // the last run's end
+  std::int64_t begin = 0;
+  for (std::size_t r = 0; r < run_count; ++r) {
+    const std::int64_t end = runs[r].end;
+    scores<Row>(runs[r].x, x_stride, m, keys + begin * static_cast<std::int64_t>(row_bytes),
+                row_bytes, end - begin, k, y + begin, y_stride);
+    begin = end;
   }
 }
 
