@@ -11,21 +11,22 @@
 // for the baselines: trigger and capacity rule are SirLLM's, with the random pick in place of the
 // entropy top-k.
 //
-// Reproducibility: the draw uses std::mt19937_64 seeded with `seed` (its output sequence is fixed
-// by the C++ standard) and kvevict's own unbiased bounded draw (std::uniform_int_distribution
-// differs between standard libraries), so a seed gives the same keep-sets on every platform. The
-// generator advances with each eviction: successive turns draw different subsets.
+// Reproducibility: the draw uses the output sequence of std::mt19937_64 seeded with `seed` (fixed
+// by the C++ standard; made a block at a time by detail::MersenneTwister64) and kvevict's own
+// unbiased bounded draw (std::uniform_int_distribution differs between standard libraries), so a
+// seed gives the same keep-sets on every platform. The generator advances with each eviction:
+// successive turns draw different subsets.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <numeric>
-#include <random>
 #include <span>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "kvevict/policies/detail/mersenne_twister.hpp"
 #include "kvevict/policies/detail/turn_eviction.hpp"
 #include "kvevict/policies/protection.hpp"
 #include "kvevict/policy.hpp"
@@ -36,7 +37,7 @@ namespace kvevict {
 struct RandomLlmConfig {
   int sinks = 4;           ///< S >= 0 first tokens kept for ever
   int budget = 0;          ///< B > 0 tokens for the sampled history (and the incoming turn)
-  std::uint64_t seed = 0;  ///< seed of the std::mt19937_64 that draws the history subset
+  std::uint64_t seed = 0;  ///< seed of the std::mt19937_64 sequence that draws the history subset
 };
 
 namespace detail {
@@ -45,7 +46,8 @@ namespace detail {
 /// the accepted range is a whole number of copies of [0, bound): no modulo bias. That threshold is
 /// below `bound`, so a draw of at least `bound` (all but a bound / 2^64 share) is accepted without
 /// dividing for it.
-inline std::uint64_t uniform_below(std::mt19937_64& engine, std::uint64_t bound) {
+template <class Engine>  // 64-bit outputs: std::mt19937_64, MersenneTwister64
+std::uint64_t uniform_below(Engine& engine, std::uint64_t bound) {
   for (;;) {
     const std::uint64_t draw = engine();
     if (draw >= bound || draw >= (std::uint64_t{0} - bound) % bound) return draw % bound;
@@ -80,7 +82,7 @@ class RandomLlmPolicy final : public detail::HistorySampler {
   }
 
  private:
-  std::mt19937_64 engine_;
+  detail::MersenneTwister64 engine_;
   std::vector<std::int32_t> picks_;  // history indices (a unit holds < 2^28 slots), then slots
 };
 
