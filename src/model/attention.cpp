@@ -1,6 +1,7 @@
 #include "attention.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <kvevict/detail/row_passes.hpp>
@@ -101,22 +102,31 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   };
   std::vector<std::int64_t>& kept = buffers.rotations;
   kept.clear();
-  std::size_t last_used = 0;
+  // The block of each rotation met, direct-mapped by its low bits in front of the search of `kept`:
+  // under cache_index the runs take turns among their rotations, one lookup per run.
+  constexpr std::size_t kRecent = 64;
+  struct Recent {
+    std::int64_t rotation = 0;
+    std::int64_t block = -1;  // none
+  };
+  std::array<Recent, kRecent> recent{};
   // Index in `kept` (and block of buffers.rotated) of the queries rotated by `rotation`.
   const auto block_of = [&](std::int64_t rotation) {
-    if (last_used >= kept.size() || kept[last_used] != rotation) {
-      const auto found = std::find(kept.begin(), kept.end(), rotation);
-      last_used = static_cast<std::size_t>(found - kept.begin());
-      if (found == kept.end()) {
-        if (kept.size() < max_blocks) kept.push_back(rotation);
-        last_used = kept.size() - 1;
-        kept[last_used] = rotation;
-        buffers.rotated.resize(kept.size() * static_cast<std::size_t>(block));
-        rotate_queries(rotation,
-                       buffers.rotated.data() + static_cast<std::int64_t>(last_used) * block);
-      }
+    Recent& entry = recent[static_cast<std::uint64_t>(rotation) % kRecent];
+    if (entry.block >= 0 && entry.rotation == rotation) return entry.block;
+    const auto found = std::find(kept.begin(), kept.end(), rotation);
+    auto at = static_cast<std::int64_t>(found - kept.begin());
+    if (found == kept.end()) {
+      if (kept.size() < max_blocks) kept.push_back(rotation);
+      at = static_cast<std::int64_t>(kept.size()) - 1;
+      // Every block in use: the last one is rotated again, its old rotation forgotten.
+      for (Recent& other : recent) other.block = other.block == at ? -1 : other.block;
+      kept[static_cast<std::size_t>(at)] = rotation;
+      buffers.rotated.resize(kept.size() * static_cast<std::size_t>(block));
+      rotate_queries(rotation, buffers.rotated.data() + at * block);
     }
-    return static_cast<std::int64_t>(last_used);
+    entry = {rotation, at};
+    return at;
   };
   // The live ranges: runs that touch merged, whatever their rotations ([begin, end), rotation 0).
   std::vector<KeyRun>& live = buffers.live;

@@ -225,15 +225,15 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
   }
 }
 
-// One tile of key_blocks_by_run: its keys' rows in rows[0, kR x keys-per-tile), each key's own.
-// The tile reads its rows once when they are one run's (kPerKey otherwise).
+// One tile of key_blocks_by_run, kLanes / kR keys: rows[g] is key g's first query row (kR of them,
+// x_stride apart). The tile reads its rows once when every key's are the same (kPerKey otherwise).
 template <class Row, int kR, int kVecs>
 HWY_INLINE void key_tile_of_runs(const float* const* rows, std::ptrdiff_t x_stride,
                                  const std::uint8_t* keys, std::size_t row_bytes, std::int64_t k,
                                  float* y, std::ptrdiff_t y_stride, int count) {
   constexpr int kKeys = static_cast<int>(kLanes) / kR;
-  const bool one_run =
-      std::all_of(rows + 1, rows + kKeys, [&](const float* r) { return r == rows[0]; });
+  bool one_run = true;
+  for (int g = 1; g < kKeys; ++g) one_run = one_run && rows[g] == rows[0];
   if (count == kKeys) {
     if (one_run) return key_tile<Row, kR, kVecs>(rows, x_stride, keys, row_bytes, k, y, y_stride);
     return key_tile<Row, kR, kVecs, false, true>(rows, x_stride, keys, row_bytes, k, y, y_stride);
