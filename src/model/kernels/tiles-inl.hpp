@@ -167,6 +167,24 @@ HWY_INLINE void key_tile(const float* const* xs, std::ptrdiff_t x_stride, const 
   for (int r = 0; r < kR; ++r) std::copy_n(tile + r * kKeys, count, y + r * y_stride);
 }
 
+// How far ahead key_blocks asks for keys: about 4 KB of rows, whole blocks of kLanes keys.
+HWY_INLINE std::int64_t keys_ahead(std::size_t row_bytes) {
+  const std::size_t block_bytes = kLanes * row_bytes;
+  return static_cast<std::int64_t>(
+      kLanes * std::max<std::size_t>(1, (std::size_t{4096} + block_bytes - 1) / block_bytes));
+}
+
+// Asks for the block of kLanes keys `ahead` rows past `tile`, those of the `left` rows from tile
+// on that exist (a short range's tail included).
+HWY_INLINE void prefetch_keys(const std::uint8_t* tile, std::size_t row_bytes, std::int64_t ahead,
+                              std::int64_t left) {
+  const std::int64_t rows = std::min(static_cast<std::int64_t>(kLanes), left - ahead);
+  for (std::size_t b = 0; b < static_cast<std::size_t>(std::max<std::int64_t>(0, rows)) * row_bytes;
+       b += 64) {
+    hwy::Prefetch(tile + ahead * row_bytes + b);
+  }
+}
+
 // Y[i][c] = X[i] . K[c] for i in [0, m), c in [0, n), k a multiple of the lanes: blocks of kLanes
 // keys (in L1 after the first rows of X read them), rows of X four (or one) at a time. The keys
 // about 4 KB ahead are prefetched: without it the hardware prefetchers do not run far enough
@@ -177,21 +195,13 @@ HWY_INLINE void key_blocks(const float* x, std::ptrdiff_t x_stride, std::int64_t
                            const std::uint8_t* keys, std::size_t row_bytes, std::int64_t n,
                            std::int64_t k, float* y, std::ptrdiff_t y_stride) {
   constexpr int kRows = kLanes >= 4 ? 4 : static_cast<int>(kLanes);
-  const std::size_t block_bytes = kLanes * row_bytes;
-  const auto ahead = static_cast<std::int64_t>(
-      kLanes * std::max<std::size_t>(1, (std::size_t{4096} + block_bytes - 1) / block_bytes));
+  const std::int64_t ahead = keys_ahead(row_bytes);
   const auto block = static_cast<std::int64_t>(kLanes);
   constexpr int kTileKeys = static_cast<int>(kLanes) / kRows;
   std::int64_t c = 0;
   for (; c + block <= n; c += block) {
     const std::uint8_t* tile = keys + c * row_bytes;
-    // The keys `ahead` rows on, those of a short range's tail included.
-    const std::int64_t prefetch_rows = std::min(block, n - c - ahead);
-    for (std::size_t b = 0;
-         b < static_cast<std::size_t>(std::max<std::int64_t>(0, prefetch_rows)) * row_bytes;
-         b += 64) {
-      hwy::Prefetch(tile + ahead * row_bytes + b);
-    }
+    prefetch_keys(tile, row_bytes, ahead, n - c);
     std::int64_t i = 0;
     for (; i + kRows <= m; i += kRows) {
       const float* xi = x + i * x_stride;
@@ -256,9 +266,7 @@ HWY_INLINE void key_blocks_by_run(const Run* runs, std::ptrdiff_t x_offset, std:
                                   std::ptrdiff_t y_stride) {
   constexpr int kRows = kLanes >= 4 ? 4 : static_cast<int>(kLanes);
   constexpr int kTileKeys = static_cast<int>(kLanes) / kRows;
-  const std::size_t block_bytes = kLanes * row_bytes;
-  const auto ahead = static_cast<std::int64_t>(
-      kLanes * std::max<std::size_t>(1, (std::size_t{4096} + block_bytes - 1) / block_bytes));
+  const std::int64_t ahead = keys_ahead(row_bytes);
   const auto block = static_cast<std::int64_t>(kLanes);
   const Run* run = runs;
   const float* xs[kLanes];    // the rows of each key of the block (past n: the last key's)
@@ -266,13 +274,7 @@ HWY_INLINE void key_blocks_by_run(const Run* runs, std::ptrdiff_t x_offset, std:
   for (std::int64_t c = 0; c < n; c += block) {
     const std::int64_t count = std::min(block, n - c);
     const std::uint8_t* tile = keys + c * row_bytes;
-    // The keys `ahead` rows on, as key_blocks.
-    const std::int64_t prefetch_rows = std::min(block, n - c - ahead);
-    for (std::size_t b = 0;
-         b < static_cast<std::size_t>(std::max<std::int64_t>(0, prefetch_rows)) * row_bytes;
-         b += 64) {
-      hwy::Prefetch(tile + ahead * row_bytes + b);
-    }
+    prefetch_keys(tile, row_bytes, ahead, n - c);
     for (std::int64_t g = 0; g < block; ++g) {
       while (g < count && run->end <= c + g) ++run;
       xs[g] = run->x + x_offset;
