@@ -25,8 +25,8 @@ struct QueryRun {
 
 /// stored_scores with the rows of X changing along the keys: Y[i][s] = X_r[i] . K[first + s] for
 /// s in [0, n), X_r the rows of the run r that holds key s (runs ascending, the last ending at n).
-/// The bits of stored_scores over each run alone, in one call: thousands of runs of a few keys
-/// cost about what one run of as many keys does.
+/// The bits of stored_scores over each run alone, in one call: a run of a key or two costs its
+/// share of a tile, not a call and a tile of its own.
 void stored_scores_by_run(std::span<const QueryRun> runs, std::ptrdiff_t x_stride, std::int64_t m,
                           const StoredRows& keys, std::int64_t first, std::int64_t n,
                           std::int64_t k, float* y, std::ptrdiff_t y_stride);

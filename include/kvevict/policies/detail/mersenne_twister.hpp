@@ -4,8 +4,8 @@
 // standard fixes it, [rand.predef]: the 10000th output of a default-seeded engine is
 // 9981545732273789042). A call returns the next output of a block of 312; the block is remade
 // (twisted, then tempered) by plain loops over the state that compilers vectorise, where
-// libstdc++ twists word by word and tempers each output in its call. RandomLLM draws one output per
-// evicted or kept history token, thousands per decision.
+// libstdc++ tempers each output in its call. RandomLLM draws one output per history token it
+// keeps, thousands per decision.
 #pragma once
 
 #include <array>
