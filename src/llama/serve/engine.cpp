@@ -472,6 +472,9 @@ void Engine::run() {
         break;
       }
     }
+    // Before a started request's first token reaches its client: /metrics and /slots show it
+    // active from then on (a client that has heard from its request never finds it missing there).
+    if (!arrived.empty()) publish();
     idle_.notify_all();
 
     // Requests whose client left: their sequences are closed, their cells freed.
