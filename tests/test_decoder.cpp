@@ -931,8 +931,9 @@ TEST(DecoderTargets, SkippedMaskedProductsChangeNoBit) {
 // free slots between some runs. Each probability must be the softmax of q rotated to p - d against
 // each key (d: its run's rotation), computed here in double; free slots and later chunk tokens get
 // exact zeros; and the bits must not depend on how the live slots are cut into runs (each run
-// split in two gives the same probabilities and outputs). Chunks of 1, 40 and 1,100 queries: the
-// last one's rotated queries exceed what attend() keeps, so it rotates them again per run.
+// split in two gives the same probabilities and outputs) nor on whether a long chunk's causal
+// blocks are skipped. Chunks of 1, 40 and 1,100 queries: the last one's rotated queries exceed
+// what attend() keeps, so it rotates them again per run.
 TEST(DecoderTargets, ManyRunsAttendAsTheirRotatedKeys) {
   const int head_dim = 16;
   const int heads = 2;
@@ -981,6 +982,13 @@ TEST(DecoderTargets, ManyRunsAttendAsTheirRotatedKeys) {
       group.attend(split_runs, true, split_p, split_out);
       EXPECT_EQ(std::memcmp(p.data(), split_p.data(), p.size() * sizeof(float)), 0);
       EXPECT_EQ(std::memcmp(out.data(), split_out.data(), out.size() * sizeof(float)), 0);
+      // Whole rows (no causal blocks): q.K takes each range of touching runs in one call while
+      // every rotation's queries are kept (40 queries), and a call per run past that (1,100).
+      std::vector<float> whole_p;
+      std::vector<float> whole_out;
+      group.attend(runs, false, whole_p, whole_out);
+      EXPECT_EQ(std::memcmp(p.data(), whole_p.data(), p.size() * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(out.data(), whole_out.data(), out.size() * sizeof(float)), 0);
       // The reference, in double, for a few queries of each head.
       for (int h = 0; h < heads; ++h) {
         for (int i = 0; i < n; i += std::max(1, n / 4)) {

@@ -102,70 +102,81 @@ void attend(const GroupAttention& group, QueryAngles& angles, float* probabiliti
   };
   std::vector<std::int64_t>& kept = buffers.rotations;
   kept.clear();
+  // Room for every block kept, so that the queries' addresses stay valid as blocks are added.
+  buffers.rotated.reserve(max_blocks * static_cast<std::size_t>(block));
   // The block of each rotation met, direct-mapped by its low bits in front of the search of `kept`:
   // under cache_index the runs take turns among their rotations, one lookup per run.
   constexpr std::size_t kRecent = 64;
   struct Recent {
     std::int64_t rotation = 0;
-    std::int64_t block = -1;  // none
+    const float* queries = nullptr;  // none
   };
   std::array<Recent, kRecent> recent{};
-  // Index in `kept` (and block of buffers.rotated) of the queries rotated by `rotation`.
-  const auto block_of = [&](std::int64_t rotation) {
+  // The group's queries rotated by `rotation`, kept in a block of buffers.rotated; nullptr when
+  // every block is in use by another rotation and `reuse` is false (with it, the last block is
+  // rotated again and its old rotation forgotten).
+  const auto rotated_by = [&](std::int64_t rotation, bool reuse) -> const float* {
     Recent& entry = recent[static_cast<std::uint64_t>(rotation) % kRecent];
-    if (entry.block >= 0 && entry.rotation == rotation) return entry.block;
+    if (entry.queries != nullptr && entry.rotation == rotation) return entry.queries;
     const auto found = std::find(kept.begin(), kept.end(), rotation);
     auto at = static_cast<std::int64_t>(found - kept.begin());
     if (found == kept.end()) {
-      if (kept.size() < max_blocks) kept.push_back(rotation);
+      if (kept.size() < max_blocks) {
+        kept.push_back(rotation);
+        buffers.rotated.resize(kept.size() * static_cast<std::size_t>(block));
+      } else if (!reuse) {
+        return nullptr;
+      } else {
+        recent.fill(Recent{});
+      }
       at = static_cast<std::int64_t>(kept.size()) - 1;
-      // Every block in use: the last one is rotated again, its old rotation forgotten.
-      for (Recent& other : recent) other.block = other.block == at ? -1 : other.block;
       kept[static_cast<std::size_t>(at)] = rotation;
-      buffers.rotated.resize(kept.size() * static_cast<std::size_t>(block));
       rotate_queries(rotation, buffers.rotated.data() + at * block);
     }
-    entry = {rotation, at};
-    return at;
+    entry = {rotation, buffers.rotated.data() + at * block};
+    return entry.queries;
   };
-  // The live ranges: runs that touch merged, whatever their rotations ([begin, end), rotation 0).
+  // One pass over the runs: the live ranges (runs that touch, merged whatever their rotations;
+  // p.V and the softmax's gaps read them) and, for whole rows (no causal blocks), each run's end
+  // and queries, so that q.K takes a range in one call (`stored_scores_by_run`: the bits of a call
+  // per run). A range's runs are query_runs[range_runs[i], range_runs[i + 1]).
   std::vector<KeyRun>& live = buffers.live;
+  std::vector<kernels::QueryRun>& query_runs = buffers.query_runs;
+  std::vector<std::size_t>& range_runs = buffers.range_runs;
   live.clear();
+  query_runs.clear();
+  range_runs.clear();
+  bool by_range = !causal_blocks;
   for (const KeyRun& run : group.runs) {
-    if (!live.empty() && live.back().end == run.begin) {
-      live.back().end = run.end;
-    } else {
+    if (live.empty() || live.back().end != run.begin) {
       live.push_back({run.begin, run.end, 0});
+      range_runs.push_back(query_runs.size());
+    } else {
+      live.back().end = run.end;
     }
+    if (!by_range) continue;
+    const float* queries = rotated_by(run.rotation, /*reuse=*/false);
+    by_range = queries != nullptr;
+    query_runs.push_back({run.end - live.back().begin, queries});
   }
-  // Whole rows (no causal blocks) with every rotation's queries kept: each live range in one call,
-  // each run's keys against its rotation's queries (the bits of a call per run).
-  bool by_range = !causal_blocks && live.size() < group.runs.size();
-  std::vector<std::int64_t>& run_blocks = buffers.run_blocks;
-  run_blocks.clear();
-  for (std::size_t r = 0; by_range && r < group.runs.size(); ++r) {
-    const std::int64_t rotation = group.runs[r].rotation;
-    by_range =
-        kept.size() < max_blocks || std::find(kept.begin(), kept.end(), rotation) != kept.end();
-    run_blocks.push_back(block_of(rotation));
-  }
+  range_runs.push_back(query_runs.size());
   if (by_range) {
-    std::vector<kernels::QueryRun>& query_runs = buffers.query_runs;
-    std::size_t r = 0;
-    for (const KeyRun& range : live) {
-      query_runs.clear();
-      for (; r < group.runs.size() && group.runs[r].end <= range.end; ++r) {
-        query_runs.push_back(
-            {group.runs[r].end - range.begin, buffers.rotated.data() + run_blocks[r] * block});
+    for (std::size_t i = 0; i < live.size(); ++i) {
+      const KeyRun& range = live[i];
+      const std::span<const kernels::QueryRun> runs(query_runs.data() + range_runs[i],
+                                                    range_runs[i + 1] - range_runs[i]);
+      if (runs.size() == 1) {
+        kernels::stored_scores(runs[0].x, head_dim, rows, group.keys, range.begin,
+                               range.end - range.begin, head_dim, row_of(0) + range.begin, stride);
+      } else {
+        kernels::stored_scores_by_run(runs, head_dim, rows, group.keys, range.begin,
+                                      range.end - range.begin, head_dim, row_of(0) + range.begin,
+                                      stride);
       }
-      kernels::stored_scores_by_run(query_runs, head_dim, rows, group.keys, range.begin,
-                                    range.end - range.begin, head_dim, row_of(0) + range.begin,
-                                    stride);
     }
   } else {
     for (const KeyRun& run : group.runs) {
-      const std::int64_t at = block_of(run.rotation);  // may grow buffers.rotated
-      const float* rotated = buffers.rotated.data() + at * block;
+      const float* rotated = rotated_by(run.rotation, /*reuse=*/true);
       for_each_visible(
           run, [&](std::int64_t r0, std::int64_t count, std::int64_t begin, std::int64_t end) {
             kernels::stored_scores(rotated + r0 * head_dim, head_dim, count, group.keys, begin,

@@ -81,12 +81,12 @@ struct GroupAttention {
 struct AttentionBuffers {
   /// [rotations][heads * n, head_dim] the group's queries rotated for each pending rotation met
   std::vector<float> rotated;
-  std::vector<std::int64_t> rotations;   ///< the rotation of each block of `rotated`
-  std::vector<float> output;             ///< [heads * n, head_dim] the group's attention outputs
-  std::vector<KeyRun> gaps;              ///< the free slots between (and after) the runs
-  std::vector<KeyRun> live;              ///< the runs that touch, merged: live slot ranges
-  std::vector<std::int64_t> run_blocks;  ///< each run's block of `rotated`
-  std::vector<kernels::QueryRun> query_runs;  ///< one live range's runs and their queries
+  std::vector<std::int64_t> rotations;  ///< the rotation of each block of `rotated`
+  std::vector<float> output;            ///< [heads * n, head_dim] the group's attention outputs
+  std::vector<KeyRun> gaps;             ///< the free slots between (and after) the runs
+  std::vector<KeyRun> live;             ///< the runs that touch, merged: live slot ranges
+  std::vector<kernels::QueryRun> query_runs;  ///< each run's end in its range, and its queries
+  std::vector<std::size_t> range_runs;        ///< each live range's first entry of query_runs
 };
 
 /// probabilities = softmax(q K^T / sqrt(head_dim)) over the live slots (exact zeros at free slots
