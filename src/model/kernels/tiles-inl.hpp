@@ -313,14 +313,16 @@ HWY_INLINE void with_row_vectors(std::int64_t vecs, F&& f) {
 }
 #endif
 
+// Rows of X that scores() and scores_by_run() take against every row of K at a time (64 x k
+// floats, in L2): a decode step's few stacked queries are one block, a prefill's chunk several.
+constexpr std::int64_t kRowBlock = 64;
+
 // Y = X K^T over n rows of K: Y[i][c] = X[i] . K[c], i in [0, m), c in [0, n), k values a row.
-// Blocks of 64 rows of X (64 x k floats, in L2) against every row of K: a decode step's few
-// stacked queries are one block, a prefill's chunk several. The common row widths unrolled.
+// Blocks of kRowBlock rows of X against every row of K. The common row widths unrolled.
 template <class Row>
 void scores(const float* x, std::ptrdiff_t x_stride, std::int64_t m, const std::uint8_t* keys,
             std::size_t row_bytes, std::int64_t n, std::int64_t k, float* y,
             std::ptrdiff_t y_stride) {
-  constexpr std::int64_t kRowBlock = 64;
 #if HWY_TARGET != HWY_SCALAR
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(D()));
   if (k % lanes == 0) {
@@ -367,7 +369,6 @@ void scores_by_run(const Run* runs, std::size_t run_count, std::ptrdiff_t x_stri
                    const std::uint8_t* keys, std::size_t row_bytes, std::int64_t n, std::int64_t k,
                    float* y, std::ptrdiff_t y_stride) {
 #if HWY_TARGET != HWY_SCALAR
-  constexpr std::int64_t kRowBlock = 64;  // as scores()
   const auto lanes = static_cast<std::int64_t>(hn::Lanes(D()));
   if (k % lanes == 0) {
     for (std::int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
