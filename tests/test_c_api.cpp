@@ -511,6 +511,84 @@ TEST(CApi, AttentionOutsideZeroToOneIsAnErrorThatChangesNothing) {
   ASSERT_EQ(kvevict_sequence_end_forward(s.get()), KVEVICT_OK) << kvevict_last_error();
 }
 
+// An engine may hand H2O each KV head's rows apart (observe_attention_heads), with the decisions
+// of one call per layer; a policy that reads a layer at once, a range outside the layer and a
+// NULL sequence get a status and a message.
+TEST(CApi, AttentionPerKvHeadDecidesAsOneCallPerLayer) {
+  const kvevict_config c = config(1, 4, 2, 2);
+  CSequence whole = create("h2o", "heavy=3 recent=2", c);
+  CSequence apart = create("h2o", "heavy=3 recent=2", c);
+  EXPECT_EQ(kvevict_sequence_attention_per_kv_head(apart.get()), 1);
+  EXPECT_EQ(kvevict_sequence_attention_per_kv_head(nullptr), 0);
+  std::uint64_t x = 11;
+  for (int step = 0; step < 30; ++step) {
+    const int n = 1 + step % 2;
+    const std::vector<std::int32_t> ids(static_cast<std::size_t>(n), 1);
+    ASSERT_EQ(kvevict_sequence_begin_chunk(whole.get(), ids.data(), n, 0), KVEVICT_OK);
+    ASSERT_EQ(kvevict_sequence_begin_chunk(apart.get(), ids.data(), n, 0), KVEVICT_OK);
+    const int limit = kvevict_sequence_slot_limit(whole.get(), 0, 0);
+    // [4 query heads][n][limit], values in [0, 1) on the live slots (free slots 0).
+    std::vector<float> rows(static_cast<std::size_t>(4 * n * limit), 0.0f);
+    for (int r = 0; r < 4 * n; ++r) {
+      const int kv_head = r / (2 * n);
+      for (int slot = 0; slot < limit; ++slot) {
+        std::int64_t position = 0;
+        if (kvevict_sequence_position(whole.get(), 0, kv_head, slot, &position, nullptr) !=
+            KVEVICT_OK) {
+          continue;
+        }
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        rows[static_cast<std::size_t>(r * limit + slot)] =
+            static_cast<float>(x >> 40) / 16777216.0f;
+      }
+    }
+    ASSERT_EQ(kvevict_sequence_observe_attention(whole.get(), 0, rows.data(), n, limit), KVEVICT_OK)
+        << kvevict_last_error();
+    for (int g = 0; g < 2; ++g) {
+      ASSERT_EQ(kvevict_sequence_observe_attention_heads(apart.get(), 0, g, g + 1,
+                                                         rows.data() + 2 * g * n * limit, n, limit),
+                KVEVICT_OK)
+          << kvevict_last_error();
+    }
+    ASSERT_EQ(kvevict_sequence_end_forward(whole.get()), KVEVICT_OK);
+    ASSERT_EQ(kvevict_sequence_end_forward(apart.get()), KVEVICT_OK);
+    for (int g = 0; g < 2; ++g) {
+      for (int slot = 0; slot < limit; ++slot) {
+        std::int64_t a = -1;
+        std::int64_t b = -1;
+        (void)kvevict_sequence_position(whole.get(), 0, g, slot, &a, nullptr);
+        (void)kvevict_sequence_position(apart.get(), 0, g, slot, &b, nullptr);
+        ASSERT_EQ(a, b) << "step " << step << " KV head " << g << " slot " << slot;
+      }
+    }
+  }
+  EXPECT_EQ(kvevict_sequence_live(apart.get(), 0, 1), 5);
+
+  const std::int32_t id = 1;
+  const float row[] = {1.0f, 1.0f};
+  ASSERT_EQ(kvevict_sequence_begin_chunk(apart.get(), &id, 1, 0), KVEVICT_OK);
+  EXPECT_EQ(kvevict_sequence_observe_attention_heads(apart.get(), 0, 1, 3, row, 1, 1),
+            KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("KV heads [1, 3) are not a range"),
+            std::string::npos)
+      << kvevict_last_error();
+  EXPECT_EQ(kvevict_sequence_observe_attention_heads(nullptr, 0, 0, 1, row, 1, 1),
+            KVEVICT_INVALID_ARGUMENT);
+
+  CSequence tova = create("tova", "budget=4", config(1, 2, 2, 2));
+  EXPECT_EQ(kvevict_sequence_attention_per_kv_head(tova.get()), 1);
+  CSequence window = create("window", "recent=4", config(1, 2, 2, 2));
+  EXPECT_EQ(kvevict_sequence_attention_per_kv_head(window.get()), 0);
+  CSequence snapkv = create("snapkv", "capacity=4 window=1", config(1, 2, 2, 2));
+  EXPECT_EQ(kvevict_sequence_attention_per_kv_head(snapkv.get()), 0);
+  ASSERT_EQ(kvevict_sequence_begin_chunk(snapkv.get(), &id, 1, 0), KVEVICT_OK);
+  EXPECT_EQ(kvevict_sequence_observe_attention_heads(snapkv.get(), 0, 0, 1, row, 1, 1),
+            KVEVICT_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvevict_last_error()).find("reads a layer's attention rows in one call"),
+            std::string::npos)
+      << kvevict_last_error();
+}
+
 // Without a reserve callback the engine sized its buffers for kvevict_sequence_capacity(): an
 // unbounded policy that outgrows it fails as a failed reserve does, with a message naming the fix.
 // A window of 4 fed chunks of 4: the second chunk (slots 4-7) evicts slots 0-3, freed oldest

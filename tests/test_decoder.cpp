@@ -1197,9 +1197,11 @@ TEST(DecoderPolicies, EveryPolicyWithoutEvictionEqualsFullBitwise) {
 // ---------------------------------------------------------------------------------------------
 
 // Products are split by rows of W and attention by KV heads, each value computed as on one thread:
-// 1, 2 and 3 threads give the same bits, for every weight type, both key storages, and a policy
-// that reads every attention row and evicts (its decisions must not change either). The model is
-// wide enough (output 2,048 x 128) that single-row products are split too.
+// 1, 2 and 3 threads give the same bits, for every weight type, both key storages, and policies
+// that read attention rows and evict (their decisions must not change either): H2O with a unit
+// per KV head, TOVA with one per layer. One thread hands each KV head's rows to the policy apart,
+// several threads the layer's at once (Sequence::attention_per_kv_head). The model is wide enough
+// (output 2,048 x 128) that single-row products are split too.
 TEST(DecoderThreads, LogitsAreBitIdenticalForAnyThreadCount) {
   ModelConfig config = small_config(RopeLayout::half_split);
   config.dim = 128;
@@ -1209,34 +1211,37 @@ TEST(DecoderThreads, LogitsAreBitIdenticalForAnyThreadCount) {
   const std::vector<int> chunks{12, 1, 1, 7, 1};
   for (const DType dtype : {DType::f32, DType::f16, DType::bf16, DType::q8_0, DType::q4_0}) {
     const Model model = kvevict::model::make_random_model(config, 9, dtype);
-    for (const KeyStorage storage : {KeyStorage::pre_rope, KeyStorage::post_rope}) {
-      std::vector<float> one_thread;
-      std::int64_t one_thread_evicted = 0;
-      for (const int threads : {1, 2, 3}) {
-        SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)) + " " +
-                     std::string(kvevict::to_string(storage)) + " threads " +
-                     std::to_string(threads));
-        DecoderOptions options;
-        options.key_storage = storage;
-        options.max_chunk = 12;
-        options.threads = threads;
-        Decoder decoder(
-            model, kvevict::make_policy("h2o", PolicyParams().set("heavy", 8).set("recent", 8)),
-            options);
-        const std::vector<float> logits = all_logits(decoder, tokens, chunks);
-        const std::int64_t evicted = decoder.cache().sequence().stats().evicted_slots;
-        EXPECT_GT(evicted, 0);
-        if (threads == 1) {
-          one_thread = logits;
-          one_thread_evicted = evicted;
-          continue;
+    for (const auto& [policy, params] :
+         {std::pair<std::string, PolicyParams>{"h2o",
+                                               PolicyParams().set("heavy", 8).set("recent", 8)},
+          {"tova", PolicyParams().set("budget", 16)}}) {
+      for (const KeyStorage storage : {KeyStorage::pre_rope, KeyStorage::post_rope}) {
+        std::vector<float> one_thread;
+        std::int64_t one_thread_evicted = 0;
+        for (const int threads : {1, 2, 3}) {
+          SCOPED_TRACE(std::string(kvevict::model::to_string(dtype)) + " " + policy + " " +
+                       std::string(kvevict::to_string(storage)) + " threads " +
+                       std::to_string(threads));
+          DecoderOptions options;
+          options.key_storage = storage;
+          options.max_chunk = 12;
+          options.threads = threads;
+          Decoder decoder(model, kvevict::make_policy(policy, params), options);
+          const std::vector<float> logits = all_logits(decoder, tokens, chunks);
+          const std::int64_t evicted = decoder.cache().sequence().stats().evicted_slots;
+          EXPECT_GT(evicted, 0);
+          if (threads == 1) {
+            one_thread = logits;
+            one_thread_evicted = evicted;
+            continue;
+          }
+          ASSERT_EQ(logits.size(), one_thread.size());
+          EXPECT_EQ(std::memcmp(logits.data(), one_thread.data(), logits.size() * sizeof(float)), 0)
+              << "max relative difference "
+              << max_relative_difference(logits, one_thread,
+                                         static_cast<std::size_t>(config.vocab_size));
+          EXPECT_EQ(evicted, one_thread_evicted);
         }
-        ASSERT_EQ(logits.size(), one_thread.size());
-        EXPECT_EQ(std::memcmp(logits.data(), one_thread.data(), logits.size() * sizeof(float)), 0)
-            << "max relative difference "
-            << max_relative_difference(logits, one_thread,
-                                       static_cast<std::size_t>(config.vocab_size));
-        EXPECT_EQ(evicted, one_thread_evicted);
       }
     }
   }

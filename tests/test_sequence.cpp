@@ -377,6 +377,141 @@ TEST(Sequence, ALayerObservedTwiceOrRowsOfTheWrongShapeAreErrors) {
   expect_error([&] { observe_attention(s, 3, rows.make(s, 0, layer, 0)); }, "layer 3 outside");
 }
 
+// Random softmax rows of one layer for `sequence`'s current chunk, laid out as observe_attention
+// takes them ([q_heads][queries][stride]): each row spreads 1 over its unit's live slots.
+std::vector<float> random_layer_rows(const Sequence& sequence, int layer, int queries,
+                                     std::ptrdiff_t stride, std::mt19937& random) {
+  const SequenceConfig& c = sequence.config();
+  const int group = c.q_heads / c.kv_heads;
+  std::vector<float> rows(static_cast<std::size_t>(c.q_heads * queries * stride), 0.0f);
+  std::uniform_real_distribution<float> weight(0.01f, 1.0f);
+  for (int h = 0; h < c.q_heads; ++h) {
+    const int unit = sequence.unit_of(layer, h / group);
+    for (int q = 0; q < queries; ++q) {
+      float* row = rows.data() + (static_cast<std::ptrdiff_t>(h) * queries + q) * stride;
+      float total = 0.0f;
+      for (int slot = 0; slot < sequence.slot_limit(layer, h / group); ++slot) {
+        if (sequence.slots().is_live(unit, slot)) total += row[slot] = weight(random);
+      }
+      for (int slot = 0; slot < stride; ++slot) row[slot] /= total;
+    }
+  }
+  return rows;
+}
+
+// H2O and TOVA take a layer's KV heads in separate calls (Policy::attention_per_kv_head): every
+// score keeps its bits and every decision its tokens, against one call per layer, whether each
+// KV head has its own unit (H2O, TOVA-head) or the layer's share one (TOVA-layer, H2O at layer
+// granularity), for group sizes 1 to 4 and chunks of 1 to 3 tokens after a prompt.
+TEST(Sequence, AttentionPerKvHeadGivesTheScoresAndDecisionsOfOneCallPerLayer) {
+  struct Case {
+    std::string label;
+    std::string policy;
+    PolicyParams params;
+    std::optional<kvevict::Granularity> granularity;
+  };
+  using kvevict::Granularity;
+  const std::vector<Case> cases{
+      {"h2o", "h2o", kvevict::budget_params("h2o", 12), std::nullopt},
+      {"h2o layer", "h2o", kvevict::budget_params("h2o", 12), Granularity::layer},
+      {"h2o token", "h2o", kvevict::budget_params("h2o", 12), Granularity::token},
+      {"h2o block:4", "h2o", kvevict::budget_params("h2o", 12), Granularity::blocks(4)},
+      {"tova", "tova", PolicyParams().set("budget", 10), std::nullopt},
+      {"tova head_wise", "tova", PolicyParams().set("budget", 10).set("head_wise", 1),
+       std::nullopt}};
+  for (const Case& test : cases) {
+    for (const auto& [q_heads, kv_heads] : {std::pair{2, 2}, {4, 2}, {6, 2}, {12, 3}}) {
+      SCOPED_TRACE(test.label + " q_heads " + std::to_string(q_heads) + " kv_heads " +
+                   std::to_string(kv_heads));
+      SequenceConfig c = config(2, q_heads, kv_heads, 16);
+      c.granularity = test.granularity;
+      Sequence whole(c, kvevict::make_policy(test.policy, test.params));
+      Sequence apart(c, kvevict::make_policy(test.policy, test.params));
+      ASSERT_TRUE(apart.attention_per_kv_head());
+      std::mt19937 random(7);
+      const int group = q_heads / kv_heads;
+      for (int step = 0; step < 40; ++step) {
+        const int n = step == 0 ? 16 : 1 + step % 3;
+        whole.begin_chunk(ids(n));
+        apart.begin_chunk(ids(n));
+        for (int layer = 0; layer < c.layers; ++layer) {
+          int stride = 0;
+          for (int g = 0; g < kv_heads; ++g) stride = std::max(stride, whole.slot_limit(layer, g));
+          const int queries = whole.attention_queries();
+          const std::vector<float> rows = random_layer_rows(whole, layer, queries, stride, random);
+          whole.observe_attention(layer, rows.data(), queries, stride);
+          for (int g = 0; g < kv_heads; ++g) {
+            apart.observe_attention(
+                layer, g, g + 1,
+                rows.data() + static_cast<std::ptrdiff_t>(g) * group * queries * stride, queries,
+                stride);
+          }
+        }
+        whole.end_forward();
+        apart.end_forward();
+        for (int unit = 0; unit < whole.slots().units(); ++unit) {
+          ASSERT_EQ(kvevict::test::kept_positions(whole.slots(), unit),
+                    kvevict::test::kept_positions(apart.slots(), unit))
+              << "step " << step << " unit " << unit;
+          const std::vector<float> a = kvevict::test::score_column(whole.slots(), unit, 0);
+          const std::vector<float> b = kvevict::test::score_column(apart.slots(), unit, 0);
+          ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0)
+              << "step " << step << " unit " << unit;
+        }
+      }
+      EXPECT_GT(whole.stats().evicted_slots, 0);
+    }
+  }
+}
+
+// A call per KV head is refused whole: rows with a NaN in KV head 1 leave its scores as they were
+// and it unobserved (KV head 0's call stands), and the same head may then be observed again.
+// Heads observed twice, never or out of order, ranges outside the layer, and a policy that reads a
+// layer in one call get errors naming them.
+TEST(Sequence, AttentionPerKvHeadIsRefusedWholePerCallAndCheckedPerHead) {
+  Sequence s(config(1, 4, 2), kvevict::make_policy("h2o", kvevict::budget_params("h2o", 8)));
+  s.begin_chunk(ids(2));
+  std::mt19937 random(3);
+  const int stride = s.slot_limit(0, 0);
+  std::vector<float> rows = random_layer_rows(s, 0, 2, stride, random);
+  const std::ptrdiff_t head_rows = std::ptrdiff_t{2} * 2 * stride;  // group 2, 2 queries
+  s.observe_attention(0, 0, 1, rows.data(), 2, stride);
+  expect_error([&] { s.observe_attention(0, 0, 1, rows.data(), 2, stride); },
+               "layer 0, KV head 0 was already observed");
+  expect_error([&] { s.observe_attention(0, 0, 2, rows.data(), 2, stride); },
+               "layer 0, KV head 0 was already observed");
+  expect_error([&] { s.end_forward(); }, "layer 0, KV head 1 was not observed");
+  const int unit = s.unit_of(0, 1);
+  const std::vector<float> before = kvevict::test::score_column(s.slots(), unit, 0);
+  std::vector<float> bad = rows;
+  bad[static_cast<std::size_t>(head_rows + stride + 1)] = std::nanf("");
+  expect_error([&] { s.observe_attention(0, 1, 2, bad.data() + head_rows, 2, stride); },
+               "layer 0, query head 2, query 1");
+  const std::vector<float> after = kvevict::test::score_column(s.slots(), unit, 0);
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), before.size() * sizeof(float)), 0);
+  expect_error([&] { s.observe_attention(0, 1, 1, rows.data(), 2, stride); },
+               "KV heads [1, 1) are not a range");
+  expect_error([&] { s.observe_attention(0, 1, 3, rows.data(), 2, stride); },
+               "KV heads [1, 3) are not a range");
+  s.observe_attention(0, 1, 2, rows.data() + head_rows, 2, stride);
+  s.end_forward();
+
+  Sequence three(config(1, 3, 3), kvevict::make_policy("h2o", kvevict::budget_params("h2o", 8)));
+  three.begin_chunk(ids(1));
+  const std::vector<float> rows3 = random_layer_rows(three, 0, 1, three.slot_limit(0, 0), random);
+  expect_error([&] { three.observe_attention(0, 1, 2, rows3.data(), 1, three.slot_limit(0, 0)); },
+               "layer 0 needs KV head 0 next, got 1");
+
+  Sequence snapkv(config(1, 2, 2),
+                  kvevict::make_policy("snapkv", kvevict::budget_params("snapkv", 4)));
+  ASSERT_TRUE(snapkv.wants_attention());
+  EXPECT_FALSE(snapkv.attention_per_kv_head());
+  snapkv.begin_chunk(ids(2));
+  const std::vector<float> one = random_layer_rows(snapkv, 0, 2, snapkv.slot_limit(0, 0), random);
+  expect_error([&] { snapkv.observe_attention(0, 0, 1, one.data(), 2, snapkv.slot_limit(0, 0)); },
+               "reads a layer's attention rows in one call");
+}
+
 // key_runs and live_mask are the engine's view of the live slots during a forward: the runs are
 // disjoint, in slot order, cover exactly the live slots (the mask's ones), and a run's rotation
 // is the pending rotation of every slot in it (position - key_position). RandomLLM under

@@ -92,7 +92,8 @@ inline void check_probabilities(const AttentionRows& rows, int layer, std::strin
       const auto bad =
           std::find_if(row.begin(), row.end(), [](float p) { return !detail::is_probability(p); });
       throw Error(std::string(call) + ": layer " + std::to_string(layer) + ", query head " +
-                  std::to_string(h) + ", query " + std::to_string(q) + " (original position " +
+                  std::to_string(rows.first_kv_head() * rows.group_size() + h) + ", query " +
+                  std::to_string(q) + " (original position " +
                   std::to_string(rows.first_query_position() + q) + "), slot " +
                   std::to_string(bad - row.begin()) + ": " + detail::describe_value(*bad) +
                   " is not an attention probability in [0, 1]; nothing was recorded");
@@ -101,50 +102,60 @@ inline void check_probabilities(const AttentionRows& rows, int layer, std::strin
 }
 
 /// Throws unless `rows` can be scores of layer `layer` of `slots`: the layer exists, the rows have
-/// the table's KV heads, and each row covers its unit's slots exactly (AttentionRows::keys is the
-/// unit's slot limit). `policy` names the caller in messages.
+/// the table's KV heads (all of them, or a range of them when `some_kv_heads`), and each row
+/// covers its unit's slots exactly (AttentionRows::keys is the unit's slot limit). `policy` names
+/// the caller in messages.
 inline void check_attention_rows(const SlotTable& slots, int layer, const AttentionRows& rows,
-                                 std::string_view policy) {
+                                 std::string_view policy, bool some_kv_heads = false) {
   // Per-forward path: plain ifs, so that no message is built unless a check fails.
   const UnitLayout& layout = slots.layout();
   if (layer < 0 || layer >= layout.layers()) {
     throw Error(std::string(policy) + ": attention rows for layer " + std::to_string(layer) +
                 " of " + std::to_string(layout.layers()));
   }
-  if (rows.kv_heads() != layout.kv_heads()) {
-    throw Error(std::string(policy) + ": attention rows cover " + std::to_string(rows.kv_heads()) +
-                " KV heads, the cache has " + std::to_string(layout.kv_heads()));
+  const int first = rows.first_kv_head();
+  if (some_kv_heads ? first + rows.kv_heads() > layout.kv_heads()
+                    : first != 0 || rows.kv_heads() != layout.kv_heads()) {
+    throw Error(std::string(policy) + ": attention rows cover KV heads [" + std::to_string(first) +
+                ", " + std::to_string(first + rows.kv_heads()) + "), the cache has " +
+                std::to_string(layout.kv_heads()) +
+                (some_kv_heads ? "" : " (this policy reads every KV head of a layer at once)"));
   }
   if (rows.queries() <= 0) throw Error(std::string(policy) + ": attention rows hold no query");
-  for (int g = 0; g < layout.kv_heads(); ++g) {
+  for (int g = 0; g < rows.kv_heads(); ++g) {
     const int keys = rows.keys(g * rows.group_size());
-    const int slot_limit = slots.slot_limit(layout.unit_of(layer, g));
+    const int slot_limit = slots.slot_limit(layout.unit_of(layer, first + g));
     if (keys != slot_limit) {
       throw Error(std::string(policy) + ": attention rows of layer " + std::to_string(layer) +
-                  ", KV head " + std::to_string(g) + " cover " + std::to_string(keys) +
+                  ", KV head " + std::to_string(first + g) + " cover " + std::to_string(keys) +
                   " slots, the cache has " + std::to_string(slot_limit) +
                   " (rows are indexed by slot, over [0, slot_limit))");
     }
   }
 }
 
-/// A score-based policy's observe_attention: for each KV head g of layer `layer`, adds `weight` x
-/// the rows of g's query heads (every query, or the last one when `last_query_only`) to score
-/// column `column` of g's unit, or to zeros for a unit whose `restart` flag is set (then
-/// cleared). A refused call changes no score: each unit's new sums are built in its spare column
-/// and swapped in only once every row the call read was an attention probability; else the
-/// message of check_probabilities (as Sequence would have refused the rows: Policy::
-/// checks_probabilities). One pass over the rows, not a check and then a sum.
+/// A score-based policy's observe_attention: for each KV head g of the rows (of layer `layer`),
+/// adds `weight` x the rows of g's query heads (every query, or the last one when
+/// `last_query_only`) to score column `column` of g's unit, or to zeros for a unit whose `restart`
+/// flag is set (then cleared). A refused call changes no score: each unit's new sums are built in
+/// its spare column and swapped in only once every row the call read was an attention
+/// probability; else the message of check_probabilities (as Sequence would have refused the
+/// rows: Policy::checks_probabilities). One pass over the rows, not a check and then a sum.
+///
+/// KV heads handed over in separate calls (AttentionRows::first_kv_head) give the same sums, bit
+/// for bit, as one call: each KV head's rows are added in their own passes either way, and a unit
+/// shared by the layer's KV heads adds the next head's rows to what the previous ones left.
 inline void add_attention_checked(SlotTable& slots, int layer, const AttentionRows& rows,
                                   float weight, int column, bool last_query_only,
                                   std::span<std::uint8_t> restart = {}) {
   const UnitLayout& layout = slots.layout();
   const AttentionRows read = last_query_only ? rows.last_query() : rows;
   const int group = rows.group_size();
+  const int first = rows.first_kv_head();
   // The KV heads of a layer share a unit (layer, token, block granularity) or each have their own.
   const bool shared = layout.kv_heads() > 1 && layout.unit_of(layer, 0) == layout.unit_of(layer, 1);
-  for (int g = 0; g < layout.kv_heads(); ++g) {
-    const int unit = layout.unit_of(layer, g);
+  for (int g = 0; g < rows.kv_heads(); ++g) {
+    const int unit = layout.unit_of(layer, first + g);
     const std::span<float> spare = slots.spare_scores(unit);
     std::span<const float> from = slots.scores(unit, column);
     if (shared && g > 0) {
@@ -158,8 +169,8 @@ inline void add_attention_checked(SlotTable& slots, int layer, const AttentionRo
                   " are not probabilities; nothing was recorded");  // not reached
     }
   }
-  for (int g = 0; g < (shared ? 1 : layout.kv_heads()); ++g) {
-    const int unit = layout.unit_of(layer, g);
+  for (int g = 0; g < (shared ? 1 : rows.kv_heads()); ++g) {
+    const int unit = layout.unit_of(layer, first + g);
     slots.swap_spare_scores(unit, column);
     if (!restart.empty()) restart[static_cast<std::size_t>(unit)] = 0;
   }

@@ -193,6 +193,18 @@ kvevict_status kvevict_sequence_live_mask(const kvevict_sequence* sequence, int 
 kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
                                                   const float* rows, int queries,
                                                   ptrdiff_t row_stride);
+/* 1 when the policy takes a layer's KV heads in separate calls (H2O, TOVA): an engine may hand
+ * each KV head's rows to observe_attention_heads right after its softmax, while they are in cache,
+ * with the same scores and decisions as one call per layer; 0 otherwise (and for NULL). */
+int kvevict_sequence_attention_per_kv_head(const kvevict_sequence* sequence);
+/* The rows of KV heads [kv_head_begin, kv_head_end) of one layer, layout [(kv_head_end -
+ * kv_head_begin) x q_heads / kv_heads][queries][row_stride], as observe_attention's. Each call is
+ * refused whole; every KV head of every layer once per forward. A range short of the whole layer
+ * fails with KVEVICT_INVALID_ARGUMENT unless attention_per_kv_head is 1. */
+kvevict_status kvevict_sequence_observe_attention_heads(kvevict_sequence* sequence, int layer,
+                                                        int kv_head_begin, int kv_head_end,
+                                                        const float* rows, int queries,
+                                                        ptrdiff_t row_stride);
 kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
                                                   const float* surprisal, int count);
 /* Keys of the chunk's tokens in one layer, layout [kv_heads][chunk][row_stride], head_dim floats

@@ -215,6 +215,17 @@ class Sequence {
   /// over slots [0, slot_limit) of KV head h / (q_heads / kv_heads), free and masked slots 0.
   /// `queries` is attention_queries(). The data is read during the call only. Every layer once.
   void observe_attention(int layer, const float* rows, int queries, std::ptrdiff_t row_stride);
+  /// True when the policy takes a layer's KV heads in separate calls (Policy::
+  /// attention_per_kv_head: H2O, TOVA): an engine may then hand each KV head's rows over right
+  /// after its softmax, while they and the scores they add to are in cache, with the same scores
+  /// and decisions as one call for the layer.
+  [[nodiscard]] bool attention_per_kv_head() const;
+  /// The rows of KV heads [kv_head_begin, kv_head_end) of one layer, [(kv_head_end -
+  /// kv_head_begin) x q_heads / kv_heads][queries][row_stride] floats, as above. Each call is
+  /// refused whole (nothing recorded, the heads may be observed again); every KV head of every
+  /// layer once. A range short of the whole layer needs attention_per_kv_head().
+  void observe_attention(int layer, int kv_head_begin, int kv_head_end, const float* rows,
+                         int queries, std::ptrdiff_t row_stride);
   /// True when the policy reads the keys (K-norm, KeyDiff): hand every layer's to observe_keys.
   [[nodiscard]] bool wants_keys() const;
   /// Keys of the chunk's tokens in one layer, [kv_heads][chunk][row_stride] floats, head_dim each,

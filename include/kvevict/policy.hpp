@@ -113,6 +113,11 @@ class Policy {
   /// check_probabilities' message and before it changes any score (add_attention_checked: the
   /// check fused into its pass over the rows). Sequence then checks only their shape.
   [[nodiscard]] virtual bool checks_probabilities() const { return false; }
+  /// Whether observe_attention takes a layer's KV heads in separate calls (AttentionRows::
+  /// first_kv_head), each refused whole, with the same scores as one call for the layer: an
+  /// engine can then hand each KV head's rows over right after its softmax, while they are in
+  /// cache. Otherwise every call covers all the layer's KV heads.
+  [[nodiscard]] virtual bool attention_per_kv_head() const { return false; }
   /// slot_flag bits for a newly appended token (e.g. anchor).
   [[nodiscard]] virtual std::uint8_t flags_for(std::int32_t /*token_id*/) const { return 0; }
   /// Tokens that can still be appended before the policy's pot is full (engines split chunks
@@ -126,7 +131,8 @@ class Policy {
   virtual void move_slots(int /*unit*/, std::span<const SlotMove> /*moves*/) {}
   /// The chunk's tokens were just appended to every unit (Sequence::chunk_slots).
   virtual void on_append(SlotTable& /*slots*/, const ChunkInfo& /*chunk*/) {}
-  /// Attention rows of one layer for the current forward (attention_rows / last_attention_row).
+  /// Attention rows of one layer for the current forward (attention_rows / last_attention_row):
+  /// every KV head's, or some of them when attention_per_kv_head().
   virtual void observe_attention(SlotTable& /*slots*/, int /*layer*/,
                                  const AttentionRows& /*rows*/) {}
   /// Key vectors of one layer's tokens of the current forward (Signal::keys).

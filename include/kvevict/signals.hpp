@@ -76,27 +76,37 @@ inline constexpr std::uint8_t catalyst = 1u << 2;  ///< part of a catalyst promp
 /// during the forward (the chunk's tokens appended, nothing evicted yet): keys(h) is the slot limit
 /// of that head's unit. Free slots, entries past `keys(h)` and causally masked entries (a query's
 /// later chunk-mates) are zero.
+///
+/// The rows may cover some of the layer's KV heads only, [first_kv_head, first_kv_head +
+/// kv_heads()), as an engine that hands each KV head's rows over right after its softmax does
+/// (Policy::attention_per_kv_head): query head h of the rows is then query head first_kv_head x
+/// group_size + h of the layer.
 class AttentionRows {
  public:
   AttentionRows(const float* data, int q_heads, int group_size, int queries,
                 std::ptrdiff_t row_stride, std::span<const int> keys_per_kv_head,
-                std::int64_t first_query_position)
+                std::int64_t first_query_position, int first_kv_head = 0)
       : data_(data),
         q_heads_(q_heads),
         group_size_(group_size),
         queries_(queries),
         row_stride_(row_stride),
         keys_per_kv_head_(keys_per_kv_head),
-        first_query_position_(first_query_position) {
+        first_query_position_(first_query_position),
+        first_kv_head_(first_kv_head) {
     KVEVICT_REQUIRE(q_heads > 0 && group_size > 0 && q_heads % group_size == 0,
                     "AttentionRows: q_heads must be a positive multiple of group_size");
     KVEVICT_REQUIRE(static_cast<int>(keys_per_kv_head.size()) == q_heads / group_size,
                     "AttentionRows: need one key count per KV head");
     KVEVICT_REQUIRE(queries >= 0, "AttentionRows: negative query count");
+    KVEVICT_REQUIRE(first_kv_head >= 0, "AttentionRows: negative first KV head");
   }
 
+  /// Query heads of the rows (of the layer when first_kv_head() is 0 and they cover every KV head).
   [[nodiscard]] int q_heads() const { return q_heads_; }
+  /// KV heads of the rows: the layer's [first_kv_head(), first_kv_head() + kv_heads()).
   [[nodiscard]] int kv_heads() const { return q_heads_ / group_size_; }
+  [[nodiscard]] int first_kv_head() const { return first_kv_head_; }
   [[nodiscard]] int group_size() const { return group_size_; }
   /// Number of query rows per head (the forward's queries, or 1 for last_attention_row).
   [[nodiscard]] int queries() const { return queries_; }
@@ -117,7 +127,8 @@ class AttentionRows {
             1,
             row_stride_ * queries_,
             keys_per_kv_head_,
-            first_query_position_ + queries_ - 1};
+            first_query_position_ + queries_ - 1,
+            first_kv_head_};
   }
   /// The softmax row of query `query` of query head `q_head`, one probability per slot.
   [[nodiscard]] std::span<const float> row(int q_head, int query) const {
@@ -133,6 +144,7 @@ class AttentionRows {
   std::ptrdiff_t row_stride_;
   std::span<const int> keys_per_kv_head_;
   std::int64_t first_query_position_;
+  int first_kv_head_;
 };
 
 /// The key vectors of one layer's newest tokens (the current chunk), as an engine hands them to a

@@ -482,6 +482,20 @@ kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, in
       [&] { checked(sequence).sequence.observe_attention(layer, rows, queries, row_stride); });
 }
 
+int kvevict_sequence_attention_per_kv_head(const kvevict_sequence* sequence) {
+  return sequence != nullptr && sequence->sequence.attention_per_kv_head() ? 1 : 0;
+}
+
+kvevict_status kvevict_sequence_observe_attention_heads(kvevict_sequence* sequence, int layer,
+                                                        int kv_head_begin, int kv_head_end,
+                                                        const float* rows, int queries,
+                                                        ptrdiff_t row_stride) {
+  return guarded([&] {
+    checked(sequence).sequence.observe_attention(layer, kv_head_begin, kv_head_end, rows, queries,
+                                                 row_stride);
+  });
+}
+
 kvevict_status kvevict_sequence_observe_surprisal(kvevict_sequence* sequence,
                                                   const float* surprisal, int count) {
   return guarded([&] {

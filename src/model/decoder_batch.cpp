@@ -580,16 +580,22 @@ void DecoderBatch::attention(int layer, Member& m, Pass pass) {
   const bool last_query =
       pass == Pass::stream && !all_queries && sequence.wants(Signal::last_attention_row);
   const bool give_rows = all_queries || last_query;
+  // Each KV head's rows handed over right after its attention (the same scores as one call for
+  // the layer), so that one KV head's rows are held at a time, not the layer's. Not from the
+  // pool's threads: the sequence takes one call at a time.
+  const bool rows_per_kv_head =
+      give_rows && pass == Pass::stream && s.pool == nullptr && sequence.attention_per_kv_head();
   const int first_row = last_query ? n - 1 : 0;  // first query row handed over
   const int queries = n - first_row;
   float* const q_rows = s.q.data() + static_cast<std::ptrdiff_t>(m.first_row) * q_dim;
   float* const att_rows = s.att.data() + static_cast<std::ptrdiff_t>(m.first_row) * q_dim;
 
-  // Rows handed to the policy: [heads][queries][stride], stride = the layer's widest slot limit.
+  // Rows handed to the policy: [heads][queries][stride], stride = the layer's widest slot limit
+  // ([group][queries][stride] at a time when rows_per_kv_head).
   int stride = 0;
   for (int g = 0; g < c.kv_heads; ++g) stride = std::max(stride, sequence.slot_limit(layer, g));
   if (give_rows) {
-    s.rows.resize(checked_allocation({c.heads, queries, stride},
+    s.rows.resize(checked_allocation({rows_per_kv_head ? group : c.heads, queries, stride},
                                      "Decoder: attention rows for the policy",
                                      std::int64_t{1} << 32));
   }
@@ -647,9 +653,10 @@ void DecoderBatch::attention(int layer, Member& m, Pass pass) {
     float* const out = att_rows + static_cast<std::ptrdiff_t>(g) * group * hd;
     // The group's rows handed over, [group, queries, stride], zero past this KV head's slots: when
     // every row of the chunk is one, attention writes them there directly (no copy).
-    float* const handed = give_rows ? s.rows.data() + static_cast<std::size_t>(g) * group *
-                                                          static_cast<std::size_t>(queries) * stride
-                                    : nullptr;
+    const std::size_t rows_before = rows_per_kv_head ? 0 : static_cast<std::size_t>(g) * group;
+    float* const handed =
+        give_rows ? s.rows.data() + rows_before * static_cast<std::size_t>(queries) * stride
+                  : nullptr;
     if (queries == n && handed != nullptr) {
       attend(heads, scratch.angles, handed, stride, out, q_dim, scratch.buffers);
     } else {
@@ -671,13 +678,14 @@ void DecoderBatch::attention(int layer, Member& m, Pass pass) {
     for (int r = 0; r < group * queries; ++r) {
       std::fill_n(handed + static_cast<std::size_t>(r) * stride + limit, stride - limit, 0.0f);
     }
+    if (rows_per_kv_head) sequence.observe_attention(layer, g, g + 1, handed, queries, stride);
   };
   if (s.pool != nullptr) {
     s.pool->run(c.kv_heads, attend_kv_head);
   } else {
     for (int g = 0; g < c.kv_heads; ++g) attend_kv_head(g, 0);
   }
-  if (!give_rows) return;
+  if (!give_rows || rows_per_kv_head) return;
   if (pass == Pass::stream) {
     sequence.observe_attention(layer, s.rows.data(), queries, stride);
   } else {

@@ -72,7 +72,7 @@ class SequenceCore {
     decision_.reset(layout_.units());
     chunk_slots_.resize(static_cast<std::size_t>(layout_.units()));
     catalyst_base_.assign(static_cast<std::size_t>(layout_.units()), 0);
-    observed_layers_.assign(static_cast<std::size_t>(config_.layers), 0);
+    observed_heads_.assign(static_cast<std::size_t>(config_.layers) * config_.kv_heads, 0);
     observed_key_layers_.assign(static_cast<std::size_t>(config_.layers), 0);
     layer_chunk_slots_.resize(static_cast<std::size_t>(config_.kv_heads));
     key_runs_.resize(static_cast<std::size_t>(layout_.units()));
@@ -151,7 +151,7 @@ class SequenceCore {
     append(token_ids, 0);
     chunk_ = ChunkInfo{stats_.tokens_fed, chunk_ids_, turn_start};
     stats_.tokens_fed += n;
-    std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
+    std::fill(observed_heads_.begin(), observed_heads_.end(), 0);
     std::fill(observed_key_layers_.begin(), observed_key_layers_.end(), 0);
     surprisal_observed_ = false;
     state_ = State::forward;
@@ -163,13 +163,40 @@ class SequenceCore {
   [[nodiscard]] int chunk_size() const { return state_ == State::idle ? 0 : chunk_size_; }
   [[nodiscard]] bool idle() const { return state_ == State::idle; }
 
-  void observe_attention(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
+  [[nodiscard]] bool attention_per_kv_head() const { return policy_->attention_per_kv_head(); }
+
+  // KV heads [kv_head_begin, kv_head_end) of `layer` (every one when the policy takes a layer in
+  // one call only).
+  void observe_attention(int layer, int kv_head_begin, int kv_head_end, const float* data,
+                         int queries, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_attention: no forward is open (call begin_chunk first)");
-    check_layer_unobserved(observed_layers_, layer, "observe_attention");
-    const AttentionRows rows = attention_rows(layer, data, queries, row_stride,
-                                              wants(Signal::attention_rows), "observe_attention");
+    KVEVICT_REQUIRE(
+        0 <= kv_head_begin && kv_head_begin < kv_head_end && kv_head_end <= config_.kv_heads,
+        "observe_attention: KV heads [" + std::to_string(kv_head_begin) + ", " +
+            std::to_string(kv_head_end) + ") are not a range of the sequence's " +
+            std::to_string(config_.kv_heads));
+    KVEVICT_REQUIRE(
+        (kv_head_begin == 0 && kv_head_end == config_.kv_heads) || policy_->attention_per_kv_head(),
+        "observe_attention: policy '" + std::string(policy_->name()) +
+            "' reads a layer's attention rows in one call (attention_per_kv_head() "
+            "is false): hand all " +
+            std::to_string(config_.kv_heads) + " KV heads of layer " + std::to_string(layer) +
+            " at once");
+    check_unobserved(observed_heads_, layer, kv_head_begin, kv_head_end, "observe_attention");
+    // In order, so that a unit the layer's KV heads share adds their rows as one call does.
+    const auto heads =
+        observed_heads_.begin() + static_cast<std::ptrdiff_t>(layer) * config_.kv_heads;
+    const auto next = static_cast<int>(std::find(heads, heads + config_.kv_heads, 0) - heads);
+    KVEVICT_REQUIRE(kv_head_begin == next,
+                    "observe_attention: a layer's KV heads are observed in ascending order (a "
+                    "unit they share adds their rows in that order): layer " +
+                        std::to_string(layer) + " needs KV head " + std::to_string(next) +
+                        " next, got " + std::to_string(kv_head_begin));
+    const AttentionRows rows =
+        attention_rows(layer, kv_head_begin, kv_head_end, data, queries, row_stride,
+                       wants(Signal::attention_rows), "observe_attention");
     {
       const StageScope scope(observer_, Stage::policy);
       // A policy that checks the rows in its own pass over them is handed them unchecked.
@@ -183,14 +210,15 @@ class SequenceCore {
       }
       policy_->observe_attention(slots_, layer, rows);
     }
-    mark_observed(layer);  // only once the policy took them: a rejected call may be retried
+    // Only once the policy took them: a rejected call may be retried.
+    mark_observed(layer, kv_head_begin, kv_head_end);
   }
 
   void observe_keys(int layer, const float* data, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward,
                     "observe_keys: no forward is open (call begin_chunk first)");
-    check_layer_unobserved(observed_key_layers_, layer, "observe_keys");
+    check_unobserved(observed_key_layers_, layer, 0, 1, "observe_keys");
     KVEVICT_REQUIRE(config_.head_dim > 0,
                     "observe_keys: SequenceConfig::head_dim is 0 (the length of a key)");
     KVEVICT_REQUIRE(data != nullptr, "observe_keys: keys are null");
@@ -231,7 +259,7 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::forward, "end_forward: no forward is open");
     if (wants(Signal::attention_rows) || wants(Signal::last_attention_row)) {
-      require_every_layer(observed_layers_, "attention rows", "observe_attention");
+      require_every_layer(observed_heads_, "attention rows", "observe_attention");
     }
     if (wants(Signal::keys)) require_every_layer(observed_key_layers_, "keys", "observe_keys");
     KVEVICT_REQUIRE(!wants(Signal::surprisal) || surprisal_observed_,
@@ -313,16 +341,17 @@ class SequenceCore {
     if (!token_ids.empty()) append(token_ids, slot_flag::catalyst);
     for (std::vector<std::int32_t>& slots : chunk_slots_) slots.resize(token_ids.size());
     catalyst_size_ = chunk_size_ = static_cast<int>(token_ids.size());
-    std::fill(observed_layers_.begin(), observed_layers_.end(), 0);
+    std::fill(observed_heads_.begin(), observed_heads_.end(), 0);
     state_ = State::catalyst;
     build_attention_views();
   }
   void observe_catalyst(int layer, const float* data, int queries, std::ptrdiff_t row_stride) {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "observe_catalyst: no catalyst prompt is open");
-    check_layer_unobserved(observed_layers_, layer, "observe_catalyst");
-    const AttentionRows rows = attention_rows(
-        layer, data, queries, row_stride, wants(Signal::catalyst_attention), "observe_catalyst");
+    check_unobserved(observed_heads_, layer, 0, config_.kv_heads, "observe_catalyst");
+    const AttentionRows rows =
+        attention_rows(layer, 0, config_.kv_heads, data, queries, row_stride,
+                       wants(Signal::catalyst_attention), "observe_catalyst");
     {
       const StageScope scope(observer_, Stage::policy);
       if (wants(Signal::catalyst_attention)) {
@@ -330,7 +359,7 @@ class SequenceCore {
       }
       policy_->observe_catalyst(slots_, layer, rows);
     }
-    mark_observed(layer);
+    mark_observed(layer, 0, config_.kv_heads);
   }
   /// Rolls the catalyst back and lets the policy distill the pot; one KvBackend::apply covers both
   /// (the catalyst's slots are among the evicted).
@@ -338,7 +367,7 @@ class SequenceCore {
     require_usable();
     KVEVICT_REQUIRE(state_ == State::catalyst, "end_catalyst: no catalyst prompt is open");
     if (catalyst_size_ > 0 && wants(Signal::catalyst_attention)) {
-      require_every_layer(observed_layers_, "catalyst attention rows", "observe_catalyst");
+      require_every_layer(observed_heads_, "catalyst attention rows", "observe_catalyst");
     }
     state_ = State::idle;
     ++stats_.catalyst_runs;
@@ -404,19 +433,20 @@ class SequenceCore {
             ") is outside the sequence's " + std::to_string(config_.layers) + " layers x " +
             std::to_string(config_.kv_heads) + " KV heads");
   }
-  // The rows of one layer as the policy reads them: the shape is the sequence's own (query heads,
-  // each KV head's slot limit); only the data, the query count and the stride are the engine's.
-  // `every_query`: the policy reads a row per query of the chunk (H2O, a catalyst); else any of
-  // the chunk's newest queries, at least the last.
-  AttentionRows attention_rows(int layer, const float* data, int queries, std::ptrdiff_t row_stride,
-                               bool every_query, const char* call) {
+  // The rows of KV heads [kv_head_begin, kv_head_end) of one layer as the policy reads them: the
+  // shape is the sequence's own (query heads, each KV head's slot limit); only the data, the query
+  // count and the stride are the engine's. `every_query`: the policy reads a row per query of the
+  // chunk (H2O, a catalyst); else any of the chunk's newest queries, at least the last.
+  AttentionRows attention_rows(int layer, int kv_head_begin, int kv_head_end, const float* data,
+                               int queries, std::ptrdiff_t row_stride, bool every_query,
+                               const char* call) {
     KVEVICT_REQUIRE(data != nullptr, std::string(call) + ": attention rows are null");
     KVEVICT_REQUIRE(
         every_query ? queries == chunk_size_ : queries >= 1 && queries <= chunk_size_,
         std::string(call) + ": policy '" + std::string(policy_->name()) + "' reads " +
             (every_query ? std::to_string(chunk_size_) : "1 to " + std::to_string(chunk_size_)) +
             " query rows per query head, got " + std::to_string(queries));
-    for (int g = 0; g < config_.kv_heads; ++g) {
+    for (int g = kv_head_begin; g < kv_head_end; ++g) {
       const int limit = slots_.slot_limit(layout_.unit_of(layer, g));
       KVEVICT_REQUIRE(row_stride >= limit, std::string(call) + ": row_stride (" +
                                                std::to_string(row_stride) +
@@ -424,10 +454,19 @@ class SequenceCore {
                                                " slots of KV head " + std::to_string(g));
       layer_keys_[static_cast<std::size_t>(g)] = limit;
     }
+    const int group = config_.q_heads / config_.kv_heads;
     const std::int64_t next =
         state_ == State::catalyst ? stats_.tokens_fed + catalyst_size_ : stats_.tokens_fed;
-    return {data,        config_.q_heads, config_.q_heads / config_.kv_heads, queries, row_stride,
-            layer_keys_, next - queries};
+    return {data,
+            (kv_head_end - kv_head_begin) * group,
+            group,
+            queries,
+            row_stride,
+            std::span<const int>(layer_keys_)
+                .subspan(static_cast<std::size_t>(kv_head_begin),
+                         static_cast<std::size_t>(kv_head_end - kv_head_begin)),
+            next - queries,
+            kv_head_begin};
   }
 
   void require_attention_views(const char* call) const {
@@ -458,17 +497,31 @@ class SequenceCore {
     }
   }
 
-  // `observed`: observed_layers_ (attention, catalyst) or observed_key_layers_ (keys).
-  void check_layer_unobserved(const std::vector<std::uint8_t>& observed, int layer,
-                              const char* call) const {
+  // `observed`: observed_heads_ ([layers][kv_heads]: attention, catalyst) or observed_key_layers_
+  // ([layers]: keys); entries [begin, end) of `layer`'s.
+  void check_unobserved(const std::vector<std::uint8_t>& observed, int layer, int begin, int end,
+                        const char* call) const {
     KVEVICT_REQUIRE(layer >= 0 && layer < config_.layers,
                     std::string(call) + ": layer " + std::to_string(layer) + " outside [0, " +
                         std::to_string(config_.layers) + ")");
-    KVEVICT_REQUIRE(observed[static_cast<std::size_t>(layer)] == 0,
-                    std::string(call) + ": layer " + std::to_string(layer) +
-                        " was already observed in this forward");
+    const std::size_t per_layer = observed.size() / static_cast<std::size_t>(config_.layers);
+    const auto first =
+        observed.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(layer) * per_layer);
+    const auto last = first + static_cast<std::ptrdiff_t>(per_layer);
+    // A KV head is named when only some of the layer's are observed.
+    const bool whole = std::find(first, last, 0) == last;
+    for (int g = begin; g < end; ++g) {
+      KVEVICT_REQUIRE(first[g] == 0, std::string(call) + ": layer " + std::to_string(layer) +
+                                         (whole ? "" : ", KV head " + std::to_string(g)) +
+                                         " was already observed in this forward");
+    }
   }
-  void mark_observed(int layer) { observed_layers_[static_cast<std::size_t>(layer)] = 1; }
+  void mark_observed(int layer, int kv_head_begin, int kv_head_end) {
+    const auto row = static_cast<std::size_t>(layer) * static_cast<std::size_t>(config_.kv_heads);
+    std::fill(observed_heads_.begin() + static_cast<std::ptrdiff_t>(row) + kv_head_begin,
+              observed_heads_.begin() + static_cast<std::ptrdiff_t>(row) + kv_head_end,
+              std::uint8_t{1});
+  }
 
   // Attention values are probabilities: NaN, infinities, negatives and values above 1 are refused
   // before the policy adds any to its scores (H2O keeps sums for ever; sums of arbitrary floats
@@ -476,7 +529,8 @@ class SequenceCore {
   // when the policy checks their values itself.
   void check_probabilities(int layer, const AttentionRows& rows, const char* call,
                            bool last_query_only, bool shape_only = false) const {
-    check_attention_rows(slots_, layer, rows, call);  // rows cover each unit's slots exactly
+    // Rows cover each unit's slots exactly; some KV heads only when the policy takes them apart.
+    check_attention_rows(slots_, layer, rows, call, policy_->attention_per_kv_head());
     if (!shape_only) kvevict::check_probabilities(rows, layer, call, last_query_only);
   }
 
@@ -508,14 +562,22 @@ class SequenceCore {
       }
     }
   }
+  // `observed` as in check_unobserved: every entry of every layer set.
   void require_every_layer(const std::vector<std::uint8_t>& observed, const char* signal,
                            const char* call) const {
-    for (int l = 0; l < config_.layers; ++l) {
-      KVEVICT_REQUIRE(observed[static_cast<std::size_t>(l)] != 0,
-                      "policy '" + std::string(policy_->name()) + "' needs the " + signal +
-                          " of every layer: layer " + std::to_string(l) +
-                          " was not observed (call " + call + " for every layer before " +
-                          (state_ == State::catalyst ? "end_catalyst)" : "end_forward)"));
+    const std::size_t per_layer = observed.size() / static_cast<std::size_t>(config_.layers);
+    for (std::size_t i = 0; i < observed.size(); ++i) {
+      if (observed[i] != 0) continue;
+      const std::size_t layer = i / per_layer;
+      const bool none =
+          std::none_of(observed.begin() + static_cast<std::ptrdiff_t>(layer * per_layer),
+                       observed.begin() + static_cast<std::ptrdiff_t>((layer + 1) * per_layer),
+                       [](std::uint8_t seen) { return seen != 0; });
+      throw Error("policy '" + std::string(policy_->name()) + "' needs the " + signal +
+                  " of every layer: layer " + std::to_string(layer) +
+                  (none ? "" : ", KV head " + std::to_string(i % per_layer)) +
+                  " was not observed (call " + call + " for every layer before " +
+                  (state_ == State::catalyst ? "end_catalyst)" : "end_forward)"));
     }
   }
 
@@ -725,7 +787,7 @@ class SequenceCore {
   int catalyst_size_ = 0;
   bool chunk_has_anchor_ = false;
   bool surprisal_observed_ = false;
-  std::vector<std::uint8_t> observed_layers_;      // [layers] this forward / catalyst
+  std::vector<std::uint8_t> observed_heads_;       // [layers][kv_heads] this forward / catalyst
   std::vector<std::uint8_t> observed_key_layers_;  // [layers] keys observed this forward
   std::vector<std::span<const std::int32_t>> layer_chunk_slots_;  // [kv_heads] of observe_keys
   std::vector<std::vector<std::int32_t>> chunk_slots_;            // [units][chunk]
@@ -792,9 +854,14 @@ inline std::span<const std::uint8_t> Sequence::live_mask(int layer, int kv_head)
 }
 inline bool Sequence::wants_attention() const { return core_->wants_attention(); }
 inline int Sequence::attention_queries() const { return core_->attention_queries(); }
+inline bool Sequence::attention_per_kv_head() const { return core_->attention_per_kv_head(); }
 inline void Sequence::observe_attention(int layer, const float* rows, int queries,
                                         std::ptrdiff_t row_stride) {
-  core_->observe_attention(layer, rows, queries, row_stride);
+  core_->observe_attention(layer, 0, config().kv_heads, rows, queries, row_stride);
+}
+inline void Sequence::observe_attention(int layer, int kv_head_begin, int kv_head_end,
+                                        const float* rows, int queries, std::ptrdiff_t row_stride) {
+  core_->observe_attention(layer, kv_head_begin, kv_head_end, rows, queries, row_stride);
 }
 inline bool Sequence::wants_keys() const { return core_->wants(Signal::keys); }
 inline void Sequence::observe_keys(int layer, const float* keys, std::ptrdiff_t row_stride) {

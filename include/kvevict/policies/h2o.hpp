@@ -54,12 +54,13 @@ class HeavyHitterPolicy final : public Policy {
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
   [[nodiscard]] bool checks_probabilities() const override { return true; }
+  [[nodiscard]] bool attention_per_kv_head() const override { return true; }
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
     return ScoreRule{kScore, heavy_, {}};
   }
 
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
-    check_attention_rows(slots, layer, rows, "h2o");
+    check_attention_rows(slots, layer, rows, "h2o", /*some_kv_heads=*/true);
     // Every row, every query; a value outside [0, 1] would sit in the sum for ever: refused before
     // any score changes.
     add_attention_checked(slots, layer, rows, 1.0f, kScore, /*last_query_only=*/false);

@@ -61,6 +61,9 @@ class PolicyDecorator : public Policy {
   [[nodiscard]] bool checks_probabilities() const override {
     return inner_->checks_probabilities();
   }
+  [[nodiscard]] bool attention_per_kv_head() const override {
+    return inner_->attention_per_kv_head();
+  }
   [[nodiscard]] std::uint8_t flags_for(std::int32_t token_id) const override {
     return inner_->flags_for(token_id);
   }

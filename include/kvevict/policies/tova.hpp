@@ -59,6 +59,7 @@ class TovaPolicy final : public Policy {
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
   [[nodiscard]] bool checks_probabilities() const override { return true; }
+  [[nodiscard]] bool attention_per_kv_head() const override { return true; }
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
     return ScoreRule{kScore, budget_, {}};
   }
@@ -72,7 +73,7 @@ class TovaPolicy final : public Policy {
   /// Uses the last query row of `rows` (an engine may pass every row of the forward; only the last
   /// one counts). Must be called for every layer in every forward: the score is not carried over.
   void observe_attention(SlotTable& slots, int layer, const AttentionRows& rows) override {
-    check_attention_rows(slots, layer, rows, "tova");
+    check_attention_rows(slots, layer, rows, "tova", /*some_kv_heads=*/true);
     // Mean over the query heads that read a unit: its KV heads' groups, over its layers.
     const float weight =
         1.0f / static_cast<float>(rows.group_size() * slots.layout().heads_per_unit());
