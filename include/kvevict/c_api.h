@@ -193,9 +193,10 @@ kvevict_status kvevict_sequence_live_mask(const kvevict_sequence* sequence, int 
 kvevict_status kvevict_sequence_observe_attention(kvevict_sequence* sequence, int layer,
                                                   const float* rows, int queries,
                                                   ptrdiff_t row_stride);
-/* 1 when the policy takes a layer's KV heads in separate calls (H2O, TOVA): an engine may hand
- * each KV head's rows to observe_attention_heads right after its softmax, while they are in cache,
- * with the same scores and decisions as one call per layer; 0 otherwise (and for NULL). */
+/* 1 when the policy takes a layer's KV heads in separate calls (H2O, TOVA), with the same scores
+ * and decisions as one call per layer: an engine that attends a KV head at a time may hand each
+ * head's rows to observe_attention_heads and hold one head's rows, not the layer's; 0 otherwise
+ * (and for NULL). */
 int kvevict_sequence_attention_per_kv_head(const kvevict_sequence* sequence);
 /* The rows of KV heads [kv_head_begin, kv_head_end) of one layer, layout [(kv_head_end -
  * kv_head_begin) x q_heads / kv_heads][queries][row_stride], as observe_attention's. Each call is

@@ -216,9 +216,9 @@ class Sequence {
   /// `queries` is attention_queries(). The data is read during the call only. Every layer once.
   void observe_attention(int layer, const float* rows, int queries, std::ptrdiff_t row_stride);
   /// True when the policy takes a layer's KV heads in separate calls (Policy::
-  /// attention_per_kv_head: H2O, TOVA): an engine may then hand each KV head's rows over right
-  /// after its softmax, while they and the scores they add to are in cache, with the same scores
-  /// and decisions as one call for the layer.
+  /// attention_per_kv_head: H2O, TOVA), with the same scores and decisions as one call for the
+  /// layer: an engine that attends a KV head at a time then holds one head's rows, not the
+  /// layer's.
   [[nodiscard]] bool attention_per_kv_head() const;
   /// The rows of KV heads [kv_head_begin, kv_head_end) of one layer, [(kv_head_end -
   /// kv_head_begin) x q_heads / kv_heads][queries][row_stride] floats, as above. Each call is

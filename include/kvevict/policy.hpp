@@ -115,8 +115,8 @@ class Policy {
   [[nodiscard]] virtual bool checks_probabilities() const { return false; }
   /// Whether observe_attention takes a layer's KV heads in separate calls (AttentionRows::
   /// first_kv_head), each refused whole, with the same scores as one call for the layer: an
-  /// engine can then hand each KV head's rows over right after its softmax, while they are in
-  /// cache. Otherwise every call covers all the layer's KV heads.
+  /// engine that attends a KV head at a time then holds one head's rows, not the layer's.
+  /// Otherwise every call covers all the layer's KV heads.
   [[nodiscard]] virtual bool attention_per_kv_head() const { return false; }
   /// slot_flag bits for a newly appended token (e.g. anchor).
   [[nodiscard]] virtual std::uint8_t flags_for(std::int32_t /*token_id*/) const { return 0; }

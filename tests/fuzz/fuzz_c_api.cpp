@@ -472,21 +472,25 @@ class Session {
     }
   }
 
-  // Attention rows of one layer over a valid buffer of [q_heads][queries][stride] floats.
-  kvevict_status attend(int layer, int queries, std::ptrdiff_t stride, bool catalyst,
-                        bool uniform) {
-    const std::size_t floats = static_cast<std::size_t>(config_.q_heads) * std::max(queries, 0) *
+  // Attention rows of one layer over a valid buffer of [q_heads][queries][stride] floats, or of
+  // its KV heads [kv_begin, kv_end) only (observe_attention_heads) when kv_end >= 0.
+  kvevict_status attend(int layer, int queries, std::ptrdiff_t stride, bool catalyst, bool uniform,
+                        int kv_begin = 0, int kv_end = -1) {
+    const int group = config_.q_heads / config_.kv_heads;
+    const bool some_heads = kv_end >= 0;
+    const int q_heads = some_heads ? (kv_end - kv_begin) * group : config_.q_heads;
+    const std::size_t floats = static_cast<std::size_t>(q_heads) * std::max(queries, 0) *
                                std::max<std::ptrdiff_t>(stride, 0);
     rows_.assign(std::max<std::size_t>(floats, 1), 0.0f);
-    const int group = config_.q_heads / config_.kv_heads;
-    for (int h = 0; h < config_.q_heads; ++h) {
+    for (int row_head = 0; row_head < q_heads; ++row_head) {
+      const int h = (some_heads ? kv_begin * group : 0) + row_head;
       const bool valid_layer = layer >= 0 && layer < config_.layers;
       const std::vector<std::uint8_t>* held =
           valid_layer ? &engine_.head(layer, h / group) : nullptr;
       const int live = valid_layer ? engine_.count(layer, h / group) : 0;
       for (int q = 0; q < queries; ++q) {
         for (std::ptrdiff_t k = 0; k < stride; ++k) {
-          float& value = rows_[(static_cast<std::size_t>(h) * queries + q) * stride + k];
+          float& value = rows_[(static_cast<std::size_t>(row_head) * queries + q) * stride + k];
           if (uniform) {
             const bool is_held = held != nullptr && static_cast<std::size_t>(k) < held->size() &&
                                  (*held)[static_cast<std::size_t>(k)] != 0;
@@ -496,6 +500,10 @@ class Session {
           }
         }
       }
+    }
+    if (some_heads) {
+      return kvevict_sequence_observe_attention_heads(s_, layer, kv_begin, kv_end, rows_.data(),
+                                                      queries, stride);
     }
     return catalyst ? kvevict_sequence_observe_catalyst(s_, layer, rows_.data(), queries, stride)
                     : kvevict_sequence_observe_attention(s_, layer, rows_.data(), queries, stride);
@@ -574,8 +582,17 @@ class Session {
     if (state_ == State::idle) return true;
     if (state_ != State::catalyst) {
       for (int l = 0; l < config_.layers; ++l) {
-        checked(attend(l, std::max(chunk_, 1), widest_slot_limit(l), false, true),
-                "observe_attention");
+        const int queries = std::max(chunk_, 1);
+        if (checked(attend(l, queries, widest_slot_limit(l), false, true), "observe_attention") ==
+                KVEVICT_OK ||
+            kvevict_sequence_attention_per_kv_head(s_) == 0) {
+          continue;
+        }
+        // A layer left part-observed by KV head: the rest of its heads, in order.
+        for (int g = 0; g < config_.kv_heads; ++g) {
+          checked(attend(l, queries, widest_slot_limit(l), false, true, g, g + 1),
+                  "observe_attention_heads");
+        }
       }
       std::vector<float> surprisal(static_cast<std::size_t>(std::max(chunk_, 1)), 1.0f);
       checked(kvevict_sequence_observe_surprisal(s_, surprisal.data(), chunk_),
@@ -658,11 +675,20 @@ class Session {
     chunk_ = n;
     catalyst_ = 0;
     const bool all_rows = (signals & KVEVICT_SIGNAL_ATTENTION_ROWS) != 0;
+    // Every other forward of a policy that takes them apart hands the rows a KV head at a time
+    // (no byte of the input decides it, so inputs decode as before).
+    const bool per_kv_head =
+        ++well_formed_forwards_ % 2 == 0 && kvevict_sequence_attention_per_kv_head(s_) != 0;
     if (all_rows || (signals & KVEVICT_SIGNAL_LAST_ATTENTION_ROW) != 0) {
       for (int l = 0; l < config_.layers; ++l) {
-        if (!require_ok(attend(l, all_rows ? n : 1, widest_slot_limit(l), false, true),
-                        "observe_attention")) {
-          return;
+        for (int g = 0; g < (per_kv_head ? config_.kv_heads : 1); ++g) {
+          if (!require_ok(
+                  per_kv_head
+                      ? attend(l, all_rows ? n : 1, widest_slot_limit(l), false, true, g, g + 1)
+                      : attend(l, all_rows ? n : 1, widest_slot_limit(l), false, true),
+                  "observe_attention")) {
+            return;
+          }
         }
       }
     }
@@ -988,6 +1014,7 @@ class Session {
   int chunk_ = 0;                // tokens of the open chunk or catalyst
   int catalyst_ = 0;             // tokens of the open catalyst (positions run past tokens_fed)
   std::vector<float> rows_;
+  int well_formed_forwards_ = 0;
   PoolSide* pool_;                 // pool mode, else nullptr
   std::string make_room_message_;  // the last make_room's kvevict_last_error()
 };
