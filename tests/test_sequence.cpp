@@ -517,41 +517,62 @@ TEST(Sequence, AttentionPerKvHeadIsRefusedWholePerCallAndCheckedPerHead) {
 // is the pending rotation of every slot in it (position - key_position). RandomLLM under
 // cache_index evicts anywhere, so the runs carry several rotations; pre-RoPE keys carry none.
 TEST(Sequence, KeyRunsAndLiveMaskCoverExactlyTheLiveSlots) {
-  for (const kvevict::KeyStorage storage :
-       {kvevict::KeyStorage::post_rope, kvevict::KeyStorage::pre_rope}) {
-    SequenceConfig c = config(1, 1, 1, 1);
-    c.position_mode = PositionMode::cache_index;
-    c.key_storage = storage;
-    Sequence s(c, kvevict::make_policy("random_llm", kvevict::budget_params("random_llm", 24)));
-    std::size_t most_runs = 0;
-    for (int step = 0; step < 200; ++step) {
-      s.begin_chunk(ids(1), /*turn_start=*/true);  // RandomLLM evicts before a turn
-      const std::span<const kvevict::KeyRun> runs = s.key_runs(0, 0);
-      const std::span<const std::uint8_t> mask = s.live_mask(0, 0);
-      ASSERT_EQ(static_cast<int>(mask.size()), s.slot_limit(0, 0));
-      std::vector<std::uint8_t> covered(mask.size(), 0);
-      std::int32_t previous_end = 0;
-      for (const kvevict::KeyRun& run : runs) {
-        ASSERT_LE(previous_end, run.begin);
-        ASSERT_LT(run.begin, run.end);
-        previous_end = run.end;
-        for (std::int32_t slot = run.begin; slot < run.end; ++slot) {
-          covered[static_cast<std::size_t>(slot)] = 1;
-          const std::int64_t pending = s.position(0, 0, slot) - s.key_position(0, 0, slot);
-          EXPECT_EQ(run.rotation, storage == kvevict::KeyStorage::post_rope ? pending : 0);
+  struct Case {
+    std::string policy;
+    PositionMode positions;
+    bool turn_start;  // RandomLLM evicts before a turn
+  };
+  // RandomLLM under cache_index evicts anywhere (several rotations); a window keeps every slot
+  // live in one group once full (one run); StreamingLLM under cache_index re-positions its window.
+  for (const Case& test : {Case{"random_llm", PositionMode::cache_index, true},
+                           Case{"window", PositionMode::original, false},
+                           Case{"streaming_llm", PositionMode::cache_index, false}}) {
+    for (const kvevict::KeyStorage storage :
+         {kvevict::KeyStorage::post_rope, kvevict::KeyStorage::pre_rope}) {
+      SCOPED_TRACE(test.policy + " " + std::string(kvevict::to_string(storage)));
+      SequenceConfig c = config(1, 1, 1, 1);
+      c.position_mode = test.positions;
+      c.key_storage = storage;
+      Sequence s(c, kvevict::make_policy(test.policy, kvevict::budget_params(test.policy, 24)));
+      std::size_t most_runs = 0;
+      int full_steps = 0;
+      for (int step = 0; step < 200; ++step) {
+        s.begin_chunk(ids(1), test.turn_start);
+        const std::span<const kvevict::KeyRun> runs = s.key_runs(0, 0);
+        const std::span<const std::uint8_t> mask = s.live_mask(0, 0);
+        ASSERT_EQ(static_cast<int>(mask.size()), s.slot_limit(0, 0));
+        std::vector<std::uint8_t> covered(mask.size(), 0);
+        std::int32_t previous_end = 0;
+        for (const kvevict::KeyRun& run : runs) {
+          ASSERT_LE(previous_end, run.begin);
+          ASSERT_LT(run.begin, run.end);
+          previous_end = run.end;
+          for (std::int32_t slot = run.begin; slot < run.end; ++slot) {
+            covered[static_cast<std::size_t>(slot)] = 1;
+            const std::int64_t pending = s.position(0, 0, slot) - s.key_position(0, 0, slot);
+            EXPECT_EQ(run.rotation, storage == kvevict::KeyStorage::post_rope ? pending : 0);
+          }
         }
+        for (std::size_t slot = 0; slot < mask.size(); ++slot) {
+          EXPECT_EQ(covered[slot], s.slots().is_live(0, static_cast<std::int32_t>(slot)) ? 1 : 0);
+          EXPECT_EQ(mask[slot], covered[slot]);
+        }
+        // A window's slots, every one live, are one run (runs are maximal).
+        if (test.policy == "window" && s.live(0, 0) == s.slot_limit(0, 0)) {
+          EXPECT_EQ(runs.size(), 1u);
+          ++full_steps;
+        }
+        most_runs = std::max(most_runs, runs.size());
+        s.end_forward();
       }
-      for (std::size_t slot = 0; slot < mask.size(); ++slot) {
-        EXPECT_EQ(covered[slot], s.slots().is_live(0, static_cast<std::int32_t>(slot)) ? 1 : 0);
-        EXPECT_EQ(mask[slot], covered[slot]);
+      expect_error([&] { (void)s.key_runs(0, 0); }, "valid during a forward");
+      // RandomLLM: several pending rotations (post-RoPE); pre-RoPE: maximal runs of live slots.
+      if (test.policy == "random_llm" && storage == kvevict::KeyStorage::post_rope) {
+        EXPECT_GT(most_runs, 2u);
       }
-      most_runs = std::max(most_runs, runs.size());
-      s.end_forward();
-    }
-    expect_error([&] { (void)s.key_runs(0, 0); }, "valid during a forward");
-    // Several pending rotations (post-RoPE); pre-RoPE: maximal runs of live slots.
-    if (storage == kvevict::KeyStorage::post_rope) {
-      EXPECT_GT(most_runs, 2u);
+      if (test.policy == "window") {
+        EXPECT_GT(full_steps, 100);
+      }
     }
   }
   SequenceConfig off = config(1, 1, 1);

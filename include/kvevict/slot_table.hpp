@@ -552,6 +552,15 @@ class SlotTable {
     const UnitState& s = state(unit);
     const std::int32_t* groups = group_.data() + index(unit, 0);
     const int limit = s.slot_limit;
+    // Every slot of [0, limit) live and in one group (a window's, H2O's without re-positioning):
+    // one run, without reading the ids.
+    if (limit > 0 && s.live == limit) {
+      const PositionGroup& only = s.groups[static_cast<std::size_t>(groups[0])];
+      if (only.live == limit) {
+        fn(0, limit, key_of(only));
+        return;
+      }
+    }
     int begin = 0;
     while (begin < limit) {
       if (groups[begin] == kFree) {
