@@ -682,11 +682,10 @@ class Session {
     if (all_rows || (signals & KVEVICT_SIGNAL_LAST_ATTENTION_ROW) != 0) {
       for (int l = 0; l < config_.layers; ++l) {
         for (int g = 0; g < (per_kv_head ? config_.kv_heads : 1); ++g) {
-          if (!require_ok(
-                  per_kv_head
-                      ? attend(l, all_rows ? n : 1, widest_slot_limit(l), false, true, g, g + 1)
-                      : attend(l, all_rows ? n : 1, widest_slot_limit(l), false, true),
-                  "observe_attention")) {
+          // KV head g alone, or the whole layer (kv_end -1).
+          if (!require_ok(attend(l, all_rows ? n : 1, widest_slot_limit(l), false, true, g,
+                                 per_kv_head ? g + 1 : -1),
+                          "observe_attention")) {
             return;
           }
         }
