@@ -1388,6 +1388,85 @@ TEST(WorstCandidates, AKeptHeapEvictsWhatThePassEvicts) {
   EXPECT_GT(compared, 5000);
 }
 
+// KnownWorst (the worst of every slot, found in slot order while a column is in cache) names the
+// slot that the rule names (the lowest score; among equals the later original position), checked
+// against that rule written out over the stream order, and WorstCandidates evicts it as its own
+// search would. Scores come from a few values, -0.0 beside 0.0 (equal), so that ties are common;
+// freed slots are reused, so slot order is not stream order; unit sizes cross the 16-lane steps.
+// It is none when a slot is free or a score is NaN, and stops holding once the unit changes.
+TEST(WorstCandidates, AKnownWorstIsTheWorstOfEverySlot) {
+  std::mt19937 rng(11);
+  const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  const std::array<float, 5> values{0.0f, -0.0f, 0.25f, 0.5f, 1.0f};
+  kvevict::WorstCandidates pass(kvevict::ScoreTrend::any);
+  int compared = 0;
+  int ties = 0;
+  for (int round = 0; round < 200; ++round) {
+    const int capacity = 1 + (round * 7) % 70;
+    SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original,
+                    capacity, 1);
+    std::int64_t next = 0;
+    std::vector<std::int32_t> out;
+    for (int step = 0; step < 30; ++step) {
+      // Fill the unit, then give every slot a score.
+      const int fed = capacity - slots.live(0);
+      if (fed > 0) {
+        Positions originals(static_cast<std::size_t>(fed));
+        std::iota(originals.begin(), originals.end(), next);
+        next += fed;
+        out.resize(static_cast<std::size_t>(fed));
+        slots.append(0, originals, std::vector<std::int32_t>(out.size(), 0),
+                     std::vector<std::uint8_t>(out.size(), 0), out);
+      }
+      const std::span<float> scores = slots.scores(0, 0);
+      for (float& score : scores) score = values[static_cast<std::size_t>(pick(5))];
+      // The rule over the stream order, oldest first: the lowest, the later of equals.
+      const std::span<const std::int32_t> order = slots.stream_order(0);
+      std::int32_t expected = order[0];
+      for (const std::int32_t slot : order) {
+        if (scores[static_cast<std::size_t>(slot)] <= scores[static_cast<std::size_t>(expected)]) {
+          expected = slot;
+        }
+      }
+      ties +=
+          std::count(scores.begin(), scores.end(), scores[static_cast<std::size_t>(expected)]) > 1
+              ? 1
+              : 0;
+      const kvevict::KnownWorst known = kvevict::KnownWorst::of_every_slot(slots, 0, scores);
+      ASSERT_EQ(known.slot, expected) << "round " << round << ", step " << step;
+      ASSERT_TRUE(known.holds(slots, 0));
+      kvevict::Decision with;
+      kvevict::Decision without;
+      with.reset(1);
+      without.reset(1);
+      const int keep = capacity - 1;
+      ASSERT_EQ(
+          pass.evict(slots, 0, {}, keep, scores, with, std::numeric_limits<int>::max(), known), 1);
+      ASSERT_EQ(pass.evict(slots, 0, {}, keep, scores, without), 1);
+      ASSERT_EQ(with.evicted(0)[0], expected);
+      ASSERT_EQ(without.evicted(0)[0], expected);
+      ++compared;
+      // The worst goes (or, now and then, a random token): the known worst no longer holds, and
+      // with a slot free there is none until the unit is full again.
+      const std::int32_t evicted =
+          pick(4) == 0 ? order[static_cast<std::size_t>(pick(capacity))] : expected;
+      slots.evict(0, std::vector<std::int32_t>{evicted});
+      EXPECT_FALSE(known.holds(slots, 0));
+      if (capacity > 1) {
+        EXPECT_EQ(kvevict::KnownWorst::of_every_slot(slots, 0, scores).slot, -1);
+      }
+    }
+    // A NaN: none (the search names it).
+    out.resize(1);
+    slots.append(0, Positions{next++}, std::vector<std::int32_t>(1, 0),
+                 std::vector<std::uint8_t>(1, 0), out);
+    slots.scores(0, 0)[static_cast<std::size_t>(pick(capacity))] = std::nanf("");
+    EXPECT_EQ(kvevict::KnownWorst::of_every_slot(slots, 0, slots.scores(0, 0)).slot, -1);
+  }
+  EXPECT_EQ(compared, 200 * 30);
+  EXPECT_GT(ties, 1000);
+}
+
 // A NaN score is named when its token becomes a candidate of the kept heap, as the pass names it.
 TEST(WorstCandidates, AKeptHeapRefusesANaNScore) {
   SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original, 16,
@@ -1719,6 +1798,51 @@ TEST(RowPasses, TheWorstCandidateIsTheSameAtEveryWidth) {
           last - 1);
       EXPECT_TRUE(kvevict::detail::worst_in_order(order.data(), first, last, scores.data()).nan);
       EXPECT_TRUE(rp::worst_in_order(order.data(), first, last, scores.data()).nan);
+    }
+  }
+}
+
+// KnownWorst's passes in slot order at every width: the lowest value (NaN skipped and flagged; -0.0
+// and 0.0 equal, either may come back), then the first slot at or after `from` holding it.
+TEST(RowPasses, TheLowestAndItsSlotsAreTheSameAtEveryWidth) {
+  namespace rp = kvevict::detail::row_pass;
+  std::mt19937 rng(13);
+  const std::vector<float> values{0.0f,
+                                  -0.0f,
+                                  1.0f,
+                                  2.0f,
+                                  std::numeric_limits<float>::infinity(),
+                                  std::numeric_limits<float>::quiet_NaN()};
+  for (const int n : {1, 2, 15, 16, 17, 31, 33, 100, 1000}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> scores(static_cast<std::size_t>(n));
+      for (float& score : scores) score = values[rng() % (trial < 10 ? 4 : values.size())];
+      // The definitions, written out.
+      float lowest = std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (const float score : scores) {
+        nan = nan || std::isnan(score);
+        if (score < lowest) lowest = score;
+      }
+      const int from = static_cast<int>(rng() % static_cast<unsigned>(n));
+      int equal = from;
+      while (equal < n && scores[static_cast<std::size_t>(equal)] != lowest) ++equal;
+      SCOPED_TRACE("n " + std::to_string(n) + ", trial " + std::to_string(trial));
+      std::vector<rp::Lowest> found{kvevict::detail::lowest_of(scores.data(), n),
+                                    rp::lowest_of(scores.data(), n)};
+      std::vector<int> firsts{kvevict::detail::first_equal(scores.data(), from, n, lowest),
+                              rp::first_equal(scores.data(), from, n, lowest)};
+#if KVEVICT_ROW_PASS_DISPATCH
+      if (__builtin_cpu_supports("avx512f")) {
+        found.push_back(rp::lowest_of_avx512(scores.data(), n));
+        firsts.push_back(rp::first_equal_avx512(scores.data(), from, n, lowest));
+      }
+#endif
+      for (const rp::Lowest& each : found) {
+        EXPECT_EQ(each.value, lowest);  // == : either zero
+        EXPECT_EQ(each.nan, nan);
+      }
+      for (const int first : firsts) EXPECT_EQ(first, equal);
     }
   }
 }

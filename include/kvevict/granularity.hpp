@@ -151,6 +151,21 @@ class UnitLayout {
     }
     return 0;
   }
+  /// Whether (layer, kv_head) is the last head of its unit that a forward's attention reaches
+  /// (layers in order, a layer's KV heads in order): after it, the unit's scores of the forward
+  /// are complete.
+  [[nodiscard]] bool last_head_of_unit(int layer, int kv_head) const {
+    switch (granularity_.kind()) {
+      case Granularity::Kind::head:
+        return true;
+      case Granularity::Kind::layer:
+        return kv_head == kv_heads_ - 1;
+      case Granularity::Kind::token:
+      case Granularity::Kind::block:
+        return layer == layers_ - 1 && kv_head == kv_heads_ - 1;
+    }
+    return false;
+  }
   /// How many (layer, KV head) pairs share each unit.
   [[nodiscard]] int heads_per_unit() const { return heads() / units(); }
   /// How many layers contribute to each unit (1 unless per token or block).

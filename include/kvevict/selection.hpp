@@ -189,20 +189,63 @@ enum class ScoreTrend : std::uint8_t {
   never_falls,
 };
 
+/// The worst of every slot of a unit (the lowest score, the later original position among equals:
+/// WorstCandidates' order), found by a policy right after it rewrote the unit's score column whole
+/// in a forward (TOVA), while the column is in cache; at select() a decode step's other layers have
+/// streamed their weights through the caches since. WorstCandidates::evict takes it in place of
+/// its search when every live slot is a candidate and one goes. It holds for the scores and slots
+/// as they stood: while the unit keeps its generation and live count and the slot its token. The
+/// policy drops it when new tokens arrive (on_append) and once select() has used it.
+struct KnownWorst {
+  std::int32_t slot = -1;  ///< -1: none
+  std::int64_t original = 0;
+  int live = 0;
+  std::uint64_t generation = 0;
+
+  /// The worst of slots [0, slot_limit) of `unit` by `scores` (indexed by slot), when every one of
+  /// them is live and none of their scores is NaN (the search then names it); else none. Two
+  /// passes over the column at the CPU's vector width: its lowest value, then the slots holding
+  /// it (usually one; among several, the highest original position).
+  [[nodiscard]] static KnownWorst of_every_slot(const SlotTable& slots, int unit,
+                                                std::span<const float> scores) {
+    const int n = slots.slot_limit(unit);
+    if (n == 0 || slots.live(unit) != n || scores.size() < static_cast<std::size_t>(n)) return {};
+    const detail::row_pass::Lowest lowest = detail::lowest_of(scores.data(), n);
+    if (lowest.nan) return {};
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    int worst = detail::first_equal(scores.data(), 0, n, lowest.value);
+    for (int s = detail::first_equal(scores.data(), worst + 1, n, lowest.value); s < n;
+         s = detail::first_equal(scores.data(), s + 1, n, lowest.value)) {
+      if (originals[static_cast<std::size_t>(s)] > originals[static_cast<std::size_t>(worst)]) {
+        worst = s;
+      }
+    }
+    return {worst, originals[static_cast<std::size_t>(worst)], n, slots.generation(unit)};
+  }
+
+  /// Whether it still names the worst of `unit`'s slots: see above.
+  [[nodiscard]] bool holds(const SlotTable& slots, int unit) const {
+    return slot >= 0 && slots.generation(unit) == generation && slots.live(unit) == live &&
+           slots.slot_limit(unit) == live &&
+           slots.original_positions(unit)[static_cast<std::size_t>(slot)] == original;
+  }
+};
+
 /// The budget rule of Window, StreamingLLM, H2O and TOVA for one unit: among the live slots that
 /// `protection` leaves (the candidates), keeps the `keep` best and evicts the rest, and more of
 /// the worst while the unit would hold over `max_live` (a KV pool's grant; protected slots are
 /// never evicted for it). Best is the highest score in `scores` (indexed by slot; ties to the
 /// lower original position), or, when `scores` is empty, the newest. Returns the number evicted.
 /// Cost: one pass over the candidates with scores; O(evicted) by recency; under
-/// ScoreTrend::never_falls, a steady-state eviction is O(log candidates) heap moves.
+/// ScoreTrend::never_falls, a steady-state eviction is O(log candidates) heap moves; with a
+/// `known` worst that holds, when every live slot is a candidate and one goes, none.
 class WorstCandidates {
  public:
   explicit WorstCandidates(ScoreTrend trend = ScoreTrend::any) : trend_(trend) {}
 
   int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
             std::span<const float> scores, Decision& decision,
-            int max_live = std::numeric_limits<int>::max()) {
+            int max_live = std::numeric_limits<int>::max(), const KnownWorst& known = {}) {
     const std::span<const std::int32_t> order = slots.stream_order(unit);
     const int live = static_cast<int>(order.size());
     const int first = std::min(protection.oldest, live);
@@ -237,6 +280,10 @@ class WorstCandidates {
     if (count == 1 && protection.flags == 0) {
       if (trend_ == ScoreTrend::never_falls) {
         return evict_one_kept(slots, unit, order, first, last, scores, originals, decision);
+      }
+      if (first == 0 && last == live && known.holds(slots, unit)) {
+        decision.evict(unit, known.slot);
+        return 1;
       }
       return evict_one(unit, order, first, last, scores, originals, decision);
     }

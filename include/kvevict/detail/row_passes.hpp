@@ -211,6 +211,32 @@ KVEVICT_ROW_PASS_INLINE Worst worst_in_order(const std::int32_t* order, int firs
   return {worst, nan != 0};
 }
 
+// The lowest of scores[0, n) (NaN skipped) and whether one was NaN: with first_equal, the worst
+// of a unit's slots found in slot order, where a policy that rewrites its column whole (TOVA) has
+// it in cache right after its last sum of a forward (KnownWorst, selection.hpp).
+struct Lowest {
+  float value = std::numeric_limits<float>::infinity();
+  bool nan = false;
+};
+
+KVEVICT_ROW_PASS_INLINE Lowest lowest_of(const float* scores, int n) {
+  float lowest = std::numeric_limits<float>::infinity();
+  std::uint32_t nan = 0;
+  for (int s = 0; s < n; ++s) {
+    const float score = scores[s];
+    nan |= nan_flag(score);
+    lowest = score < lowest ? score : lowest;
+  }
+  return {lowest, nan != 0};
+}
+
+// The first index i in [from, n) with scores[i] == value, or n.
+KVEVICT_ROW_PASS_INLINE int first_equal(const float* scores, int from, int n, float value) {
+  int i = from;
+  while (i < n && !(scores[i] == value)) ++i;
+  return i;
+}
+
 // The first index i in [from, last) whose scores[order[i]] is not above `bound` (at most it, or
 // NaN), or `last`: a scan for a few lowest candidates skips the rest with it.
 KVEVICT_ROW_PASS_INLINE int first_not_above(const std::int32_t* order, int from, int last,
@@ -430,6 +456,35 @@ KVEVICT_TARGET_AVX512 inline Worst worst_in_order_avx512(const std::int32_t* ord
   }
   return {index < first ? first : index, nan != 0};
 }
+// lowest_of with 16 lanes: vminps(score, lowest) is `score < lowest ? score : lowest`, the scalar
+// loop's step (a NaN keeps the lane's lowest); then the lowest of the lanes. (The masked form:
+// GCC 12's _mm512_min_ps trips -Wmaybe-uninitialized.)
+KVEVICT_TARGET_AVX512 inline Lowest lowest_of_avx512(const float* scores, int n) {
+  const __m512 infinity = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 lowest = infinity;
+  __mmask16 nan = 0;
+  for (int i = 0; i < n; i += 16) {
+    const __m512 score = _mm512_mask_loadu_ps(infinity, lanes_before(i, n), scores + i);
+    nan |= _mm512_cmp_ps_mask(score, score, _CMP_UNORD_Q);
+    lowest = _mm512_mask_min_ps(lowest, __mmask16{0xffff}, score, lowest);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, lowest);
+  float value = lanes[0];
+  for (int lane = 1; lane < 16; ++lane) value = lanes[lane] < value ? lanes[lane] : value;
+  return {value, nan != 0};
+}
+KVEVICT_TARGET_AVX512 inline int first_equal_avx512(const float* scores, int from, int n,
+                                                    float value) {
+  const __m512 wanted = _mm512_set1_ps(value);
+  for (int i = from; i < n; i += 16) {
+    const __mmask16 lanes = lanes_before(i, n);
+    const __mmask16 equal = _mm512_mask_cmp_ps_mask(lanes, _mm512_maskz_loadu_ps(lanes, scores + i),
+                                                    wanted, _CMP_EQ_OQ);
+    if (equal != 0) return i + std::countr_zero(static_cast<unsigned>(equal));
+  }
+  return n;
+}
 KVEVICT_TARGET_AVX512 inline int first_not_above_avx512(const std::int32_t* order, int from,
                                                         int last, const float* scores,
                                                         float bound) {
@@ -610,6 +665,24 @@ inline void stream_into_cache(const void* data, std::size_t bytes) {
   }
 #endif
   return row_pass::worst_in_order(order, first, last, scores);
+}
+
+/// The lowest of scores[0, n), NaN skipped, and whether one was NaN.
+[[nodiscard]] inline row_pass::Lowest lowest_of(const float* scores, int n) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  if (row_pass::width() == row_pass::Width::avx512) return row_pass::lowest_of_avx512(scores, n);
+#endif
+  return row_pass::lowest_of(scores, n);
+}
+
+/// The first index i in [from, n) with scores[i] == value, or n.
+[[nodiscard]] inline int first_equal(const float* scores, int from, int n, float value) {
+#if KVEVICT_ROW_PASS_DISPATCH
+  if (row_pass::width() == row_pass::Width::avx512) {
+    return row_pass::first_equal_avx512(scores, from, n, value);
+  }
+#endif
+  return row_pass::first_equal(scores, from, n, value);
 }
 
 /// The first index i in [from, last) whose scores[order[i]] is not above `bound` (at most it, or

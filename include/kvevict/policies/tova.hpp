@@ -25,6 +25,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvevict/attention_scores.hpp"
@@ -68,6 +69,7 @@ class TovaPolicy final : public Policy {
   /// over several layers adds the others' to it).
   void on_append(SlotTable& slots, const ChunkInfo& /*chunk*/) override {
     restart_.assign(static_cast<std::size_t>(slots.units()), 1);
+    known_worst_.assign(static_cast<std::size_t>(slots.units()), KnownWorst{});
   }
 
   /// Uses the last query row of `rows` (an engine may pass every row of the forward; only the last
@@ -78,12 +80,28 @@ class TovaPolicy final : public Policy {
     const float weight =
         1.0f / static_cast<float>(rows.group_size() * slots.layout().heads_per_unit());
     add_attention_checked(slots, layer, rows, weight, kScore, /*last_query_only=*/true, restart_);
+    // A unit whose last head this was has its scores of the forward, in cache now: its worst slot
+    // is found here rather than at select(), after the other layers' weights have passed.
+    const UnitLayout& layout = slots.layout();
+    if (layout.block_tokens() > 1) return;  // blocks are ranked whole at select()
+    for (int g = 0; g < rows.kv_heads(); ++g) {
+      const int kv_head = rows.first_kv_head() + g;
+      if (!layout.last_head_of_unit(layer, kv_head)) continue;
+      const int unit = layout.unit_of(layer, kv_head);
+      if (static_cast<std::size_t>(unit) >= known_worst_.size()) break;  // no append yet
+      known_worst_[static_cast<std::size_t>(unit)] =
+          KnownWorst::of_every_slot(slots, unit, slots.scores(unit, kScore));
+    }
   }
 
   void select(const EvictionContext& context, Decision& decision) override {
     for (int unit = 0; unit < context.slots.units(); ++unit) {
+      KnownWorst known;
+      if (static_cast<std::size_t>(unit) < known_worst_.size()) {
+        std::swap(known, known_worst_[static_cast<std::size_t>(unit)]);  // used once
+      }
       (void)worst_.evict(context.slots, unit, context.protection, context.keep(unit, budget_),
-                         context.slots.scores(unit, kScore), decision, context.max_live);
+                         context.slots.scores(unit, kScore), decision, context.max_live, known);
     }
   }
 
@@ -92,7 +110,8 @@ class TovaPolicy final : public Policy {
 
   int budget_;
   bool head_wise_;
-  std::vector<std::uint8_t> restart_;  // [units]: 1 until the unit's first layer of the forward
+  std::vector<std::uint8_t> restart_;    // [units]: 1 until the unit's first layer of the forward
+  std::vector<KnownWorst> known_worst_;  // [units]: found after the unit's last head, for select()
   WorstCandidates worst_;
 };
 
