@@ -1390,10 +1390,12 @@ TEST(WorstCandidates, AKeptHeapEvictsWhatThePassEvicts) {
 
 // KnownWorst (the worst of every slot, found in slot order while a column is in cache) names the
 // slot that the rule names (the lowest score; among equals the later original position), checked
-// against that rule written out over the stream order, and WorstCandidates evicts it as its own
-// search would. Scores come from a few values, -0.0 beside 0.0 (equal), so that ties are common;
-// freed slots are reused, so slot order is not stream order; unit sizes cross the 16-lane steps.
-// It is none when a slot is free or a score is NaN, and stops holding once the unit changes.
+// against that rule written out over the stream order; WorstCandidates given it evicts the worst
+// candidate under random protection of the oldest and newest (the known worst, or, when that one
+// is protected, the one its search finds), as its search alone does. Scores come from a few
+// values, -0.0 beside 0.0 (equal), so that ties are common; freed slots are reused, so slot order
+// is not stream order; unit sizes cross the 16-lane steps. It is none when a slot is free or a
+// score is NaN, and stops holding once the unit changes.
 TEST(WorstCandidates, AKnownWorstIsTheWorstOfEverySlot) {
   std::mt19937 rng(11);
   const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
@@ -1401,6 +1403,7 @@ TEST(WorstCandidates, AKnownWorstIsTheWorstOfEverySlot) {
   kvevict::WorstCandidates pass(kvevict::ScoreTrend::any);
   int compared = 0;
   int ties = 0;
+  int protected_worst = 0;  // decisions where the known worst was protected
   for (int round = 0; round < 200; ++round) {
     const int capacity = 1 + (round * 7) % 70;
     SlotTable slots(kvevict::UnitLayout(1, 1, kvevict::Granularity::head), PositionMode::original,
@@ -1420,36 +1423,47 @@ TEST(WorstCandidates, AKnownWorstIsTheWorstOfEverySlot) {
       }
       const std::span<float> scores = slots.scores(0, 0);
       for (float& score : scores) score = values[static_cast<std::size_t>(pick(5))];
-      // The rule over the stream order, oldest first: the lowest, the later of equals.
+      // The rule over the stream order [first, last), oldest first: the lowest, the later of
+      // equals.
       const std::span<const std::int32_t> order = slots.stream_order(0);
-      std::int32_t expected = order[0];
-      for (const std::int32_t slot : order) {
-        if (scores[static_cast<std::size_t>(slot)] <= scores[static_cast<std::size_t>(expected)]) {
-          expected = slot;
+      const auto worst_of = [&](int first, int last) {
+        std::int32_t worst = order[static_cast<std::size_t>(first)];
+        for (int i = first; i < last; ++i) {
+          const std::int32_t slot = order[static_cast<std::size_t>(i)];
+          if (scores[static_cast<std::size_t>(slot)] <= scores[static_cast<std::size_t>(worst)]) {
+            worst = slot;
+          }
         }
-      }
-      ties +=
-          std::count(scores.begin(), scores.end(), scores[static_cast<std::size_t>(expected)]) > 1
-              ? 1
-              : 0;
+        return worst;
+      };
+      const std::int32_t expected = worst_of(0, capacity);
+      const float lowest = scores[static_cast<std::size_t>(expected)];
+      ties += std::count(scores.begin(), scores.end(), lowest) > 1 ? 1 : 0;
       const kvevict::KnownWorst known = kvevict::KnownWorst::of_every_slot(slots, 0, scores);
       ASSERT_EQ(known.slot, expected) << "round " << round << ", step " << step;
       ASSERT_TRUE(known.holds(slots, 0));
+      // Now and then the oldest and the newest are protected: at least one candidate is left.
+      const int oldest = pick(3) == 0 ? pick(capacity) : 0;
+      const int newest = pick(3) == 0 ? pick(capacity - oldest) : 0;
+      const kvevict::Protection protection{oldest, newest, 0};
+      const int keep = capacity - oldest - newest - 1;
       kvevict::Decision with;
       kvevict::Decision without;
       with.reset(1);
       without.reset(1);
-      const int keep = capacity - 1;
-      ASSERT_EQ(
-          pass.evict(slots, 0, {}, keep, scores, with, std::numeric_limits<int>::max(), known), 1);
-      ASSERT_EQ(pass.evict(slots, 0, {}, keep, scores, without), 1);
-      ASSERT_EQ(with.evicted(0)[0], expected);
-      ASSERT_EQ(without.evicted(0)[0], expected);
+      ASSERT_EQ(pass.evict(slots, 0, protection, keep, scores, with,
+                           std::numeric_limits<int>::max(), known),
+                1);
+      ASSERT_EQ(pass.evict(slots, 0, protection, keep, scores, without), 1);
+      const std::int32_t worst_candidate = worst_of(oldest, capacity - newest);
+      ASSERT_EQ(with.evicted(0)[0], worst_candidate) << "round " << round << ", step " << step;
+      ASSERT_EQ(without.evicted(0)[0], worst_candidate);
       ++compared;
-      // The worst goes (or, now and then, a random token): the known worst no longer holds, and
-      // with a slot free there is none until the unit is full again.
+      protected_worst += worst_candidate != expected ? 1 : 0;
+      // The worst candidate goes (or, now and then, a random token): the known worst no longer
+      // holds, and with a slot free there is none until the unit is full again.
       const std::int32_t evicted =
-          pick(4) == 0 ? order[static_cast<std::size_t>(pick(capacity))] : expected;
+          pick(4) == 0 ? order[static_cast<std::size_t>(pick(capacity))] : worst_candidate;
       slots.evict(0, std::vector<std::int32_t>{evicted});
       EXPECT_FALSE(known.holds(slots, 0));
       if (capacity > 1) {
@@ -1465,6 +1479,7 @@ TEST(WorstCandidates, AKnownWorstIsTheWorstOfEverySlot) {
   }
   EXPECT_EQ(compared, 200 * 30);
   EXPECT_GT(ties, 1000);
+  EXPECT_GT(protected_worst, 100);
 }
 
 // A NaN score is named when its token becomes a candidate of the kept heap, as the pass names it.

@@ -192,8 +192,9 @@ enum class ScoreTrend : std::uint8_t {
 /// The worst of every slot of a unit (the lowest score, the later original position among equals:
 /// WorstCandidates' order), found by a policy right after it rewrote the unit's score column whole
 /// in a forward (TOVA), while the column is in cache; at select() a decode step's other layers have
-/// streamed their weights through the caches since. WorstCandidates::evict takes it in place of
-/// its search when every live slot is a candidate and one goes. It holds for the scores and slots
+/// streamed their weights through the caches since. When one token goes and it is a candidate (not
+/// protected), it is the worst candidate, and WorstCandidates::evict takes it in place of its
+/// search. It holds for the scores and slots
 /// as they stood: while the unit keeps its generation and live count and the slot its token. The
 /// policy drops it when new tokens arrive (on_append) and once select() has used it.
 struct KnownWorst {
@@ -238,7 +239,7 @@ struct KnownWorst {
 /// lower original position), or, when `scores` is empty, the newest. Returns the number evicted.
 /// Cost: one pass over the candidates with scores; O(evicted) by recency; under
 /// ScoreTrend::never_falls, a steady-state eviction is O(log candidates) heap moves; with a
-/// `known` worst that holds, when every live slot is a candidate and one goes, none.
+/// `known` worst that holds and is a candidate, when one goes, none.
 class WorstCandidates {
  public:
   explicit WorstCandidates(ScoreTrend trend = ScoreTrend::any) : trend_(trend) {}
@@ -281,7 +282,13 @@ class WorstCandidates {
       if (trend_ == ScoreTrend::never_falls) {
         return evict_one_kept(slots, unit, order, first, last, scores, originals, decision);
       }
-      if (first == 0 && last == live && known.holds(slots, unit)) {
+      // The worst of every slot, if it is a candidate (its original position within theirs), is
+      // the worst candidate.
+      const auto original_at = [&](int i) {
+        return originals[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])];
+      };
+      if (known.holds(slots, unit) && (first == 0 || original_at(first) <= known.original) &&
+          (last == live || known.original <= original_at(last - 1))) {
         decision.evict(unit, known.slot);
         return 1;
       }
