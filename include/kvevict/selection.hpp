@@ -194,9 +194,9 @@ enum class ScoreTrend : std::uint8_t {
 /// in a forward (TOVA), while the column is in cache; at select() a decode step's other layers have
 /// streamed their weights through the caches since. When one token goes and it is a candidate (not
 /// protected), it is the worst candidate, and WorstCandidates::evict takes it in place of its
-/// search. It holds for the scores and slots
-/// as they stood: while the unit keeps its generation and live count and the slot its token. The
-/// policy drops it when new tokens arrive (on_append) and once select() has used it.
+/// search. It holds for the scores and slots as they stood: while the unit keeps its generation
+/// and live count and the slot its token. The policy drops it when new tokens arrive (on_append)
+/// and once select() has seen it.
 struct KnownWorst {
   std::int32_t slot = -1;  ///< -1: none
   std::int64_t original = 0;
