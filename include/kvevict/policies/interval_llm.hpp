@@ -19,6 +19,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "kvevict/policies/detail/turn_eviction.hpp"
 #include "kvevict/policies/protection.hpp"
@@ -39,12 +40,20 @@ class IntervalLlmPolicy final : public detail::HistorySampler {
   [[nodiscard]] std::string_view name() const override { return "interval_llm"; }
 
  protected:
-  void pick_history(std::span<const std::int32_t> history, int count, KeepSet& keep) override {
-    if (count <= 0) return;
-    // count < history.size(), so the stride is >= 1 and count strides stay inside the history.
-    const std::size_t stride = history.size() / static_cast<std::size_t>(count);
-    for (std::size_t i = 0; i < static_cast<std::size_t>(count); ++i)
-      keep.keep(history[i * stride]);
+  void leave_out(std::span<const std::int32_t> history, int count,
+                 std::vector<std::int32_t>& left_out) override {
+    // Kept: i * stride for i in [0, count); count < history.size(), so the stride is >= 1 and
+    // count strides stay inside the history.
+    const int size = static_cast<int>(history.size());
+    const int stride = count > 0 ? size / count : size;
+    int next_kept = 0;  // index of the next kept token, while fewer than count were kept
+    for (int i = 0; i < size; ++i) {
+      if (i == next_kept && next_kept < count * stride) {
+        next_kept += stride;
+        continue;
+      }
+      left_out.push_back(i);
+    }
   }
 };
 

@@ -18,6 +18,7 @@
 // successive turns draw different subsets.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <numeric>
@@ -64,10 +65,10 @@ class RandomLlmPolicy final : public detail::HistorySampler {
   [[nodiscard]] std::string_view name() const override { return "random_llm"; }
 
  protected:
-  void pick_history(std::span<const std::int32_t> history, int count, KeepSet& keep) override {
+  void leave_out(std::span<const std::int32_t> history, int count,
+                 std::vector<std::int32_t>& left_out) override {
     // Partial Fisher-Yates over history indices: after step i, picks_[0..i] is a uniform sample
-    // without replacement. The draws first, then the keeps: a keep's byte store would make the
-    // compiler reload the engine's state at every draw.
+    // without replacement, and the indices after the last step's are the ones not drawn.
     picks_.resize(history.size());
     std::iota(picks_.begin(), picks_.end(), std::int32_t{0});
     const std::size_t size = picks_.size();
@@ -75,15 +76,13 @@ class RandomLlmPolicy final : public detail::HistorySampler {
       const std::size_t j = i + static_cast<std::size_t>(detail::uniform_below(engine_, size - i));
       std::swap(picks_[i], picks_[j]);
     }
-    // The picked indices become their slots in place.
-    const std::span<std::int32_t> picked(picks_.data(), static_cast<std::size_t>(count));
-    for (std::int32_t& pick : picked) pick = history[static_cast<std::size_t>(pick)];
-    keep.keep_each(picked);
+    left_out.assign(picks_.begin() + count, picks_.end());
+    std::sort(left_out.begin(), left_out.end());
   }
 
  private:
   detail::MersenneTwister64 engine_;
-  std::vector<std::int32_t> picks_;  // history indices (a unit holds < 2^28 slots), then slots
+  std::vector<std::int32_t> picks_;  // history indices (a unit holds < 2^28 slots)
 };
 
 /// RandomLlmPolicy with `sinks` protected first tokens, named "random_llm".

@@ -35,7 +35,7 @@ inline void require_turn_fits(int incoming, int budget, std::string_view policy,
 /// RandomLLM and IntervalLLM (SirLLM §4.1.1) without their sinks (a ProtectOldest around them):
 /// `budget` tokens sampled from the history, with SirLLM's turn-level trigger and capacity rule.
 /// Before a turn of n tokens, with H unprotected tokens cached: if H + n > budget, keep
-/// budget - n of them (pick_history); otherwise keep everything.
+/// budget - n of them (leave_out names the others); otherwise keep everything.
 class HistorySampler : public Policy {
  public:
   HistorySampler(std::string_view policy_name, int budget) : budget_(budget) {
@@ -56,29 +56,49 @@ class HistorySampler : public Policy {
     if (context.trigger != Trigger::before_turn) return;
     const int incoming = context.incoming;
     require_turn_fits(incoming, budget_, name(), "budget");
+    const Protection& protection = context.protection;
     for (int unit = 0; unit < context.slots.units(); ++unit) {
-      keep_.begin(context.slots, unit, context.protection);
-      history_.clear();
-      for (const std::int32_t slot : keep_.order()) {
-        if (!keep_.is_kept(slot)) history_.push_back(slot);
+      // The unprotected tokens, oldest first: without flags, those between the protected oldest
+      // and newest, in place; else the ones a keep set of the protected leaves.
+      std::span<const std::int32_t> history = context.slots.stream_order(unit);
+      if (protection.flags == 0) {
+        const int live = static_cast<int>(history.size());
+        const int first = std::min(protection.oldest, live);
+        const int last = live - std::min(protection.newest, live - first);
+        history = history.subspan(static_cast<std::size_t>(first),
+                                  static_cast<std::size_t>(last - first));
+      } else {
+        keep_.begin(context.slots, unit, protection);
+        history_.clear();
+        for (const std::int32_t slot : keep_.order()) {
+          if (!keep_.is_kept(slot)) history_.push_back(slot);
+        }
+        history = history_;
       }
-      const int history = static_cast<int>(history_.size());
-      if (history + incoming <= budget_) continue;
+      if (static_cast<int>(history.size()) + incoming <= budget_) continue;
       // history + incoming > budget and incoming <= budget, so the history holds more than
       // budget - incoming tokens: the pick always has something to leave out.
-      pick_history(history_, budget_ - incoming, keep_);
-      keep_.evict_rest(decision);
+      left_out_.clear();
+      leave_out(history, budget_ - incoming, left_out_);
+      for (const std::int32_t i : left_out_) {
+        decision.evict(unit, history[static_cast<std::size_t>(i)]);
+      }
     }
   }
 
  protected:
-  /// Keeps exactly `count` (>= 0, < history.size()) of `history` (oldest first) in `keep`.
-  virtual void pick_history(std::span<const std::int32_t> history, int count, KeepSet& keep) = 0;
+  /// Writes to `left_out` (empty) the indices into `history` (oldest first) of the tokens not kept
+  /// when the policy keeps exactly `count` (>= 0, < history.size()) of them, in ascending order:
+  /// history.size() - count indices. Only the evicted are named: at a turn of a few tokens that is
+  /// a few, where the kept are nearly the whole history.
+  virtual void leave_out(std::span<const std::int32_t> history, int count,
+                         std::vector<std::int32_t>& left_out) = 0;
 
  private:
   int budget_;
-  KeepSet keep_;
-  std::vector<std::int32_t> history_;
+  KeepSet keep_;                        // the protected, when flags protect some
+  std::vector<std::int32_t> history_;   // the unprotected, when flags protect some
+  std::vector<std::int32_t> left_out_;  // indices into the history
 };
 
 }  // namespace kvevict::detail
