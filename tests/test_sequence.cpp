@@ -1194,6 +1194,91 @@ TEST(StreamOrder, FindsEveryEntryAndNoOther) {
   }
 }
 
+// StreamOrder leaves a gap where it removes an entry and moves it to the next removal (or closes
+// it, whichever shifts fewer entries): whatever the removals, every reader sees the entries of a
+// plain sorted list with the same pushes and removals. Removals come in the patterns of the
+// policies (at one stream index step after step as H2O's, the oldest non-sink as a window's, the
+// newest as a rolled-back catalyst's) and at random, with growth, pop_back and find between them.
+// A view() makes the next removal leave the order in one piece.
+TEST(StreamOrder, ReadsAsAListWhereverItsGapIs) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    kvevict::detail::StreamOrder order;
+    std::vector<std::int32_t> list;  // the model
+    std::vector<std::int64_t> originals;
+    int capacity = 1 + static_cast<int>(rng() % 300);
+    order.reserve(capacity);
+    const int pattern = trial % 4;
+    const int fixed_index = static_cast<int>(rng() % static_cast<unsigned>(capacity));
+    for (int step = 0; step < 600; ++step) {
+      const unsigned op = static_cast<unsigned>(rng() % 16);
+      const int n = static_cast<int>(list.size());
+      if (n < capacity && (op < 7 || n == 0)) {
+        const auto slot = static_cast<std::int32_t>(originals.size());
+        originals.push_back(static_cast<std::int64_t>(slot) * 3);  // ascending, with gaps
+        order.push_back(slot);
+        list.push_back(slot);
+      } else if (op < 13) {
+        const int i = pattern == 0   ? std::min(fixed_index, n - 1)
+                      : pattern == 1 ? std::min(4, n - 1)
+                      : pattern == 2 ? n - 1
+                                     : static_cast<int>(rng() % static_cast<unsigned>(n));
+        order.erase(i);
+        list.erase(list.begin() + i);
+      } else if (op == 13) {
+        const std::span<const std::int32_t> view = order.view();
+        ASSERT_TRUE(std::equal(view.begin(), view.end(), list.begin(), list.end()));
+        if (n >= 3) {  // the next removal, in the middle, leaves one piece
+          order.erase(n / 2);
+          list.erase(list.begin() + n / 2);
+          EXPECT_TRUE(order.pieces().back.empty());
+        }
+      } else if (op == 14) {
+        const int count = static_cast<int>(rng() % static_cast<unsigned>(std::min(n, 3) + 1));
+        order.pop_back(count);
+        list.resize(list.size() - static_cast<std::size_t>(count));
+      } else {
+        capacity += 7;
+        order.reserve(capacity);
+      }
+      const kvevict::detail::StreamOrderPieces pieces = order.pieces();
+      ASSERT_EQ(order.size(), static_cast<int>(list.size()));
+      ASSERT_EQ(pieces.size(), static_cast<int>(list.size()));
+      for (int i = 0; i < order.size(); ++i) {
+        ASSERT_EQ(order[i], list[static_cast<std::size_t>(i)]) << "trial " << trial;
+        ASSERT_EQ(pieces[i], list[static_cast<std::size_t>(i)]);
+      }
+      if (!list.empty()) {
+        const int i = static_cast<int>(rng() % list.size());
+        ASSERT_EQ(order.find(originals[static_cast<std::size_t>(list[static_cast<std::size_t>(i)])],
+                             originals.data()),
+                  i);
+        ASSERT_EQ(
+            order.find(originals[static_cast<std::size_t>(list[static_cast<std::size_t>(i)])] + 1,
+                       originals.data()),
+            -1);
+      }
+    }
+  }
+}
+
+// H2O's pattern (one push, one removal at the same stream index) moves no entry once the gap is
+// open: the order stays in two pieces around it, until the buffer's room behind runs out.
+TEST(StreamOrder, RemovalsAtOneIndexLeaveTheGapOpen) {
+  kvevict::detail::StreamOrder order;
+  order.reserve(100);
+  for (std::int32_t slot = 0; slot < 100; ++slot) order.push_back(slot);
+  for (int step = 0; step < 50; ++step) {
+    order.erase(60);
+    order.push_back(100 + step);
+    const kvevict::detail::StreamOrderPieces pieces = order.pieces();
+    ASSERT_EQ(pieces.front.size(), 60U);
+    ASSERT_EQ(pieces.back.size(), 40U);
+    ASSERT_EQ(pieces.front.back(), 59);
+    ASSERT_EQ(pieces.back.front(), 61 + step);
+  }
+}
+
 // SlotTable::locate_oldest runs every unit's halving search side by side: each unit's result is
 // the stream index of the oldest slot it evicts (the slot found there is that slot), -1 for a
 // unit that evicts nothing, over units of 0 to 600 live tokens (the slots a shuffle, the originals
@@ -1313,79 +1398,85 @@ TEST(SlotTable, GenerationChangesOnlyWithWhatAKeptStructureCannotFollow) {
 // scores rise by steps with many ties (and stay put), with protected sinks and a recent window,
 // while other things happen to the unit between decisions: evictions of any token by someone else
 // (sinks and recent tokens included), decisions not applied, decisions of several tokens (the
-// general path), truncations, compactions and an original position appended again.
+// general path), truncations, compactions and an original position appended again. With sinks
+// and without (H2O's shape); the stream order is read in its pieces, so that the gaps evictions
+// leave stay open, and whole now and then.
 TEST(WorstCandidates, AKeptHeapEvictsWhatThePassEvicts) {
-  const kvevict::UnitLayout layout(1, 2, kvevict::Granularity::head);
-  SlotTable slots(layout, PositionMode::original, 400, 1);
-  const kvevict::Protection protection{3, 20, 0};
-  kvevict::WorstCandidates kept(kvevict::ScoreTrend::never_falls);
-  kvevict::WorstCandidates pass(kvevict::ScoreTrend::any);
-  std::mt19937 rng(5);
-  const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
-  std::array<std::int64_t, 2> next_original{0, 0};
-  std::vector<std::int32_t> out(8);
-  int compared = 0;
-  for (int step = 0; step < 4000; ++step) {
-    for (int unit = 0; unit < 2; ++unit) {
-      const std::span<float> scores = slots.scores(unit, 0);
-      // Scores rise (or stay): a step of 0, 0.25 or 1 for a random third of the live tokens.
-      for (const std::int32_t slot : slots.stream_order(unit)) {
-        if (pick(3) == 0)
-          scores[static_cast<std::size_t>(slot)] +=
-              0.25f * static_cast<float>(pick(3) == 0 ? 4 : pick(2));
+  for (const int sinks : {3, 0}) {
+    const kvevict::UnitLayout layout(1, 2, kvevict::Granularity::head);
+    SlotTable slots(layout, PositionMode::original, 400, 1);
+    const kvevict::Protection protection{sinks, 20, 0};
+    kvevict::WorstCandidates kept(kvevict::ScoreTrend::never_falls);
+    kvevict::WorstCandidates pass(kvevict::ScoreTrend::any);
+    std::mt19937 rng(5);
+    const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+    std::array<std::int64_t, 2> next_original{0, 0};
+    std::vector<std::int32_t> out(8);
+    int compared = 0;
+    for (int step = 0; step < 4000; ++step) {
+      for (int unit = 0; unit < 2; ++unit) {
+        const std::span<float> scores = slots.scores(unit, 0);
+        // Scores rise (or stay): a step of 0, 0.25 or 1 for a random third of the live tokens.
+        const kvevict::StreamOrderPieces live_now = slots.stream_order_pieces(unit);
+        for (int i = 0; i < live_now.size(); ++i) {
+          const std::int32_t slot = live_now[i];
+          if (pick(3) == 0)
+            scores[static_cast<std::size_t>(slot)] +=
+                0.25f * static_cast<float>(pick(3) == 0 ? 4 : pick(2));
+        }
+        // New tokens, scored once.
+        const int fed = pick(8) == 0 ? 1 + pick(5) : 1;
+        if (slots.live(unit) + fed <= slots.capacity()) {
+          Positions originals;
+          for (int k = 0; k < fed; ++k) originals.push_back(next_original[unit]++);
+          out.resize(static_cast<std::size_t>(fed));
+          slots.append(unit, originals, std::vector<std::int32_t>(out.size(), 0),
+                       std::vector<std::uint8_t>(out.size(), 0), out);
+          const std::span<float> now = slots.scores(unit, 0);
+          for (const std::int32_t slot : out)
+            now[static_cast<std::size_t>(slot)] = static_cast<float>(pick(4));
+        }
+        // What else may happen to a unit between two decisions.
+        const kvevict::StreamOrderPieces order = slots.stream_order_pieces(unit);
+        const int event = pick(40);
+        if (event == 0 && order.size() > 0) {  // someone else evicts any token
+          slots.evict(unit, std::vector<std::int32_t>{order[pick(order.size())]});
+        } else if (event == 1 && order.size() > 2) {  // a rollback, then the same originals again
+          const int count = 1 + pick(2);
+          slots.truncate(unit, count);
+          next_original[unit] -= count;
+        } else if (event == 2) {
+          std::vector<kvevict::SlotMove> moves;
+          slots.compact(unit, moves);
+        } else if (event == 3 && order.size() > 0) {  // the newest evicted, its original fed again
+          slots.evict(unit, std::vector<std::int32_t>{order[order.size() - 1]});
+          --next_original[unit];
+        } else if (event == 4) {  // read whole: the next eviction closes the gap
+          EXPECT_EQ(static_cast<int>(slots.stream_order(unit).size()), slots.live(unit));
+        }
+        const int live = slots.live(unit);
+        const int first = std::min(protection.oldest, live);
+        const int candidates = live - first - std::min(protection.newest, live - first);
+        if (candidates < 1 || live < 150) continue;
+        const int count = pick(20) == 0 ? 1 + pick(std::min(candidates, 4)) : 1;
+        kvevict::Decision by_heap;
+        kvevict::Decision by_pass;
+        by_heap.reset(2);
+        by_pass.reset(2);
+        const std::span<const float> view = slots.scores(unit, 0);
+        ASSERT_EQ(kept.evict(slots, unit, protection, candidates - count, view, by_heap), count);
+        ASSERT_EQ(pass.evict(slots, unit, protection, candidates - count, view, by_pass), count);
+        std::vector<std::int32_t> a(by_heap.evicted(unit).begin(), by_heap.evicted(unit).end());
+        std::vector<std::int32_t> b(by_pass.evicted(unit).begin(), by_pass.evicted(unit).end());
+        std::sort(a.begin(), a.end());
+        std::sort(b.begin(), b.end());
+        ASSERT_EQ(a, b) << "step " << step << ", unit " << unit;
+        ++compared;
+        if (pick(10) != 0) slots.evict(unit, a);  // now and then a decision is not applied
       }
-      // New tokens, scored once.
-      const int fed = pick(8) == 0 ? 1 + pick(5) : 1;
-      if (slots.live(unit) + fed <= slots.capacity()) {
-        Positions originals;
-        for (int k = 0; k < fed; ++k) originals.push_back(next_original[unit]++);
-        out.resize(static_cast<std::size_t>(fed));
-        slots.append(unit, originals, std::vector<std::int32_t>(out.size(), 0),
-                     std::vector<std::uint8_t>(out.size(), 0), out);
-        const std::span<float> now = slots.scores(unit, 0);
-        for (const std::int32_t slot : out)
-          now[static_cast<std::size_t>(slot)] = static_cast<float>(pick(4));
-      }
-      // What else may happen to a unit between two decisions.
-      const std::span<const std::int32_t> order = slots.stream_order(unit);
-      const int event = pick(40);
-      if (event == 0 && !order.empty()) {  // someone else evicts any token
-        slots.evict(unit,
-                    std::vector<std::int32_t>{
-                        order[static_cast<std::size_t>(pick(static_cast<int>(order.size())))]});
-      } else if (event == 1 && order.size() > 2) {  // a rollback, then the same originals again
-        const int count = 1 + pick(2);
-        slots.truncate(unit, count);
-        next_original[unit] -= count;
-      } else if (event == 2) {
-        std::vector<kvevict::SlotMove> moves;
-        slots.compact(unit, moves);
-      } else if (event == 3 && !order.empty()) {  // the newest evicted, its original fed again
-        slots.evict(unit, std::vector<std::int32_t>{order.back()});
-        --next_original[unit];
-      }
-      const int live = slots.live(unit);
-      const int first = std::min(protection.oldest, live);
-      const int candidates = live - first - std::min(protection.newest, live - first);
-      if (candidates < 1 || live < 150) continue;
-      const int count = pick(20) == 0 ? 1 + pick(std::min(candidates, 4)) : 1;
-      kvevict::Decision by_heap;
-      kvevict::Decision by_pass;
-      by_heap.reset(2);
-      by_pass.reset(2);
-      const std::span<const float> view = slots.scores(unit, 0);
-      ASSERT_EQ(kept.evict(slots, unit, protection, candidates - count, view, by_heap), count);
-      ASSERT_EQ(pass.evict(slots, unit, protection, candidates - count, view, by_pass), count);
-      std::vector<std::int32_t> a(by_heap.evicted(unit).begin(), by_heap.evicted(unit).end());
-      std::vector<std::int32_t> b(by_pass.evicted(unit).begin(), by_pass.evicted(unit).end());
-      std::sort(a.begin(), a.end());
-      std::sort(b.begin(), b.end());
-      ASSERT_EQ(a, b) << "step " << step << ", unit " << unit;
-      ++compared;
-      if (pick(10) != 0) slots.evict(unit, a);  // now and then a decision is not applied
     }
+    EXPECT_GT(compared, 5000);
   }
-  EXPECT_GT(compared, 5000);
 }
 
 // KnownWorst (the worst of every slot, found in slot order while a column is in cache) names the

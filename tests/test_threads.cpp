@@ -6,13 +6,16 @@
 #include <gtest/gtest.h>
 #include <kvevict/c_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <kvevict/detail/stream_order.hpp>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/model.hpp>
 #include <kvevict/model/random_model.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -258,6 +261,43 @@ TEST(Threads, CApiSequencesDecideAsAloneAndKeepTheirOwnLastError) {
     EXPECT_EQ(run.live, alone.live) << "thread " << t;
     EXPECT_NE(run.misuse_message.find("got " + std::to_string(-t - 1)), std::string::npos)
         << "thread " << t << ": " << run.misuse_message;
+  }
+}
+
+// A stream order with a removal gap open reads the same on threads that list it at once: view()
+// copies it into one span once (under a lock), the pieces are read in place.
+TEST(Threads, StreamOrderViewsAtOnceReadTheSameEntries) {
+  kvevict::detail::StreamOrder order;
+  std::vector<std::int32_t> list;
+  order.reserve(1000);
+  for (std::int32_t slot = 0; slot < 1000; ++slot) {
+    order.push_back(slot);
+    list.push_back(slot);
+  }
+  for (int round = 0; round < 20; ++round) {
+    // The first removal after a view closes its gap; the second opens one, away from both ends:
+    // the views are a copy.
+    const int at = 300 + 7 * round;
+    for (int removal = 0; removal < 2; ++removal) {
+      order.erase(at);
+      list.erase(list.begin() + at);
+    }
+    ASSERT_FALSE(order.pieces().back.empty());
+    std::vector<int> same(4, 0);
+    std::vector<std::thread> threads;
+    for (std::size_t t = 0; t < same.size(); ++t) {
+      threads.emplace_back([&, t] {
+        const std::span<const std::int32_t> view = order.view();
+        const kvevict::detail::StreamOrderPieces pieces = order.pieces();
+        bool equal = std::equal(view.begin(), view.end(), list.begin(), list.end());
+        for (int i = 0; i < pieces.size(); ++i) {
+          equal = equal && pieces[i] == list[static_cast<std::size_t>(i)];
+        }
+        same[t] = equal ? 1 : 0;
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (std::size_t t = 0; t < same.size(); ++t) EXPECT_EQ(same[t], 1) << "round " << round;
   }
 }
 

@@ -247,8 +247,10 @@ class WorstCandidates {
   int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
             std::span<const float> scores, Decision& decision,
             int max_live = std::numeric_limits<int>::max(), const KnownWorst& known = {}) {
-    const std::span<const std::int32_t> order = slots.stream_order(unit);
-    const int live = static_cast<int>(order.size());
+    // Entries by index, where the last eviction's gap may split them (the pieces): the order is
+    // never copied or closed for a decision.
+    const StreamOrderPieces order = slots.stream_order_pieces(unit);
+    const int live = order.size();
     const int first = std::min(protection.oldest, live);
     const int last = live - std::min(protection.newest, live - first);  // candidates: [first, last)
     const std::span<const std::uint8_t> flags = slots.flags(unit);
@@ -284,9 +286,7 @@ class WorstCandidates {
       }
       // The worst of every slot, if it is a candidate (its original position within theirs), is
       // the worst candidate.
-      const auto original_at = [&](int i) {
-        return originals[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])];
-      };
+      const auto original_at = [&](int i) { return originals[static_cast<std::size_t>(order[i])]; };
       if (known.holds(slots, unit) && (first == 0 || original_at(first) <= known.original) &&
           (last == live || known.original <= original_at(last - 1))) {
         decision.evict(unit, known.slot);
@@ -346,10 +346,10 @@ class WorstCandidates {
   // lowest mean score (ties: the later block goes), or, by recency, the oldest. The bound is exact
   // unless protected blocks alone exceed it; the unit can end up to B - 1 tokens below it.
   template <class Flagged>
-  int evict_blocks(const SlotTable& slots, int unit, std::span<const std::int32_t> order, int first,
+  int evict_blocks(const SlotTable& slots, int unit, const StreamOrderPieces& order, int first,
                    int last, bool any_flag, const Flagged& protected_by_flag, int count,
                    std::span<const float> scores, Decision& decision) {
-    const int live = static_cast<int>(order.size());
+    const int live = order.size();
     const std::span<const std::int64_t> originals = slots.original_positions(unit);
     const std::int64_t size = slots.layout().block_tokens();
     blocks_.clear();
@@ -389,27 +389,41 @@ class WorstCandidates {
   std::vector<Block> blocks_;
 
   // The steady state of a per-token budget rule: the single worst candidate, in one pass at the
-  // CPU's vector width (detail/row_passes.hpp), the candidates and the scores first read in order
-  // (stream_into_cache: bench_decode_step's H2O overhead at 4K about a quarter lower). Candidates
-  // come oldest first, so among equal scores the later one is the worse (ties keep the lower
-  // original position).
-  static int evict_one(int unit, std::span<const std::int32_t> order, int first, int last,
+  // CPU's vector width (detail/row_passes.hpp) over each piece of the order the candidates fill,
+  // the candidates and the scores first read in order (stream_into_cache: bench_decode_step's H2O
+  // overhead at 4K about a quarter lower). Candidates come oldest first, so among equal scores
+  // the later one is the worse (ties keep the lower original position): the newer piece's worst
+  // wins a tie with the older piece's.
+  static int evict_one(int unit, const StreamOrderPieces& order, int first, int last,
                        std::span<const float> scores, std::span<const std::int64_t> originals,
                        Decision& decision) {
-    const std::span<const std::int32_t> candidates =
-        order.subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(last - first));
-    detail::stream_into_cache(candidates.data(), candidates.size_bytes());
     detail::stream_into_cache(scores.data(), scores.size_bytes());
-    const detail::row_pass::Worst worst =
-        detail::worst_in_order(order.data(), first, last, scores.data());
-    if (worst.nan) {  // name the first NaN
+    const int split = static_cast<int>(order.front.size());
+    std::int32_t worst_slot = -1;
+    bool nan = false;
+    for (const auto& [piece, offset] : {std::pair{order.front, 0}, std::pair{order.back, split}}) {
+      const int begin = std::max(first - offset, 0);
+      const int end = std::min(last - offset, static_cast<int>(piece.size()));
+      if (begin >= end) continue;
+      detail::stream_into_cache(piece.data() + begin,
+                                static_cast<std::size_t>(end - begin) * sizeof(std::int32_t));
+      const detail::row_pass::Worst worst =
+          detail::worst_in_order(piece.data(), begin, end, scores.data());
+      nan = nan || worst.nan;
+      const std::int32_t slot = piece[static_cast<std::size_t>(worst.index)];
+      if (worst_slot < 0 ||
+          scores[static_cast<std::size_t>(slot)] <= scores[static_cast<std::size_t>(worst_slot)]) {
+        worst_slot = slot;
+      }
+    }
+    if (nan) {  // name the first NaN
       for (int i = first; i < last; ++i) {
-        const std::int32_t slot = order[static_cast<std::size_t>(i)];
+        const std::int32_t slot = order[i];
         require_number(scores[static_cast<std::size_t>(slot)],
                        originals[static_cast<std::size_t>(slot)]);
       }
     }
-    decision.evict(unit, order[static_cast<std::size_t>(worst.index)]);
+    decision.evict(unit, worst_slot);
     return 1;
   }
 
@@ -428,6 +442,12 @@ class WorstCandidates {
     std::uint64_t generation = 0;  // SlotTable::generation() at the last decision
     bool built = false;
     std::int64_t through = 0;
+    // What the last decision leaves the next, while the unit's SlotTable::evictions() is
+    // `evictions_after` and the last evicted token is the top (its own eviction applied and no
+    // other since): the top is gone, and the live tokens up to `through` are the first
+    // `held_through` of the stream order.
+    std::int64_t evictions_after = -1;
+    int held_through = 0;
   };
 
   // a ranks below b: the lower score, and among equal scores the later token.
@@ -467,26 +487,25 @@ class WorstCandidates {
   // worst (the same one the pass finds). Rebuilt from the candidates when it cannot be in step:
   // a new generation (after one decision by the pass), a protected token at the top, a score that
   // fell, too many stale entries.
-  int evict_one_kept(const SlotTable& slots, int unit, std::span<const std::int32_t> order,
-                     int first, int last, std::span<const float> scores,
+  // A step that follows the heap's own eviction and no other (the steady state) knows without a
+  // read where its new candidates begin and that the top is gone: the first new candidate takes
+  // the top's place and sinks from there, and the others climb from the bottom. A decode step's
+  // weights have pushed the unit out of the caches since, so every read saved is a miss saved.
+  int evict_one_kept(const SlotTable& slots, int unit, const StreamOrderPieces& order, int first,
+                     int last, std::span<const float> scores,
                      std::span<const std::int64_t> originals, Decision& decision) {
     if (heaps_.size() < static_cast<std::size_t>(slots.units())) {
       heaps_.resize(static_cast<std::size_t>(slots.units()));
     }
     CandidateHeap& heap = heaps_[static_cast<std::size_t>(unit)];
     std::vector<HeapEntry>& entries = heap.entries;
-    const auto original_of = [&](int i) {
-      return originals[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])];
-    };
+    const auto original_of = [&](int i) { return originals[static_cast<std::size_t>(order[i])]; };
     const auto entry_of = [&](int i) {
-      const std::int32_t slot = order[static_cast<std::size_t>(i)];
+      const std::int32_t slot = order[i];
       const float score = scores[static_cast<std::size_t>(slot)];
       require_number(score, originals[static_cast<std::size_t>(slot)]);
       return HeapEntry{score, slot, originals[static_cast<std::size_t>(slot)]};
     };
-    const std::int64_t oldest = original_of(first);
-    const std::int64_t newest = original_of(last - 1);
-    const auto candidates = static_cast<std::size_t>(last - first);
     if (heap.generation != slots.generation(unit)) {
       // A new table, a compaction, a truncation: the pass this time, and the heap built at the
       // next decision if the generation holds (a unit compacted often, as under Allocated's
@@ -496,10 +515,35 @@ class WorstCandidates {
       entries.clear();
       return evict_one(unit, order, first, last, scores, originals, decision);
     }
-    bool rebuild = !heap.built || heap.through > newest || entries.size() > 2 * candidates + 64;
-    if (!rebuild) {  // the new candidates, oldest first
-      int from = last;
+    // No token older than the oldest candidate is live but the protected oldest.
+    const std::int64_t oldest =
+        first > 0 ? original_of(first) : std::numeric_limits<std::int64_t>::min();
+    const auto candidates = static_cast<std::size_t>(last - first);
+    const bool own_step = heap.built && !entries.empty() &&
+                          slots.evictions(unit) == heap.evictions_after &&
+                          slots.last_evicted(unit) == entries.front().original &&
+                          heap.held_through >= first && heap.held_through <= last;
+    int from = last;  // the new candidates: [from, last)
+    std::int64_t newest = heap.through;
+    if (own_step) {
+      // Every live token up to `through` is a candidate: [0, held_through) within [0, last).
+      from = heap.held_through;
+      if (from < last) newest = original_of(last - 1);
+    } else {
+      newest = original_of(last - 1);
       while (from > first && original_of(from - 1) > heap.through) --from;
+    }
+    bool rebuild = !heap.built || heap.through > newest || entries.size() > 2 * candidates + 64;
+    if (!rebuild) {
+      if (own_step) {  // the top went: the first new one in its place
+        if (from < last) {
+          entries.front() = entry_of(from++);
+        } else {
+          entries.front() = entries.back();
+          entries.pop_back();
+        }
+        if (!entries.empty()) sift_down(entries, 0);
+      }
       for (int i = from; i < last; ++i) {
         entries.push_back(entry_of(i));
         sift_up(entries, entries.size() - 1);
@@ -528,6 +572,8 @@ class WorstCandidates {
         rebuild = true;
       } else if (now == top.score) {
         decision.evict(unit, top.slot);
+        heap.evictions_after = slots.evictions(unit) + 1;
+        heap.held_through = last - 1;  // the live tokens up to `through` once this one goes
         return 1;
       } else if (now > top.score) {  // rose since: re-ranked by its score now
         top.score = now;

@@ -52,6 +52,8 @@
 
 namespace kvevict {
 
+using StreamOrderPieces = detail::StreamOrderPieces;
+
 namespace detail {
 // A process-wide serial for SlotTable::generation(): no two tables share a value.
 inline std::uint64_t new_generation() {
@@ -182,11 +184,22 @@ class SlotTable {
   /// Something kept beside a unit from one decision to the next (WorstCandidates' heap) learns
   /// of evictions and appends by itself, and is rebuilt when this changes.
   [[nodiscard]] std::uint64_t generation(int unit) const { return state(unit).generation; }
+  /// Tokens evicted from `unit` since the table was made, and the original position of the last
+  /// of them (-1 before any): with generation(), what tells something kept beside a unit that the
+  /// one eviction since it last looked is the one it asked for (WorstCandidates' heap).
+  [[nodiscard]] std::int64_t evictions(int unit) const { return state(unit).evictions; }
+  [[nodiscard]] std::int64_t last_evicted(int unit) const { return state(unit).last_evicted; }
 
   /// The live slots of `unit`, oldest (lowest original position) first. Valid until the next
-  /// change to the unit.
+  /// change to the unit. After evictions that left the order in two pieces (a gap where the last
+  /// evicted slot was: detail/stream_order.hpp) this is a copy, made once per change.
   [[nodiscard]] std::span<const std::int32_t> stream_order(int unit) const {
     return state(unit).order.view();
+  }
+  /// The same entries as they lie, in at most two pieces, without a copy: what a decision that
+  /// reads a few entries of the order (the ends of its candidates, one entry) reads.
+  [[nodiscard]] StreamOrderPieces stream_order_pieces(int unit) const {
+    return state(unit).order.pieces();
   }
 
   /// Position group `group` of `unit` (ids from group_ids()).
@@ -344,11 +357,13 @@ class SlotTable {
   }
 
   /// For each unit, where the oldest of its slots in `evicted(unit)` sits in its stream order
-  /// (-1 for a unit that evicts nothing): at[unit], for evict(). The units' halving searches run
-  /// side by side, one step of every search at a time, so that their reads overlap rather than
-  /// wait one after another: a search reads about 2 log2(live) lines (the stream order, then the
-  /// original position of the slot found there), each from memory after a decode step's weights
-  /// have passed through the caches.
+  /// (-1 for a unit that evicts nothing): at[unit], for evict(). First the two entries beside the
+  /// gap the last eviction left (detail/stream_order.hpp), where a policy that evicts at about one
+  /// stream index step after step (H2O) finds it; then a halving search, the units' searches side
+  /// by side, one step of every search at a time, so that their reads overlap rather than wait one
+  /// after another: a search reads about 2 log2(live) lines (the stream order, then the original
+  /// position of the slot found there), each from memory after a decode step's weights have passed
+  /// through the caches.
   template <class EvictedOf>
   void locate_oldest(const EvictedOf& evicted, std::vector<int>& at) {
     at.assign(units_.size(), -1);
@@ -359,8 +374,16 @@ class SlotTable {
       const std::int64_t* originals = original_.data() + index(unit, 0);
       std::int64_t oldest = std::numeric_limits<std::int64_t>::max();
       for (const std::int32_t slot : slots) oldest = std::min(oldest, originals[slot]);
-      searches_.push_back(
-          {state(unit).order.view().data(), originals, oldest, 0, state(unit).live, 0, unit});
+      const StreamOrderPieces entries = state(unit).order.pieces();
+      const int after_gap = static_cast<int>(entries.front.size());
+      for (const int i : {after_gap, after_gap - 1}) {
+        if (i >= 0 && i < entries.size() && originals[entries[i]] == oldest) {
+          at[static_cast<std::size_t>(unit)] = i;
+        }
+      }
+      if (at[static_cast<std::size_t>(unit)] < 0) {
+        searches_.push_back({entries, originals, oldest, 0, entries.size(), 0, unit});
+      }
     }
     // std::lower_bound's steps, one of every search at a time: each search's middle entry read
     // (loads independent of each other, which the CPU overlaps) and the original it names asked
@@ -385,8 +408,7 @@ class SlotTable {
       }
     }
     for (const Search& f : searches_) {
-      const bool found =
-          f.first < state(f.unit).live && f.originals[f.entries[f.first]] == f.target;
+      const bool found = f.first < f.entries.size() && f.originals[f.entries[f.first]] == f.target;
       at[static_cast<std::size_t>(f.unit)] = found ? f.first : -1;
     }
   }
@@ -490,7 +512,7 @@ class SlotTable {
       }
     }
     // Each turned stretch takes the value of the nearest older stretch kept (0 when limit is 0).
-    const std::span<const std::int32_t> order = s.order.view();
+    const std::span<const std::int32_t> order = s.order.contiguous();
     std::int64_t rotated = 0;
     std::int64_t target = 0;
     for (const PendingStretch& stretch : stretches) {
@@ -525,6 +547,8 @@ class SlotTable {
     std::vector<std::int32_t> free_group_ids;  // ids to reuse
     std::vector<std::int32_t> group_order;     // ids, oldest stretch first
     std::int64_t evicted_since_fold = 0;
+    std::int64_t evictions = 0;          // see evictions()
+    std::int64_t last_evicted = -1;      // see last_evicted()
     std::int64_t rotations_at_fold = 1;  // different pending rotations the last fold left
     std::uint64_t generation = detail::new_generation();  // see generation()
     std::int64_t newest_appended = std::numeric_limits<std::int64_t>::min();
@@ -697,6 +721,8 @@ class SlotTable {
       ++s.evicted_since_fold;
     }
     s.order.erase(at);
+    ++s.evictions;
+    s.last_evicted = original_[index(unit, slot)];
     release(s, unit, slot);
   }
 
@@ -765,7 +791,7 @@ class SlotTable {
   std::vector<std::int32_t> scratch_;        // evict's working list
   // One halving search of locate_oldest: `count` entries from `first` left to search.
   struct Search {
-    const std::int32_t* entries;
+    StreamOrderPieces entries;
     const std::int64_t* originals;
     std::int64_t target;
     int first;

@@ -304,12 +304,11 @@ class SequenceCore {
                         std::to_string(stats_.tokens_fed) + "]");
     const std::int64_t first = stats_.tokens_fed - count;
     for (int unit = 0; unit < layout_.units(); ++unit) {
-      const std::span<const std::int32_t> order = slots_.stream_order(unit);
+      const StreamOrderPieces order = slots_.stream_order_pieces(unit);
       const std::span<const std::int64_t> originals = slots_.original_positions(unit);
       int newest = 0;
-      while (newest < static_cast<int>(order.size()) &&
-             originals[static_cast<std::size_t>(
-                 order[order.size() - 1 - static_cast<std::size_t>(newest)])] >= first) {
+      while (newest < order.size() &&
+             originals[static_cast<std::size_t>(order[order.size() - 1 - newest])] >= first) {
         ++newest;
       }
       slots_.truncate(unit, newest);
