@@ -534,10 +534,12 @@ class WorstCandidates {
       while (from > first && original_of(from - 1) > heap.through) --from;
     }
     bool rebuild = !heap.built || heap.through > newest || entries.size() > 2 * candidates + 64;
+    HeapEntry read_live{0.0f, -1, 0};  // an entry just read from the stream order: live
     if (!rebuild) {
       if (own_step) {  // the top went: the first new one in its place
         if (from < last) {
-          entries.front() = entry_of(from++);
+          read_live = entry_of(from++);
+          entries.front() = read_live;
         } else {
           entries.front() = entries.back();
           entries.pop_back();
@@ -560,8 +562,10 @@ class WorstCandidates {
         rebuild = false;
       }
       HeapEntry& top = entries.front();
-      if (!slots.is_live(unit, top.slot) ||
-          originals[static_cast<std::size_t>(top.slot)] != top.original) {  // evicted since
+      // Evicted since? Not asked of the entry just read from the order (a miss saved).
+      const bool read_now = top.slot == read_live.slot && top.original == read_live.original;
+      if (!read_now && (!slots.is_live(unit, top.slot) ||
+                        originals[static_cast<std::size_t>(top.slot)] != top.original)) {
         top = entries.back();
         entries.pop_back();
         if (!entries.empty()) sift_down(entries, 0);

@@ -536,21 +536,23 @@ class SlotTable {
   }
 
  private:
-  struct UnitState {
+  // What a decision reads of a unit first: the first two cache lines (its size, generation and
+  // evictions, the stream order's bounds), read from memory after a decode step's weights.
+  struct alignas(64) UnitState {
     int live = 0;
-    int peak_live = 0;  // the largest `live` since construction
     int slot_limit = 0;
+    std::uint64_t generation = detail::new_generation();  // see generation()
+    std::int64_t evictions = 0;                           // see evictions()
+    std::int64_t last_evicted = -1;                       // see last_evicted()
+    detail::StreamOrder order;
+    int peak_live = 0;  // the largest `live` since construction
     // newest_freed_first: a stack; lowest_first: a min-heap.
     std::vector<std::int32_t> free_slots;
-    detail::StreamOrder order;
     std::vector<PositionGroup> groups;         // by id
     std::vector<std::int32_t> free_group_ids;  // ids to reuse
     std::vector<std::int32_t> group_order;     // ids, oldest stretch first
     std::int64_t evicted_since_fold = 0;
-    std::int64_t evictions = 0;          // see evictions()
-    std::int64_t last_evicted = -1;      // see last_evicted()
     std::int64_t rotations_at_fold = 1;  // different pending rotations the last fold left
-    std::uint64_t generation = detail::new_generation();  // see generation()
     std::int64_t newest_appended = std::numeric_limits<std::int64_t>::min();
   };
 

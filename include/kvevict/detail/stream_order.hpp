@@ -210,12 +210,13 @@ class StreamOrder {
     return mutex;
   }
 
-  std::vector<std::int32_t> buffer_;
+  // The bounds first: with the buffer's address, what pieces() reads, in one cache line.
   std::size_t head_ = 0;    // buffer index of entry 0
   std::size_t size_ = 0;    // entries
   std::size_t gap_at_ = 0;  // with a gap: entries [0, gap_at_) lie before it, 0 < gap_at_ < size_
   std::size_t gap_ = 0;     // the gap's length, 0 for none
-  mutable Flag viewed_;     // view() was called since the last removal
+  std::vector<std::int32_t> buffer_;
+  mutable Flag viewed_;                     // view() was called since the last removal
   mutable std::vector<std::int32_t> copy_;  // view()'s, with a gap open
   mutable Flag copy_valid_;
 };
