@@ -526,7 +526,7 @@ class WorstCandidates {
     int from = last;  // the new candidates: [from, last)
     std::int64_t newest = heap.through;
     if (own_step) {
-      // Every live token up to `through` is a candidate: [0, held_through) within [0, last).
+      // The live tokens up to `through` are [0, held_through), none of them protected newest.
       from = heap.held_through;
       if (from < last) newest = original_of(last - 1);
     } else {
