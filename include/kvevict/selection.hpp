@@ -34,6 +34,17 @@ struct Protection {
   int newest = 0;          ///< the `newest` newest live slots (a recent window)
   std::uint8_t flags = 0;  ///< every slot carrying one of these slot_flag bits (anchors)
   [[nodiscard]] bool empty() const { return oldest == 0 && newest == 0 && flags == 0; }
+
+  /// Stream indices [first, last) of a unit of `live` tokens that `oldest` and `newest` leave
+  /// unprotected (flags aside); the oldest are protected first when the two overlap.
+  struct Range {
+    int first = 0;
+    int last = 0;
+  };
+  [[nodiscard]] Range unprotected(int live) const {
+    const int first = std::min(oldest, live);
+    return {first, live - std::min(newest, live - first)};
+  }
 };
 
 /// Throws kvevict::Error if `score` is NaN: a NaN would make the ranking undefined.
@@ -251,8 +262,7 @@ class WorstCandidates {
     // never copied or closed for a decision.
     const StreamOrderPieces order = slots.stream_order_pieces(unit);
     const int live = order.size();
-    const int first = std::min(protection.oldest, live);
-    const int last = live - std::min(protection.newest, live - first);  // candidates: [first, last)
+    const auto [first, last] = protection.unprotected(live);  // candidates: [first, last)
     const std::span<const std::uint8_t> flags = slots.flags(unit);
     const auto protected_by_flag = [&](std::int32_t slot) {
       return (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0;

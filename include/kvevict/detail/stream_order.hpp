@@ -47,9 +47,7 @@ class StreamOrder {
     const std::size_t wanted = 2 * static_cast<std::size_t>(capacity) + 2;
     if (wanted <= buffer_.size()) return;
     std::vector<std::int32_t> grown(wanted);
-    const StreamOrderPieces now = pieces();
-    std::copy(now.back.begin(), now.back.end(),
-              std::copy(now.front.begin(), now.front.end(), grown.begin()));
+    copy_entries(grown.begin());
     buffer_.swap(grown);
     head_ = 0;
     gap_ = 0;
@@ -74,9 +72,8 @@ class StreamOrder {
     if (!copy_valid_.value.load(std::memory_order_acquire)) {
       const std::lock_guard<std::mutex> lock(copy_mutex());
       if (!copy_valid_.value.load(std::memory_order_relaxed)) {
-        const StreamOrderPieces now = pieces();
-        copy_.assign(now.front.begin(), now.front.end());
-        copy_.insert(copy_.end(), now.back.begin(), now.back.end());
+        copy_.resize(size_);
+        copy_entries(copy_.begin());
         copy_valid_.value.store(true, std::memory_order_release);
       }
     }
@@ -105,25 +102,20 @@ class StreamOrder {
   void erase(int i) {
     changed();
     const auto k = static_cast<std::size_t>(i);
+    // Entries that moving the gap to k shifts: (k, gap_at_) behind it, or [gap_at_, k) in front.
+    const std::size_t shifted = k < gap_at_ ? gap_at_ - k - 1 : k - gap_at_;
     if (viewed_.value.exchange(false, std::memory_order_relaxed)) {
       close_gap();
       shift_shorter_side(k);
-    } else if (gap_ == 0) {
-      gap_at_ = k;
-      gap_ = 1;
-    } else if (const std::size_t shifted = k < gap_at_ ? gap_at_ - k - 1 : k - gap_at_;
-               shifted > std::min(gap_at_, size_ - gap_at_)) {
-      close_gap();
-      gap_at_ = k;
-      gap_ = 1;
     } else {
+      if (gap_ != 0 && shifted > std::min(gap_at_, size_ - gap_at_)) close_gap();
       std::int32_t* begin = buffer_.data() + head_;
-      if (k < gap_at_) {  // the entries (k, gap_at_) move behind the gap
+      if (gap_ != 0 && k < gap_at_) {
         std::memmove(begin + k + 1 + gap_, begin + k + 1, shifted * sizeof(std::int32_t));
-      } else {  // the entries [gap_at_, k) move in front of it
+      } else if (gap_ != 0) {
         std::memmove(begin + gap_at_, begin + gap_at_ + gap_, shifted * sizeof(std::int32_t));
       }
-      gap_at_ = k;
+      gap_at_ = k;  // entry k's place joins the gap (or is a new one)
       ++gap_;
     }
     --size_;
@@ -176,6 +168,13 @@ class StreamOrder {
   [[nodiscard]] std::size_t physical(int i) const {
     const auto k = static_cast<std::size_t>(i);
     return head_ + k + (k >= gap_at_ ? gap_ : 0);
+  }
+
+  // Writes the entries, oldest first, from `out` on.
+  template <class Out>
+  void copy_entries(Out out) const {
+    const StreamOrderPieces now = pieces();
+    std::copy(now.back.begin(), now.back.end(), std::copy(now.front.begin(), now.front.end(), out));
   }
 
   // After any change: the copy is stale.

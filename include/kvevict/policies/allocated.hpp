@@ -294,8 +294,7 @@ class Allocated final : public PolicyDecorator {
                                            const Protection& protection) {
     const std::span<const std::int32_t> order = slots.stream_order(unit);
     const int live = static_cast<int>(order.size());
-    const int first = std::min(protection.oldest, live);
-    const int last = live - std::min(protection.newest, live - first);
+    const auto [first, last] = protection.unprotected(live);
     int count = last - first;
     if (protection.flags != 0) {
       const std::span<const std::uint8_t> flags = slots.flags(unit);
@@ -317,8 +316,7 @@ class Allocated final : public PolicyDecorator {
     const std::span<const std::int64_t> originals = slots.original_positions(unit);
     const std::span<const std::uint8_t> flags = slots.flags(unit);
     const int live = static_cast<int>(order.size());
-    const int first = std::min(protection.oldest, live);
-    const int last = live - std::min(protection.newest, live - first);
+    const auto [first, last] = protection.unprotected(live);
     for (int i = first; i < last; ++i) {
       const std::int32_t slot = order[static_cast<std::size_t>(i)];
       if ((flags[static_cast<std::size_t>(slot)] & protection.flags) != 0) continue;
@@ -377,8 +375,7 @@ class Allocated final : public PolicyDecorator {
       for (int g = 0; g < heads; ++g) {
         const int unit = layout_.unit_of(layer, g);
         const int live = slots.live(unit);
-        const int first = std::min(protection.oldest, live);
-        const int last = live - std::min(protection.newest, live - first);
+        const auto [first, last] = protection.unprotected(live);
         const int split = std::max(first, last - kNewestFirst);
         const std::span<const float> scores = slots.scores(unit, rule_.column);
         const std::span<const std::int32_t> order = slots.stream_order(unit);

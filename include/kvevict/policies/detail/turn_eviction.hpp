@@ -62,9 +62,7 @@ class HistorySampler : public Policy {
       // and newest, in place; else the ones a keep set of the protected leaves.
       std::span<const std::int32_t> history = context.slots.stream_order(unit);
       if (protection.flags == 0) {
-        const int live = static_cast<int>(history.size());
-        const int first = std::min(protection.oldest, live);
-        const int last = live - std::min(protection.newest, live - first);
+        const auto [first, last] = protection.unprotected(static_cast<int>(history.size()));
         history = history.subspan(static_cast<std::size_t>(first),
                                   static_cast<std::size_t>(last - first));
       } else {
