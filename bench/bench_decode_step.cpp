@@ -84,6 +84,7 @@
 #include <ctime>
 #include <kvevict/model/decoder.hpp>
 #include <kvevict/model/random_model.hpp>
+#include <kvevict/policies/key_scores.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <memory>
 #include <span>
@@ -186,6 +187,10 @@ void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std
 
   const kvevict::StageClock before = running.clock;
   const kvevict::SequenceStats stats_before = sequence.stats();
+  const auto* keydiff = dynamic_cast<const kvevict::KeyDiffPolicy*>(&sequence.policy());
+  const std::int64_t decisions_before = keydiff != nullptr ? keydiff->decisions() : 0;
+  const std::int64_t from_reference_before =
+      keydiff != nullptr ? keydiff->decisions_from_reference() : 0;
   const std::size_t moved_before =
       decoder.cache().store().bytes_rotated() + decoder.cache().store().bytes_copied();
   for (auto _ : state) {
@@ -235,6 +240,13 @@ void BM_DecodeStep(benchmark::State& state, const std::string& policy, const std
   state.counters["runs_per_unit"] = static_cast<double>(runs) / slots.units();
   state.counters["evictions"] =
       static_cast<double>(sequence.stats().decisions - stats_before.decisions) / steps;
+  if (keydiff != nullptr && keydiff->decisions() > decisions_before) {
+    // KeyDiff: the share of its decisions that scored only the keys near the lowest reference
+    // score (policies/key_scores.hpp).
+    state.counters["from_reference"] =
+        static_cast<double>(keydiff->decisions_from_reference() - from_reference_before) /
+        static_cast<double>(keydiff->decisions() - decisions_before);
+  }
 }
 
 // Seconds of CPU time this thread has used.

@@ -4,14 +4,17 @@
 // keys. Every expected value is worked out in the comments from the keys the test feeds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <kvevict/engine.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/policies/key_scores.hpp>
+#include <kvevict/policies/protection.hpp>
 #include <kvevict/policy_registry.hpp>
 #include <limits>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -162,6 +165,211 @@ TEST(KeyDiffPolicy, NoEvictionNoScoringAndTheRecentWindowIsProtected) {
   // position).
   run.feed({{1, 0}, {1, 0}});
   EXPECT_EQ(run.kept(), (Positions{0, 1, 3}));
+}
+
+// KeyDiff written out as the formulas of policies/key_scores.hpp and detail/key_directions.hpp,
+// with nothing kept between forwards: after each forward every unit over its budget scores every
+// cached key against the anchor of the cached keys (each unit-vector component rounded to a
+// multiple of 2^-32, summed) and keeps the newest `recent` plus the best others, ties to the lower
+// position. The policy computes most decisions from the scores of an earlier anchor; it must keep
+// exactly the same tokens.
+class KeyDiffFormulas {
+ public:
+  KeyDiffFormulas(int units, int heads, int budget, int recent)
+      : heads_(heads), budget_(budget), recent_(recent), cached_(static_cast<std::size_t>(units)) {}
+
+  // One forward: keys[unit][token][head] for the chunk's tokens, from original position `first`.
+  void forward(const std::vector<std::vector<std::vector<Key>>>& keys, std::int64_t first) {
+    for (std::size_t unit = 0; unit < cached_.size(); ++unit) {
+      std::vector<Cached>& cached = cached_[unit];
+      for (std::size_t k = 0; k < keys[unit].size(); ++k) {
+        cached.push_back({first + static_cast<std::int64_t>(k), directions(keys[unit][k]), 0.0f});
+      }
+      if (static_cast<int>(cached.size()) <= budget_) continue;
+      const std::vector<double> sum = anchor(cached);
+      for (Cached& token : cached) token.score = score(token.directions, sum);
+      // The newest `recent` stay; of the others, the best budget - recent.
+      const auto others = static_cast<std::ptrdiff_t>(cached.size()) - recent_;
+      std::vector<Cached> ranked(cached.begin(), cached.begin() + others);
+      std::stable_sort(ranked.begin(), ranked.end(),
+                       [](const Cached& a, const Cached& b) { return a.score > b.score; });
+      ranked.resize(static_cast<std::size_t>(budget_ - recent_));
+      ranked.insert(ranked.end(), cached.begin() + others, cached.end());
+      std::sort(ranked.begin(), ranked.end(),
+                [](const Cached& a, const Cached& b) { return a.original < b.original; });
+      cached = ranked;
+    }
+  }
+  [[nodiscard]] Positions kept(int unit) const {
+    Positions out;
+    for (const Cached& token : cached_[static_cast<std::size_t>(unit)]) {
+      out.push_back(token.original);
+    }
+    return out;
+  }
+
+ private:
+  struct Cached {
+    std::int64_t original = 0;
+    std::vector<std::vector<float>> directions;  // [head]
+    float score = 0.0f;
+  };
+  static std::vector<std::vector<float>> directions(const std::vector<Key>& heads) {
+    std::vector<std::vector<float>> out;
+    for (const Key& key : heads) {
+      double squared = 0.0;
+      for (const float x : key) squared += static_cast<double>(x) * x;
+      const double scale = 1.0 / std::max(std::sqrt(squared), 1e-12);
+      std::vector<float>& u = out.emplace_back();
+      for (const float x : key) u.push_back(static_cast<float>(x * scale));
+    }
+    return out;
+  }
+  [[nodiscard]] std::vector<double> anchor(const std::vector<Cached>& cached) const {
+    const std::size_t dim = cached.front().directions.front().size();
+    std::vector<std::int64_t> fixed(static_cast<std::size_t>(heads_) * dim, 0);
+    for (const Cached& token : cached) {
+      for (int h = 0; h < heads_; ++h) {
+        for (std::size_t d = 0; d < dim; ++d) {
+          fixed[static_cast<std::size_t>(h) * dim + d] += std::llround(
+              static_cast<double>(token.directions[static_cast<std::size_t>(h)][d]) * 0x1p32);
+        }
+      }
+    }
+    std::vector<double> sum;
+    for (const std::int64_t x : fixed) sum.push_back(static_cast<double>(x) / 0x1p32);
+    return sum;
+  }
+  [[nodiscard]] float score(const std::vector<std::vector<float>>& u,
+                            const std::vector<double>& sum) const {
+    const std::size_t dim = u.front().size();
+    double total = 0.0;
+    for (int h = 0; h < heads_; ++h) {
+      double norm = 0.0;
+      double lane[8] = {};  // lane l sums d = l, l + 8, ...
+      for (std::size_t d = 0; d < dim; ++d) {
+        const double s = sum[static_cast<std::size_t>(h) * dim + d];
+        norm += s * s;
+        const double product = static_cast<double>(u[static_cast<std::size_t>(h)][d]) * s;
+        lane[d % 8] += product;
+      }
+      const double dot =
+          ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+      const double weighted = dot * (1.0 / std::max(std::sqrt(norm), 1e-8));
+      total += weighted;
+    }
+    return static_cast<float>(-total / heads_);
+  }
+
+  int heads_;
+  int budget_;
+  int recent_;
+  std::vector<std::vector<Cached>> cached_;  // [unit] oldest first
+};
+
+// Keys drawn around a direction that turns slowly (most decisions then come from the reference
+// scores), isotropic keys (the anchor moves far at every step: most decisions score every key),
+// and keys from a few vectors scaled by powers of two (equal unit vectors: exact ties), some
+// zero; mostly one token a forward, sometimes a few; per KV head and per layer (two heads to a
+// unit), with and without a recent window.
+TEST(KeyDiffPolicy, DecidesAsIfEveryKeyWereScoredAtEveryEviction) {
+  enum class Keys { turning, isotropic, few };
+  for (const Keys keys : {Keys::turning, Keys::isotropic, Keys::few}) {
+    for (const bool per_layer : {false, true}) {
+      for (const int recent : {0, 5}) {
+        SCOPED_TRACE("keys " + std::to_string(static_cast<int>(keys)) + ", per layer " +
+                     std::to_string(per_layer) + ", recent " + std::to_string(recent));
+        constexpr int kHeadDim = 8;
+        constexpr int kLayers = 2;
+        constexpr int kKvHeads = 2;
+        constexpr int kBudget = 48;
+        auto inner = std::make_unique<kvevict::KeyDiffPolicy>(kBudget - recent);
+        const kvevict::KeyDiffPolicy& policy = *inner;
+        std::unique_ptr<kvevict::Policy> outer = std::move(inner);
+        if (recent > 0) {
+          outer = std::make_unique<kvevict::ProtectNewest>(std::move(outer), recent, "keydiff");
+        }
+        KeyHarness run(std::move(outer), kHeadDim, kLayers, kKvHeads,
+                       per_layer ? kvevict::Granularity::layer : kvevict::Granularity::head);
+        const int units = per_layer ? kLayers : kLayers * kKvHeads;
+        const int heads = per_layer ? kKvHeads : 1;
+        KeyDiffFormulas formulas(units, heads, kBudget, recent);
+        std::mt19937 rng(17);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        std::uniform_int_distribution<int> pick(0, 4);
+        std::uniform_int_distribution<int> binade(-3, 3);
+        std::vector<Key> pool(5, Key(kHeadDim));
+        for (Key& key : pool) {
+          for (float& x : key) x = normal(rng);
+        }
+        const auto draw = [&](std::int64_t t, int layer, int g) {
+          Key key(kHeadDim);
+          if (keys == Keys::few) {
+            const int which = pick(rng);
+            if (which == 0 && t % 3 == 0) return key;  // zero
+            for (int d = 0; d < kHeadDim; ++d) {
+              key[static_cast<std::size_t>(d)] = std::ldexp(
+                  pool[static_cast<std::size_t>(which)][static_cast<std::size_t>(d)], binade(rng));
+            }
+            return key;
+          }
+          const double angle = static_cast<double>(t) / 150.0 + layer + 2 * g;
+          for (int d = 0; d < kHeadDim; ++d) key[static_cast<std::size_t>(d)] = normal(rng);
+          if (keys == Keys::turning) {
+            key[0] += static_cast<float>(8.0 * std::cos(angle));
+            key[1] += static_cast<float>(8.0 * std::sin(angle));
+          }
+          return key;
+        };
+        std::int64_t fed = 0;
+        std::uniform_int_distribution<int> chunk_size(1, 12);
+        while (fed < 900) {
+          const int size = chunk_size(rng) > 10 ? 4 : 1;
+          // keys[layer][g][token], and the same per unit for the formulas.
+          std::vector<std::vector<std::vector<Key>>> by_head(kLayers);
+          std::vector<std::vector<std::vector<Key>>> by_unit(static_cast<std::size_t>(units));
+          for (int l = 0; l < kLayers; ++l) {
+            by_head[static_cast<std::size_t>(l)].resize(kKvHeads);
+            for (int g = 0; g < kKvHeads; ++g) {
+              for (int k = 0; k < size; ++k) {
+                by_head[static_cast<std::size_t>(l)][static_cast<std::size_t>(g)].push_back(
+                    draw(fed + k, l, g));
+              }
+            }
+          }
+          for (int k = 0; k < size; ++k) {
+            for (int l = 0; l < kLayers; ++l) {
+              for (int g = 0; g < kKvHeads; ++g) {
+                const int unit = per_layer ? l : l * kKvHeads + g;
+                std::vector<std::vector<Key>>& tokens = by_unit[static_cast<std::size_t>(unit)];
+                if (per_layer ? g == 0 : true) tokens.emplace_back();
+                tokens.back().push_back(by_head[static_cast<std::size_t>(
+                    l)][static_cast<std::size_t>(g)][static_cast<std::size_t>(k)]);
+              }
+            }
+          }
+          run.feed_per_head(
+              [&](int l, int g) {
+                return by_head[static_cast<std::size_t>(l)][static_cast<std::size_t>(g)];
+              },
+              size);
+          formulas.forward(by_unit, fed);
+          fed += size;
+          for (int l = 0; l < kLayers; ++l) {
+            for (int g = 0; g < kKvHeads; ++g) {
+              const int unit = per_layer ? l : l * kKvHeads + g;
+              ASSERT_EQ(run.kept(l, g), formulas.kept(unit)) << "after " << fed << " tokens";
+            }
+          }
+        }
+        // The reference decided, a good share of the decisions when the keys share a direction.
+        EXPECT_GT(policy.decisions_from_reference(), 0);
+        if (keys == Keys::turning) {
+          EXPECT_GT(policy.decisions_from_reference() * 3, policy.decisions());
+        }
+      }
+    }
+  }
 }
 
 TEST(KeyScorePolicies, RegistryNamesParametersAndBudgetMapping) {

@@ -1953,78 +1953,66 @@ TEST(RowPasses, TheLowestAndItsSlotsAreTheSameAtEveryWidth) {
   }
 }
 
-// KeyDiff's two passes (the anchor, a sum of rows in stream order, at every width; the scores,
-// eight slots at a time) against the formulas written out slot by slot, one serial sum each: the
-// policy's decisions must not depend on the CPU nor on how many slots a pass takes at once.
-TEST(RowPasses, KeyDiffPassesComputeTheSerialFormulasBits) {
+// KeyDiff's scoring pass at every width against its formula written out one slot and one term at
+// a time (eight lanes of partial sums per head, then a fixed tree): the policy's decisions must
+// not depend on the CPU nor on which slots a pass takes.
+TEST(RowPasses, KeyDiffScoresComputeTheFormulasBits) {
   namespace rp = kvevict::detail::row_pass;
-  using Sum = void (*)(const float*, std::size_t, const std::int32_t*, int, double*);
-  std::vector<std::pair<std::string, Sum>> widths{{"dispatch", &kvevict::detail::add_rows_in_order},
-                                                  {"baseline", &rp::add_rows_in_order}};
+  using Score = void (*)(const float*, std::size_t, const std::int32_t*, int, int, int,
+                         const double*, const double*, float*);
+  std::vector<std::pair<std::string, Score>> widths{{"dispatch", &kvevict::detail::score_rows},
+                                                    {"baseline", &rp::score_rows}};
 #if KVEVICT_ROW_PASS_DISPATCH
-  if (__builtin_cpu_supports("avx2")) widths.emplace_back("avx2", &rp::add_rows_in_order_avx2);
-  if (__builtin_cpu_supports("avx512f")) {
-    widths.emplace_back("avx512", &rp::add_rows_in_order_avx512);
-  }
+  if (__builtin_cpu_supports("avx2")) widths.emplace_back("avx2", &rp::score_rows_avx2);
+  if (__builtin_cpu_supports("avx512f")) widths.emplace_back("avx512", &rp::score_rows_avx512);
 #endif
   std::mt19937 rng(5);
   // Values over many binades, so that rounding depends on the order of every sum.
   std::uniform_real_distribution<float> mantissa(-1.0f, 1.0f);
   std::uniform_int_distribution<int> binade(-30, 3);
   for (const int heads : {1, 2, 3}) {
-    for (const int head_dim : {1, 7, 64}) {
-      for (const int count : {0, 1, 7, 8, 9, 16, 17, 31, 100}) {
+    for (const int head_dim : {1, 7, 8, 13, 64}) {
+      for (const int count : {0, 1, 7, 25, 100}) {
         const int capacity = count + 5;
         const auto row_floats =
             static_cast<std::size_t>(heads) * static_cast<std::size_t>(head_dim);
         std::vector<float> rows(static_cast<std::size_t>(capacity) * row_floats);
         for (float& x : rows) x = std::ldexp(mantissa(rng), binade(rng));
-        std::vector<std::int32_t> order(static_cast<std::size_t>(capacity));
-        std::iota(order.begin(), order.end(), 0);
-        std::shuffle(order.begin(), order.end(), rng);
-        order.resize(static_cast<std::size_t>(count));  // a few slots free
-        std::vector<double> start(row_floats);
-        for (double& x : start) x = std::ldexp(static_cast<double>(mantissa(rng)), binade(rng));
+        std::vector<std::int32_t> slots(static_cast<std::size_t>(capacity));
+        std::iota(slots.begin(), slots.end(), 0);
+        std::shuffle(slots.begin(), slots.end(), rng);
+        slots.resize(static_cast<std::size_t>(count));  // a few slots not scored
+        std::vector<double> anchor(row_floats);
+        for (double& x : anchor) x = std::ldexp(static_cast<double>(mantissa(rng)), binade(rng));
         std::vector<double> inverse_norms(static_cast<std::size_t>(heads));
         for (double& x : inverse_norms) x = std::ldexp(static_cast<double>(mantissa(rng)), 2);
-        // The formulas, one slot and one term at a time.
-        std::vector<double> sums = start;
-        for (const std::int32_t slot : order) {
-          for (std::size_t i = 0; i < row_floats; ++i) {
-            sums[i] += static_cast<double>(rows[static_cast<std::size_t>(slot) * row_floats + i]);
-          }
-        }
         std::vector<float> expected(static_cast<std::size_t>(capacity), -7.0f);
-        for (const std::int32_t slot : order) {
+        for (const std::int32_t slot : slots) {
           double total = 0.0;
           for (int h = 0; h < heads; ++h) {
-            double dot = 0.0;
+            double lane[8] = {};
             for (int d = 0; d < head_dim; ++d) {
               const std::size_t i = static_cast<std::size_t>(h * head_dim + d);
               const double product =
                   static_cast<double>(rows[static_cast<std::size_t>(slot) * row_floats + i]) *
-                  sums[i];
-              dot += product;
+                  anchor[i];
+              lane[d % 8] += product;
             }
+            const double dot = ((lane[0] + lane[4]) + (lane[2] + lane[6])) +
+                               ((lane[1] + lane[5]) + (lane[3] + lane[7]));
             const double weighted = dot * inverse_norms[static_cast<std::size_t>(h)];
             total += weighted;
           }
           expected[static_cast<std::size_t>(slot)] = static_cast<float>(-total / heads);
         }
-        const std::string shape = "heads " + std::to_string(heads) + ", head_dim " +
-                                  std::to_string(head_dim) + ", slots " + std::to_string(count);
-        for (const auto& [name, sum] : widths) {
-          SCOPED_TRACE(name + ", " + shape);
-          std::vector<double> got_sums = start;
-          sum(rows.data(), row_floats, order.data(), count, got_sums.data());
-          EXPECT_EQ(std::memcmp(got_sums.data(), sums.data(), sums.size() * sizeof(double)), 0);
+        for (const auto& [name, score] : widths) {
+          SCOPED_TRACE(name + ", heads " + std::to_string(heads) + ", head_dim " +
+                       std::to_string(head_dim) + ", slots " + std::to_string(count));
+          std::vector<float> got(static_cast<std::size_t>(capacity), -7.0f);  // others kept
+          score(rows.data(), row_floats, slots.data(), count, heads, head_dim, anchor.data(),
+                inverse_norms.data(), got.data());
+          EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0);
         }
-        SCOPED_TRACE(shape);
-        std::vector<float> got(static_cast<std::size_t>(capacity), -7.0f);  // free slots kept
-        kvevict::detail::score_rows_in_order(rows.data(), row_floats, order.data(), count, heads,
-                                             head_dim, sums.data(), inverse_norms.data(),
-                                             got.data());
-        EXPECT_EQ(std::memcmp(got.data(), expected.data(), got.size() * sizeof(float)), 0);
       }
     }
   }

@@ -255,27 +255,48 @@ class WorstCandidates {
  public:
   explicit WorstCandidates(ScoreTrend trend = ScoreTrend::any) : trend_(trend) {}
 
-  int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
-            std::span<const float> scores, Decision& decision,
-            int max_live = std::numeric_limits<int>::max(), const KnownWorst& known = {}) {
+  /// The candidates of `unit` and how many of them evict() evicts (0 when none).
+  struct Candidates {
+    StreamOrderPieces order;  ///< the unit's stream order
+    int first = 0;            ///< candidates: stream indices [first, last), flagged slots aside
+    int last = 0;
+    int count = 0;  ///< how many go
+  };
+  [[nodiscard]] static Candidates candidates(const SlotTable& slots, int unit,
+                                             const Protection& protection, int keep,
+                                             int max_live = std::numeric_limits<int>::max()) {
     // Entries by index, where the last eviction's gap may split them (the pieces): the order is
     // never copied or closed for a decision.
     const StreamOrderPieces order = slots.stream_order_pieces(unit);
     const int live = order.size();
-    const auto [first, last] = protection.unprotected(live);  // candidates: [first, last)
-    const std::span<const std::uint8_t> flags = slots.flags(unit);
-    const auto protected_by_flag = [&](std::int32_t slot) {
-      return (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0;
-    };
+    const auto [first, last] = protection.unprotected(live);
     int candidates = last - first;
     if (protection.flags != 0) {
-      for (int i = first; i < last; ++i) candidates -= protected_by_flag(order[i]) ? 1 : 0;
+      const std::span<const std::uint8_t> flags = slots.flags(unit);
+      for (int i = first; i < last; ++i) {
+        candidates -= (flags[static_cast<std::size_t>(order[i])] & protection.flags) != 0 ? 1 : 0;
+      }
     }
     // Over the grant: the unit keeps live - candidates protected slots, so at most
     // max_live - that many candidates.
     const int granted = std::max(max_live, 0) - (live - candidates);
-    const int count = candidates - std::max(std::min(keep, granted), 0);
-    if (count <= 0) return 0;
+    return {order, first, last, std::max(candidates - std::max(std::min(keep, granted), 0), 0)};
+  }
+
+  int evict(const SlotTable& slots, int unit, const Protection& protection, int keep,
+            std::span<const float> scores, Decision& decision,
+            int max_live = std::numeric_limits<int>::max(), const KnownWorst& known = {}) {
+    const Candidates chosen = candidates(slots, unit, protection, keep, max_live);
+    if (chosen.count == 0) return 0;
+    const StreamOrderPieces& order = chosen.order;
+    const int first = chosen.first;
+    const int last = chosen.last;
+    const int count = chosen.count;
+    const int live = order.size();
+    const std::span<const std::uint8_t> flags = slots.flags(unit);
+    const auto protected_by_flag = [&](std::int32_t slot) {
+      return (flags[static_cast<std::size_t>(slot)] & protection.flags) != 0;
+    };
     if (slots.layout().block_tokens() > 1) {
       return evict_blocks(slots, unit, order, first, last, protection.flags != 0, protected_by_flag,
                           count, scores, decision);

@@ -288,78 +288,57 @@ KVEVICT_ROW_PASS_INLINE void rotate_interleaved(float* KVEVICT_RESTRICT row, int
   }
 }
 
-// Rows of `row_floats` floats at rows + slot * row_floats, taken in the order of `order` (a unit's
-// slots in stream order): a copy of the K cache, which comes from memory at every step. Each row
-// asks for the one kAheadRows further on, since the slots, and so the rows, are scattered.
+// Rows of `row_floats` floats at rows + slot * row_floats, taken in the order of a list of slots:
+// KeyDiff's unit vectors, as many as the K cache, which come from memory at every step. Each row
+// asks for the one kAheadRows further on, since the slots, and so the rows, may be scattered.
 inline constexpr int kAheadRows = 24;
 KVEVICT_ROW_PASS_INLINE const float* row_at(const float* rows, std::size_t row_floats,
                                             std::int32_t slot) {
   return rows + static_cast<std::size_t>(slot) * row_floats;
 }
 
-// sums[i] += rows of order[0, count) at i, in that order, in double, i in [0, row_floats).
-KVEVICT_ROW_PASS_INLINE void add_rows_in_order(const float* rows, std::size_t row_floats,
-                                               const std::int32_t* order, int count,
-                                               double* KVEVICT_RESTRICT sums) {
-  for (int k = 0; k < count; ++k) {
-    if (k + kAheadRows < count) {
-      prefetch_lines(row_at(rows, row_floats, order[k + kAheadRows]), row_floats * sizeof(float),
-                     /*for_write=*/false);
-    }
-    const float* KVEVICT_RESTRICT row = row_at(rows, row_floats, order[k]);
-    for (std::size_t i = 0; i < row_floats; ++i) sums[i] += row[i];
-  }
-}
-
-// score_rows_in_order for kLanes slots order[0, kLanes) at once: kLanes independent sums, each
-// slot's operations those of one slot alone.
-template <int kLanes>
-KVEVICT_ROW_PASS_INLINE void score_rows_of(const float* rows, std::size_t row_floats,
-                                           const std::int32_t* order, int heads, int head_dim,
-                                           const double* KVEVICT_RESTRICT anchor,
-                                           const double* KVEVICT_RESTRICT inverse_norms,
-                                           float* KVEVICT_RESTRICT scores) {
-  const float* row[kLanes];
-  for (int j = 0; j < kLanes; ++j) row[j] = row_at(rows, row_floats, order[j]);
-  double total[kLanes] = {};
+// KeyDiff's score of one row u (heads pieces of head_dim): see score_rows below. Eight partial
+// sums per head, lane l taking d = l, l + 8, ..., so that a row's products go eight at a time at
+// any vector width (one AVX-512 register, two AVX2, four SSE2) with the same bits.
+KVEVICT_ROW_PASS_INLINE float score_row(const float* KVEVICT_RESTRICT u, int heads, int head_dim,
+                                        const double* KVEVICT_RESTRICT anchor,
+                                        const double* KVEVICT_RESTRICT inverse_norms) {
+  constexpr int kLanes = 8;
+  double total = 0.0;
   for (int h = 0; h < heads; ++h) {
-    const std::size_t base = static_cast<std::size_t>(h) * static_cast<std::size_t>(head_dim);
-    double dot[kLanes] = {};
-    for (int d = 0; d < head_dim; ++d) {
-      const double a = anchor[base + static_cast<std::size_t>(d)];
-      for (int j = 0; j < kLanes; ++j) {
-        const double product = row[j][base + static_cast<std::size_t>(d)] * a;  // rounded first
-        dot[j] += product;
+    const float* piece = u + static_cast<std::size_t>(h) * static_cast<std::size_t>(head_dim);
+    const double* a = anchor + static_cast<std::size_t>(h) * static_cast<std::size_t>(head_dim);
+    double lane[kLanes] = {};
+    int d = 0;
+    for (; d + kLanes <= head_dim; d += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const double product = static_cast<double>(piece[d + l]) * a[d + l];  // rounded first
+        lane[l] += product;
       }
     }
-    for (int j = 0; j < kLanes; ++j) {
-      const double weighted = dot[j] * inverse_norms[h];
-      total[j] += weighted;
+    for (int l = 0; d + l < head_dim; ++l) {
+      const double product = static_cast<double>(piece[d + l]) * a[d + l];
+      lane[l] += product;
     }
+    const double dot =
+        ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+    const double weighted = dot * inverse_norms[h];
+    total += weighted;
   }
-  for (int j = 0; j < kLanes; ++j) scores[order[j]] = static_cast<float>(-total[j] / heads);
+  return static_cast<float>(-total / heads);
 }
 
-// KeyDiff's scores of the slots order[0, count): for slot s with row u (heads pieces of head_dim),
-// scores[s] = float(-(dot_0 * inverse_norms[0] + ... ) / heads), dot_h = the sum over d, in order,
-// of double(u[h * head_dim + d]) * anchor[h * head_dim + d], each product rounded before it is
-// added. One slot's sum is a chain of head_dim dependent additions: eight slots go at once.
-KVEVICT_ROW_PASS_INLINE void score_rows_in_order(const float* rows, std::size_t row_floats,
-                                                 const std::int32_t* order, int count, int heads,
-                                                 int head_dim, const double* anchor,
-                                                 const double* inverse_norms, float* scores) {
-  constexpr int kLanes = 8;
-  int k = 0;
-  for (; count - k >= kLanes; k += kLanes) {
-    for (int j = kLanes; j < 2 * kLanes && k + j < count; ++j) {
-      prefetch_lines(row_at(rows, row_floats, order[k + j]), row_floats * sizeof(float),
+KVEVICT_ROW_PASS_INLINE void score_rows(const float* rows, std::size_t row_floats,
+                                        const std::int32_t* slots, int count, int heads,
+                                        int head_dim, const double* anchor,
+                                        const double* inverse_norms, float* scores) {
+  for (int k = 0; k < count; ++k) {
+    if (k + kAheadRows < count) {
+      prefetch_lines(row_at(rows, row_floats, slots[k + kAheadRows]), row_floats * sizeof(float),
                      /*for_write=*/false);
     }
-    score_rows_of<kLanes>(rows, row_floats, order + k, heads, head_dim, anchor, inverse_norms,
-                          scores);
-  }
-  for (; k < count; ++k) {
-    score_rows_of<1>(rows, row_floats, order + k, heads, head_dim, anchor, inverse_norms, scores);
+    scores[slots[k]] =
+        score_row(row_at(rows, row_floats, slots[k]), heads, head_dim, anchor, inverse_norms);
   }
 }
 
@@ -402,16 +381,17 @@ KVEVICT_TARGET_AVX2 inline void rotate_interleaved_avx2(float* row, int pairs, c
                                                         const double* sin) {
   rotate_interleaved(row, pairs, cos, sin);
 }
-KVEVICT_TARGET_AVX512 inline void add_rows_in_order_avx512(const float* rows,
-                                                           std::size_t row_floats,
-                                                           const std::int32_t* order, int count,
-                                                           double* sums) {
-  add_rows_in_order(rows, row_floats, order, count, sums);
+KVEVICT_TARGET_AVX512 inline void score_rows_avx512(const float* rows, std::size_t row_floats,
+                                                    const std::int32_t* slots, int count, int heads,
+                                                    int head_dim, const double* anchor,
+                                                    const double* inverse_norms, float* scores) {
+  score_rows(rows, row_floats, slots, count, heads, head_dim, anchor, inverse_norms, scores);
 }
-KVEVICT_TARGET_AVX2 inline void add_rows_in_order_avx2(const float* rows, std::size_t row_floats,
-                                                       const std::int32_t* order, int count,
-                                                       double* sums) {
-  add_rows_in_order(rows, row_floats, order, count, sums);
+KVEVICT_TARGET_AVX2 inline void score_rows_avx2(const float* rows, std::size_t row_floats,
+                                                const std::int32_t* slots, int count, int heads,
+                                                int head_dim, const double* anchor,
+                                                const double* inverse_norms, float* scores) {
+  score_rows(rows, row_floats, slots, count, heads, head_dim, anchor, inverse_norms, scores);
 }
 // The lanes of a 16-wide step at index i that lie before `last`.
 inline __mmask16 lanes_before(int i, int last) {
@@ -608,34 +588,30 @@ inline void rotate_interleaved(float* row, int pairs, const double* cos, const d
   row_pass::rotate_interleaved(row, pairs, cos, sin);
 }
 
-/// sums[i] += the rows of the slots order[0, count), in that order, in double, i in
-/// [0, row_floats); row s is rows[s * row_floats, (s + 1) * row_floats). The same bits at every
-/// width (each sum is the plain loop's, in order).
-inline void add_rows_in_order(const float* rows, std::size_t row_floats, const std::int32_t* order,
-                              int count, double* sums) {
+/// KeyDiff's scores of the slots slots[0, count): for slot s with row u (heads pieces of head_dim
+/// floats), scores[s] = float(-(dot_0 * inverse_norms[0] + dot_1 * inverse_norms[1] + ...) /
+/// heads), where dot_h, the product of u's piece h with anchor[h * head_dim, (h + 1) * head_dim),
+/// is summed in eight lanes: lane l = sum over d = l, l + 8, ... in order of
+/// double(u[h * head_dim + d]) * anchor[h * head_dim + d], each product rounded before it is added
+/// (never fused); dot_h = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). The same bits at every
+/// width, for any list of slots.
+inline void score_rows(const float* rows, std::size_t row_floats, const std::int32_t* slots,
+                       int count, int heads, int head_dim, const double* anchor,
+                       const double* inverse_norms, float* scores) {
 #if KVEVICT_ROW_PASS_DISPATCH
   switch (row_pass::width()) {
     case row_pass::Width::avx512:
-      return row_pass::add_rows_in_order_avx512(rows, row_floats, order, count, sums);
+      return row_pass::score_rows_avx512(rows, row_floats, slots, count, heads, head_dim, anchor,
+                                         inverse_norms, scores);
     case row_pass::Width::avx2:
-      return row_pass::add_rows_in_order_avx2(rows, row_floats, order, count, sums);
+      return row_pass::score_rows_avx2(rows, row_floats, slots, count, heads, head_dim, anchor,
+                                       inverse_norms, scores);
     case row_pass::Width::baseline:
       break;
   }
 #endif
-  row_pass::add_rows_in_order(rows, row_floats, order, count, sums);
-}
-
-/// For each slot s of order[0, count), with row u (heads pieces of head_dim floats):
-/// scores[s] = float(-(dot_0 * inverse_norms[0] + dot_1 * inverse_norms[1] + ...) / heads), where
-/// dot_h = double(u[h * head_dim]) * anchor[h * head_dim] + ..., summed in order of d, each product
-/// rounded before it is added (never fused). Eight slots' sums at a time, in scalar registers: no
-/// vector width gains (the gathers of an AVX-512 form made the pass twice as slow on AMD Zen).
-inline void score_rows_in_order(const float* rows, std::size_t row_floats,
-                                const std::int32_t* order, int count, int heads, int head_dim,
-                                const double* anchor, const double* inverse_norms, float* scores) {
-  row_pass::score_rows_in_order(rows, row_floats, order, count, heads, head_dim, anchor,
-                                inverse_norms, scores);
+  row_pass::score_rows(rows, row_floats, slots, count, heads, head_dim, anchor, inverse_norms,
+                       scores);
 }
 
 /// Reads [data, data + bytes) one cache line at a time in address order, and nothing else. A

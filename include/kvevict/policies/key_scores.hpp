@@ -25,9 +25,12 @@
 // Signal: Signal::keys, the chunk's keys per layer (Sequence::observe_keys). K-norm keeps one float
 // per slot. KeyDiff keeps every cached key's unit vector (head_dim floats per slot and head, as
 // much memory as an f32 K cache), because its anchor moves with every eviction and the signal hands
-// only the new keys; its selection reads those vectors twice per unit, in stream order: the
-// anchor's sum, then n x head_dim multiply-adds for the scores, eight slots' sums at a time
-// (detail::add_rows_in_order, detail::score_rows_in_order).
+// only the new keys. Its anchor's sum is kept as keys come and go, in fixed point, so that it is
+// the same whatever the order (detail/key_directions.hpp). A decision that evicts one token
+// scores only the keys whose scores against an earlier anchor lie within twice the anchor's move
+// of the lowest (a bound, so the same token goes as if every key were scored); otherwise, or when
+// too many keys lie that close, it scores every key (n x head_dim multiply-adds per unit,
+// detail::score_rows) and that anchor becomes the reference.
 #pragma once
 
 #include <algorithm>
@@ -41,6 +44,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvevict/detail/key_directions.hpp"
 #include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
 #include "kvevict/policies/protection.hpp"
@@ -106,6 +110,9 @@ class KeyScoredPolicy : public Policy {
  protected:
   static constexpr int kScore = 0;
 
+  [[nodiscard]] int budget() const { return budget_; }
+  [[nodiscard]] WorstCandidates& worst() { return worst_; }
+
   virtual void score_unit(SlotTable& /*slots*/, int /*unit*/) {}
 
  private:
@@ -142,80 +149,261 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
  public:
   explicit KeyDiffPolicy(int budget) : KeyScoredPolicy(budget, "keydiff", ScoreTrend::any) {}
 
-  // Keeps each new key's unit vector at [unit][slot][head in unit][head_dim].
+  // Keeps each new key's unit vector, in the unit's sum (detail/key_directions.hpp).
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
     const UnitLayout& layout = slots.layout();
-    if (directions_.empty()) {
-      head_dim_ = keys.head_dim();
-      directions_.resize(static_cast<std::size_t>(slots.units()));
+    if (units_.empty()) {
+      units_.resize(static_cast<std::size_t>(slots.units()));
+      for (detail::KeyDirections& unit : units_) {
+        unit.heads = layout.heads_per_unit();
+        unit.head_dim = keys.head_dim();
+      }
     }
-    KVEVICT_REQUIRE(keys.head_dim() == head_dim_, "keydiff: the key length changed");
-    const std::size_t per_slot = per_slot_floats(layout);
-    directions_per_slot_ = per_slot;
+    KVEVICT_REQUIRE(keys.head_dim() == units_.front().head_dim, "keydiff: the key length changed");
     for (int g = 0; g < keys.kv_heads(); ++g) {
-      const int unit = layout.unit_of(layer, g);
-      std::vector<float>& directions = directions_[static_cast<std::size_t>(unit)];
-      if (directions.size() < static_cast<std::size_t>(slots.capacity()) * per_slot) {
-        directions.resize(static_cast<std::size_t>(slots.capacity()) * per_slot);
-      }
-      const std::size_t head = static_cast<std::size_t>(detail::head_in_unit(layout, layer, g));
-      for (int k = 0; k < keys.tokens(); ++k) {
-        const std::span<const float> key = keys.key(g, k);
-        // F.normalize: k / max(||k||, 1e-12).
-        const double scale = 1.0 / std::max(std::sqrt(detail::squared_norm(key)), 1e-12);
-        float* out = directions.data() + static_cast<std::size_t>(keys.slot(g, k)) * per_slot +
-                     head * static_cast<std::size_t>(head_dim_);
-        for (int d = 0; d < head_dim_; ++d) out[d] = static_cast<float>(key[d] * scale);
-      }
+      detail::KeyDirections& unit = units_[static_cast<std::size_t>(layout.unit_of(layer, g))];
+      unit.grow(slots.capacity());
+      const int head = detail::head_in_unit(layout, layer, g);
+      for (int k = 0; k < keys.tokens(); ++k) unit.write(keys.slot(g, k), head, keys.key(g, k));
     }
   }
 
   void move_slots(int unit, std::span<const SlotMove> moves) override {
-    if (directions_.empty()) return;
-    std::vector<float>& directions = directions_[static_cast<std::size_t>(unit)];
-    const std::size_t per_slot = directions_per_slot_;
-    for (const SlotMove& move : moves) {
-      const float* from = directions.data() + static_cast<std::size_t>(move.from) * per_slot;
-      std::copy_n(from, per_slot, directions.data() + static_cast<std::size_t>(move.to) * per_slot);
+    if (units_.empty()) return;
+    detail::KeyDirections& keys = units_[static_cast<std::size_t>(unit)];
+    for (const SlotMove& move : moves) keys.move(move.from, move.to);
+    keys.has_reference = false;  // its lists name slots
+    keys.evictions = -1;
+  }
+
+  /// Units' decisions so far (units over their budget at a select()), and how many of them
+  /// scored only the keys near the lowest reference score rather than every key.
+  [[nodiscard]] std::int64_t decisions() const { return decisions_; }
+  [[nodiscard]] std::int64_t decisions_from_reference() const { return decisions_from_reference_; }
+
+  void select(const EvictionContext& context, Decision& decision) override {
+    SlotTable& slots = context.slots;
+    for (int unit = 0; unit < slots.units(); ++unit) {
+      const int keep = context.keep(unit, budget());
+      // Nothing to evict: no scores needed.
+      if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
+      detail::KeyDirections& keys = unit_keys(unit);
+      take_anchor(slots, unit, keys);
+      ++decisions_;
+      if (evict_from_reference(context, unit, keep, keys, decision)) {
+        ++decisions_from_reference_;
+      } else {
+        score_every_key(slots, unit, keys);
+        (void)worst().evict(slots, unit, context.protection, keep, slots.scores(unit, kScore),
+                            decision, context.max_live);
+      }
+      // What this decision takes out: the sum drops those keys at the next one.
+      const std::span<const std::int32_t> evicted = decision.evicted(unit);
+      keys.decided.assign(evicted.begin(), evicted.end());
+      const std::span<const std::int64_t> originals = slots.original_positions(unit);
+      keys.decided_last = 0;
+      for (const std::int32_t slot : evicted) {
+        keys.decided_last = std::max(keys.decided_last, originals[static_cast<std::size_t>(slot)]);
+      }
     }
   }
 
  private:
-  [[nodiscard]] std::size_t per_slot_floats(const UnitLayout& layout) const {
-    return static_cast<std::size_t>(layout.heads_per_unit()) * static_cast<std::size_t>(head_dim_);
+  // Bounds the rounding of two scores (each a float of a value within 1e-14 of its formula's).
+  static constexpr double kSlack = 1e-6;
+
+  detail::KeyDirections& unit_keys(int unit) {
+    KVEVICT_REQUIRE(!units_.empty(), "keydiff: no keys were observed");
+    return units_[static_cast<std::size_t>(unit)];
+  }
+
+  // The unit's anchor now (anchor_, inverse_norms_), after taking the keys that left since its last
+  // decision out of the sum: those the decision evicted if the unit's eviction count grew by
+  // exactly them, else every counted key whose slot is no longer live.
+  void take_anchor(const SlotTable& slots, int unit, detail::KeyDirections& keys) {
+    const bool only_decided =
+        keys.evictions >= 0 && slots.generation(unit) == keys.generation &&
+        slots.evictions(unit) == keys.evictions + static_cast<std::int64_t>(keys.decided.size()) &&
+        (keys.decided.empty() || slots.last_evicted(unit) == keys.decided_last);
+    if (only_decided) {
+      for (const std::int32_t slot : keys.decided) {
+        if (!slots.is_live(unit, slot)) keys.forget(slot);  // else a new key took it
+        // The evicted token's entry (a new token in its slot is not listed before its score).
+        const auto listed =
+            std::find_if(keys.lowest.begin(), keys.lowest.end(),
+                         [slot](const detail::LowReference& entry) { return entry.slot == slot; });
+        if (listed != keys.lowest.end()) keys.lowest.erase(listed);
+      }
+    } else {
+      keys.lowest_checked = false;
+      const auto written =
+          static_cast<std::int32_t>(keys.counted.size() / static_cast<std::size_t>(keys.heads));
+      for (std::int32_t slot = 0; slot < written; ++slot) {
+        if (!slots.is_live(unit, slot)) keys.forget(slot);
+      }
+    }
+    keys.generation = slots.generation(unit);
+    keys.evictions = slots.evictions(unit);
+    keys.decided.clear();
+    keys.anchor(anchor_, inverse_norms_);
   }
 
   // score(t) = -mean over the unit's heads of cos(k_t, a) = -(u_t . s) / ||s||, where u_t is k_t's
-  // unit vector and s the sum of the live u (the anchor a = s / n points the same way).
-  void score_unit(SlotTable& slots, int unit) override {
-    KVEVICT_REQUIRE(!directions_.empty(), "keydiff: no keys were observed");
-    const UnitLayout& layout = slots.layout();
-    const std::size_t per_slot = per_slot_floats(layout);
-    const std::vector<float>& directions = directions_[static_cast<std::size_t>(unit)];
-    const std::span<const std::int32_t> order = slots.stream_order(unit);
-    const int live = static_cast<int>(order.size());
-    anchor_.assign(per_slot, 0.0);
-    detail::add_rows_in_order(directions.data(), per_slot, order.data(), live, anchor_.data());
-    const int heads = layout.heads_per_unit();
-    inverse_norms_.assign(static_cast<std::size_t>(heads), 0.0);
-    for (int h = 0; h < heads; ++h) {
-      const std::span<const double> s(anchor_.data() + static_cast<std::size_t>(h) * head_dim_,
-                                      static_cast<std::size_t>(head_dim_));
-      double norm = 0.0;
-      for (const double x : s) norm += x * x;
-      // cosine_similarity's eps: a zero anchor makes every score 0 (ties go to the lower position).
-      inverse_norms_[static_cast<std::size_t>(h)] = 1.0 / std::max(std::sqrt(norm), 1e-8);
+  // unit vector and s the sum of the live u (the anchor a = s / n points the same way), for every
+  // live key; they become the reference (detail/key_directions.hpp).
+  void score_every_key(SlotTable& slots, int unit, detail::KeyDirections& keys) {
+    const std::span<float> scores = slots.scores(unit, kScore);
+    keys.grow(slots.capacity());
+    // Every slot below the limit, live or not, in address order: the rows stream in from memory
+    // (a free slot's score is never read).
+    const int limit = slots.slot_limit(unit);
+    while (static_cast<int>(every_slot_.size()) < limit) {
+      every_slot_.push_back(static_cast<std::int32_t>(every_slot_.size()));
     }
-    detail::score_rows_in_order(directions.data(), per_slot, order.data(), live, heads, head_dim_,
-                                anchor_.data(), inverse_norms_.data(),
-                                slots.scores(unit, kScore).data());
+    detail::score_rows(keys.rows.data(), keys.row_floats(), every_slot_.data(), limit, keys.heads,
+                       keys.head_dim, anchor_.data(), inverse_norms_.data(), scores.data());
+    const StreamOrderPieces order = slots.stream_order_pieces(unit);
+    keys.unscored.clear();
+    keys.lowest_checked = true;
+    keys.reference = anchor_;
+    keys.reference_inverse_norms = inverse_norms_;
+    // The lowest reference scores, sorted, and the lowest of the others.
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    keys.lowest.clear();
+    bool nan = false;
+    for (const std::span<const std::int32_t> piece : {order.front, order.back}) {
+      for (const std::int32_t slot : piece) {
+        const float score = scores[static_cast<std::size_t>(slot)];
+        nan = nan || std::isnan(score);
+        keys.lowest.push_back({score, slot, originals[static_cast<std::size_t>(slot)]});
+      }
+    }
+    keys.has_reference = !nan;
+    if (nan) return;  // the budget rule names it
+    const auto by_score = [](const detail::LowReference& a, const detail::LowReference& b) {
+      return a.score < b.score;
+    };
+    const std::size_t kept = std::min(keys.lowest.size(), kLowest + keys.lowest.size() / 32);
+    keys.above = std::numeric_limits<float>::infinity();
+    if (kept < keys.lowest.size()) {
+      std::nth_element(keys.lowest.begin(), keys.lowest.begin() + static_cast<std::ptrdiff_t>(kept),
+                       keys.lowest.end(), by_score);
+      keys.above = keys.lowest[kept].score;
+      keys.lowest.resize(kept);
+    }
+    std::sort(keys.lowest.begin(), keys.lowest.end(), by_score);
   }
 
-  int head_dim_ = 0;
-  std::size_t directions_per_slot_ = 0;
-  std::vector<std::vector<float>> directions_;  // [unit][slot][head in unit][head_dim]
-  std::vector<double> anchor_;                  // [head in unit][head_dim] sum of unit vectors
-  std::vector<double> inverse_norms_;           // [head in unit]
+  // One eviction from the reference scores (detail/key_directions.hpp): the tokens whose
+  // reference score lies within 2B of the lowest candidate's are scored against today's anchor,
+  // and the lowest of them goes (ties: the later original, as the budget rule). False when the
+  // reference cannot decide (several to evict, blocks, flags, no or stale reference, too many
+  // tokens within 2B): then every key is scored.
+  bool evict_from_reference(const EvictionContext& context, int unit, int keep,
+                            detail::KeyDirections& keys, Decision& decision) {
+    const SlotTable& slots = context.slots;
+    if (!keys.has_reference || keys.counted_nan > 0 || slots.layout().block_tokens() > 1 ||
+        context.protection.flags != 0) {
+      return false;
+    }
+    const WorstCandidates::Candidates chosen =
+        WorstCandidates::candidates(slots, unit, context.protection, keep, context.max_live);
+    const int live = chosen.order.size();
+    if (chosen.count != 1 || keys.unscored.size() * 4 > static_cast<std::size_t>(live)) {
+      return chosen.count == 0;
+    }
+    const std::span<float> scores = context.slots.scores(unit, kScore);
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    const auto is_gone = [&](const detail::LowReference& entry) {
+      return !slots.is_live(unit, entry.slot) ||
+             originals[static_cast<std::size_t>(entry.slot)] != entry.original;
+    };
+    if (!keys.lowest_checked) {
+      keys.lowest.erase(std::remove_if(keys.lowest.begin(), keys.lowest.end(), is_gone),
+                        keys.lowest.end());
+      keys.lowest_checked = true;
+    }
+    // The keys written since, against the reference anchor.
+    detail::score_rows(keys.rows.data(), keys.row_floats(), keys.unscored.data(),
+                       static_cast<int>(keys.unscored.size()), keys.heads, keys.head_dim,
+                       keys.reference.data(), keys.reference_inverse_norms.data(), scores.data());
+    for (const std::int32_t slot : keys.unscored) {
+      const detail::LowReference entry{scores[static_cast<std::size_t>(slot)], slot,
+                                       originals[static_cast<std::size_t>(slot)]};
+      if (is_gone(entry) || !(entry.score < keys.above)) continue;
+      keys.lowest.insert(
+          std::upper_bound(keys.lowest.begin(), keys.lowest.end(), entry,
+                           [](const detail::LowReference& a, const detail::LowReference& b) {
+                             return a.score < b.score;
+                           }),
+          entry);
+    }
+    keys.unscored.clear();
+    // B: how far the scores can have moved since the reference.
+    double bound = 0.0;
+    for (int h = 0; h < keys.heads; ++h) {
+      double squared = 0.0;
+      for (int d = 0; d < keys.head_dim; ++d) {
+        const auto i = static_cast<std::size_t>(h * keys.head_dim + d);
+        const double moved =
+            anchor_[i] * inverse_norms_[static_cast<std::size_t>(h)] -
+            keys.reference[i] * keys.reference_inverse_norms[static_cast<std::size_t>(h)];
+        squared += moved * moved;
+      }
+      bound += std::sqrt(squared);
+    }
+    bound = bound / keys.heads * (1.0 + 1e-6) + kSlack;
+    // The candidates' originals lie in [oldest, newest] (the protected ends aside).
+    const std::int64_t oldest = originals[static_cast<std::size_t>(chosen.order[chosen.first])];
+    const std::int64_t newest = originals[static_cast<std::size_t>(chosen.order[chosen.last - 1])];
+    near_.clear();
+    double threshold = -1.0;  // m + 2B, once m is known
+    for (const detail::LowReference& entry : keys.lowest) {
+      if (entry.original < oldest || entry.original > newest) continue;
+      if (near_.empty()) threshold = entry.score + 2.0 * bound;
+      if (entry.score > threshold) break;
+      near_.push_back(entry.slot);
+    }
+    if (near_.empty() || !(threshold < keys.above) ||
+        near_.size() > 16 + static_cast<std::size_t>(live) / 16) {
+      return false;
+    }
+    // Today's scores of those, the lowest of which goes.
+    exact_.resize(static_cast<std::size_t>(slots.slot_limit(unit)));
+    detail::score_rows(keys.rows.data(), keys.row_floats(), near_.data(),
+                       static_cast<int>(near_.size()), keys.heads, keys.head_dim, anchor_.data(),
+                       inverse_norms_.data(), exact_.data());
+    std::int32_t worst = near_.front();
+    for (const std::int32_t slot : near_) {
+      const float score = exact_[static_cast<std::size_t>(slot)];
+      const float worst_score = exact_[static_cast<std::size_t>(worst)];
+      if (score < worst_score ||
+          (score == worst_score && originals[static_cast<std::size_t>(slot)] >
+                                       originals[static_cast<std::size_t>(worst)])) {
+        worst = slot;
+      }
+    }
+    decision.evict(unit, worst);
+    return true;
+  }
+
+  void score_unit(SlotTable& slots, int unit) override {
+    detail::KeyDirections& keys = unit_keys(unit);
+    take_anchor(slots, unit, keys);
+    score_every_key(slots, unit, keys);
+  }
+
+  // Reference scores kept sorted: this many plus one per 32 live tokens.
+  static constexpr std::size_t kLowest = 64;
+
+  std::vector<detail::KeyDirections> units_;
+  std::vector<double> anchor_;            // [head in unit][head_dim] sum of unit vectors, today
+  std::vector<double> inverse_norms_;     // [head in unit]
+  std::vector<std::int32_t> near_;        // slots within 2B of the lowest reference score
+  std::vector<float> exact_;              // [slot] today's scores of near_
+  std::vector<std::int32_t> every_slot_;  // 0, 1, 2, ...
+  std::int64_t decisions_ = 0;
+  std::int64_t decisions_from_reference_ = 0;
 };
 
 struct KeyScoreConfig {
