@@ -29,7 +29,8 @@
 
 namespace kvevict::detail {
 
-/// A unit vector component in units of 2^-32, exactly (|x| <= 1, so |result| <= 2^32).
+/// Units of the sum per 1: a unit vector's component (|x| <= 1) is llround(x * 2^32), at most 2^32
+/// in size, so 2^28 slots (SlotTable::kMaxCapacity) sum to under 2^61.
 inline constexpr double kFixedScale = 4294967296.0;
 
 struct LowReference {

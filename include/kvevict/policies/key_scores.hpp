@@ -176,8 +176,8 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
     keys.evictions = -1;
   }
 
-  /// Units' decisions so far (units over their budget at a select()), and how many of them
-  /// scored only the keys near the lowest reference score rather than every key.
+  /// Units' decisions that evicted so far, and how many of them scored only the keys near the
+  /// lowest reference score rather than every key.
   [[nodiscard]] std::int64_t decisions() const { return decisions_; }
   [[nodiscard]] std::int64_t decisions_from_reference() const { return decisions_from_reference_; }
 
@@ -189,16 +189,18 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
       if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
       detail::KeyDirections& keys = unit_keys(unit);
       take_anchor(slots, unit, keys);
-      ++decisions_;
-      if (evict_from_reference(context, unit, keep, keys, decision)) {
-        ++decisions_from_reference_;
-      } else {
+      const bool from_reference = evict_from_reference(context, unit, keep, keys, decision);
+      if (!from_reference) {
         score_every_key(slots, unit, keys);
         (void)worst().evict(slots, unit, context.protection, keep, slots.scores(unit, kScore),
                             decision, context.max_live);
       }
       // What this decision takes out: the sum drops those keys at the next one.
       const std::span<const std::int32_t> evicted = decision.evicted(unit);
+      if (!evicted.empty()) {
+        ++decisions_;
+        decisions_from_reference_ += from_reference ? 1 : 0;
+      }
       keys.decided.assign(evicted.begin(), evicted.end());
       const std::span<const std::int64_t> originals = slots.original_positions(unit);
       keys.decided_last = 0;
