@@ -61,6 +61,8 @@
 //   live           tokens of head (0, 0) after the run; evictions: decisions per step
 //   runs_per_unit  runs of live slots sharing a pending rotation, per (layer, KV head), after
 //                  the run: attention's q.K and p.V calls per head
+//   from_reference KeyDiff only: the share of its decisions made from the scores of an earlier
+//                  anchor, without scoring every key (policies/key_scores.hpp)
 //
 // BM_AttentionVsRead/budget:<N> (N = 4K and 16K; `--benchmark_filter=AttentionVsRead` runs only
 // these): the attention stage of a decode step of `full` over N + 1 slots against the time one
