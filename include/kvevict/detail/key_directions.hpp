@@ -33,6 +33,13 @@ namespace kvevict::detail {
 /// in size, so 2^28 slots (SlotTable::kMaxCapacity) sum to under 2^61.
 inline constexpr double kFixedScale = 4294967296.0;
 
+/// ||key||^2, summed in double in order.
+[[nodiscard]] inline double squared_norm(std::span<const float> key) {
+  double sum = 0.0;
+  for (const float x : key) sum += static_cast<double>(x) * x;
+  return sum;
+}
+
 struct LowReference {
   float score = 0.0f;  ///< reference score
   std::int32_t slot = 0;
@@ -88,9 +95,7 @@ struct KeyDirections {
                               static_cast<std::size_t>(head);
     float* out = row(slot) + static_cast<std::size_t>(head) * static_cast<std::size_t>(head_dim);
     if (counted[piece] != 0) count(slot, head, -1);
-    double squared = 0.0;
-    for (const float x : key) squared += static_cast<double>(x) * x;
-    const double scale = 1.0 / std::max(std::sqrt(squared), 1e-12);
+    const double scale = 1.0 / std::max(std::sqrt(squared_norm(key)), 1e-12);
     for (int d = 0; d < head_dim; ++d) out[d] = static_cast<float>(key[d] * scale);
     count(slot, head, +1);
     counted[piece] = 1;

@@ -63,16 +63,6 @@ namespace detail {
   return layout.layers_per_unit() > 1 ? layer * layout.kv_heads() + kv_head : kv_head;
 }
 
-[[nodiscard]] inline double squared_norm(std::span<const float> key) {
-  double sum = 0.0;
-  for (const float x : key) sum += static_cast<double>(x) * x;
-  return sum;
-}
-
-}  // namespace detail
-
-namespace detail {
-
 // What K-norm and KeyDiff share: the keys signal, one score column, and the keep rule (the top
 // `budget` unprotected tokens by score, after every forward). score_unit() brings a unit's column
 // up to date before its selection, where the score depends on the whole cache (KeyDiff).
