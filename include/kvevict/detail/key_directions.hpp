@@ -44,6 +44,11 @@ struct LowReference {
   float score = 0.0f;  ///< reference score
   std::int32_t slot = 0;
   std::int64_t original = 0;  ///< the token's original position (a later token may take the slot)
+
+  /// The list's order: ascending reference score.
+  [[nodiscard]] static bool by_score(const LowReference& a, const LowReference& b) {
+    return a.score < b.score;
+  }
 };
 
 struct KeyDirections {

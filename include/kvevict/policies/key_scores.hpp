@@ -272,18 +272,15 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
     }
     keys.has_reference = !nan;
     if (nan) return;  // the budget rule names it
-    const auto by_score = [](const detail::LowReference& a, const detail::LowReference& b) {
-      return a.score < b.score;
-    };
     const std::size_t kept = std::min(keys.lowest.size(), kLowest + keys.lowest.size() / 32);
     keys.above = std::numeric_limits<float>::infinity();
     if (kept < keys.lowest.size()) {
       std::nth_element(keys.lowest.begin(), keys.lowest.begin() + static_cast<std::ptrdiff_t>(kept),
-                       keys.lowest.end(), by_score);
+                       keys.lowest.end(), detail::LowReference::by_score);
       keys.above = keys.lowest[kept].score;
       keys.lowest.resize(kept);
     }
-    std::sort(keys.lowest.begin(), keys.lowest.end(), by_score);
+    std::sort(keys.lowest.begin(), keys.lowest.end(), detail::LowReference::by_score);
   }
 
   // One eviction from the reference scores (detail/key_directions.hpp): the tokens whose
@@ -323,12 +320,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
       const detail::LowReference entry{scores[static_cast<std::size_t>(slot)], slot,
                                        originals[static_cast<std::size_t>(slot)]};
       if (is_gone(entry) || !(entry.score < keys.above)) continue;
-      keys.lowest.insert(
-          std::upper_bound(keys.lowest.begin(), keys.lowest.end(), entry,
-                           [](const detail::LowReference& a, const detail::LowReference& b) {
-                             return a.score < b.score;
-                           }),
-          entry);
+      keys.lowest.insert(std::upper_bound(keys.lowest.begin(), keys.lowest.end(), entry,
+                                          detail::LowReference::by_score),
+                         entry);
     }
     keys.unscored.clear();
     // B: how far the scores can have moved since the reference.
