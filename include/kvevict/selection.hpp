@@ -255,6 +255,14 @@ class WorstCandidates {
  public:
   explicit WorstCandidates(ScoreTrend trend = ScoreTrend::any) : trend_(trend) {}
 
+  /// The budget rule's order: a token of score `score_a` at original position `original_a` ranks
+  /// below one of `score_b` at `original_b` (the lower score, and among equal scores the later
+  /// token). A strict total order over distinct originals.
+  [[nodiscard]] static bool ranks_below(float score_a, std::int64_t original_a, float score_b,
+                                        std::int64_t original_b) {
+    return score_a < score_b || (score_a == score_b && original_a > original_b);
+  }
+
   /// The candidates of `unit` and how many of them evict() evicts (0 when none).
   struct Candidates {
     StreamOrderPieces order;  ///< the unit's stream order
@@ -325,13 +333,12 @@ class WorstCandidates {
       }
       return evict_one(unit, order, first, last, scores, originals, decision);
     }
-    // worse(a, b): a ranks below b. A strict total order (originals are unique), so the evicted
-    // set is the complement of "the `keep` best" whatever the method.
+    // A strict total order (originals are unique), so the evicted set is the complement of "the
+    // `keep` best" whatever the method.
     const auto worse = [&](std::int32_t a, std::int32_t b) {
-      const float sa = scores[static_cast<std::size_t>(a)];
-      const float sb = scores[static_cast<std::size_t>(b)];
-      return sa < sb || (sa == sb && originals[static_cast<std::size_t>(a)] >
-                                         originals[static_cast<std::size_t>(b)]);
+      const auto ia = static_cast<std::size_t>(a);
+      const auto ib = static_cast<std::size_t>(b);
+      return ranks_below(scores[ia], originals[ia], scores[ib], originals[ib]);
     };
     worst_.clear();
     for (int i = first; i < last; ++i) {
@@ -481,9 +488,8 @@ class WorstCandidates {
     int held_through = 0;
   };
 
-  // a ranks below b: the lower score, and among equal scores the later token.
   static bool worse(const HeapEntry& a, const HeapEntry& b) {
-    return a.score < b.score || (a.score == b.score && a.original > b.original);
+    return ranks_below(a.score, a.original, b.score, b.original);
   }
   static void sift_up(std::vector<HeapEntry>& heap, std::size_t at) {
     const HeapEntry entry = heap[at];

@@ -363,9 +363,8 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
     for (const std::int32_t slot : near_) {
       const float score = exact_[static_cast<std::size_t>(slot)];
       const float worst_score = exact_[static_cast<std::size_t>(worst)];
-      if (score < worst_score ||
-          (score == worst_score && originals[static_cast<std::size_t>(slot)] >
-                                       originals[static_cast<std::size_t>(worst)])) {
+      if (WorstCandidates::ranks_below(score, originals[static_cast<std::size_t>(slot)],
+                                       worst_score, originals[static_cast<std::size_t>(worst)])) {
         worst = slot;
       }
     }
