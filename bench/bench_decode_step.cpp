@@ -7,6 +7,10 @@
 // BM_DecodeStepKv/<policy>/<kv_type>/budget:4096: the same step with the cache stored as f32, f16,
 // bf16 or Q8_0 (--kv-type), for full, streaming_llm and h2o.
 //
+// BM_DecodeStepInterval/<policy>/interval:<I>/budget:<N> (N = 1K and 4K): knorm and keydiff with
+// `interval` I = 10 (kvpress DecodingPress's default) and 64: one step in I brings each unit back
+// to the budget, the others only append; the counters are means over the run's steps.
+//
 // BM_DecodeStepAlloc/<policy>/<allocation>/budget:<N> (N = 1K and 4K): the same step under
 // --allocation uniform, pyramid and adaptive (policies/allocated.hpp) for h2o and tova per KV head
 // (head_wise=1, so that adaptive applies; uniform is the plain policy, bit for bit), the sequence
@@ -336,7 +340,8 @@ void BM_AttentionVsRead(benchmark::State& state) {
   state.counters["cpu_vs_read"] = attention_us * cpu_share / read_cpu_us;
 }
 
-// BM_DecodeStep/<policy>/budget:<N> for every policy of the registry, then BM_AttentionVsRead.
+// BM_DecodeStep/<policy>/budget:<N> for every policy of the registry, the KV types, the
+// key-scored policies with an interval, the allocations, then BM_AttentionVsRead.
 void register_benchmarks() {
   for (const int budget : {1024, 4096}) {
     for (const std::string_view name : kvevict::policy_names()) {
@@ -366,6 +371,21 @@ void register_benchmarks() {
           ->ArgNames({"budget"})
           ->Args({4096})
           ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  // The key-scored policies deciding once per `interval` tokens (kvpress DecodingPress's
+  // compression_steps; 10 is its default), at 1K and 4K: the step's stages amortised over them.
+  for (const int budget : {1024, 4096}) {
+    for (const std::string policy : {"knorm", "keydiff"}) {
+      for (const int interval : {10, 64}) {
+        benchmark::RegisterBenchmark(
+            ("BM_DecodeStepInterval/" + policy + "/interval:" + std::to_string(interval)).c_str(),
+            BM_DecodeStep, policy, std::string("f32"), std::string("uniform"),
+            std::vector<std::string>{"interval=" + std::to_string(interval)})
+            ->ArgNames({"budget"})
+            ->Args({budget})
+            ->Unit(benchmark::kMicrosecond);
+      }
     }
   }
   // The three allocations of one budget, per KV head, at 1K and 4K.

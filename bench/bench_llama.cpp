@@ -85,6 +85,7 @@
 // every --turn-tokens steps (default 1: every step evicts, their worst case; a turn of N tokens
 // makes room for them at its start, one decision per N tokens as block:N would be).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <llama.h>
 #include <unistd.h>
 
@@ -136,8 +137,9 @@ struct Options {
   int steps = 64;
   int turn_tokens = 1;  // policies that evict before a turn: a turn starts every N steps
   int threads = 1;
-  std::string positions;    // empty: each policy's own position mode
-  std::string granularity;  // empty: token
+  std::string positions;            // empty: each policy's own position mode
+  std::string granularity;          // empty: token
+  std::vector<std::string> params;  // KEY=VALUE, every policy run
   std::int64_t memory_tokens = 0;
   std::string memory_policy = "streaming_llm";
   int memory_budget = 1024;
@@ -322,6 +324,7 @@ kvevict::harness::PolicySetup setup_for(const std::string& policy, int budget, c
   if (policy != "full") options.budget = budget;
   options.positions = bench.positions;
   options.granularity = bench.granularity;
+  options.params = bench.params;
   // TOVA can evict the newest token, which llama.cpp cannot represent under `original`
   // (docs/engines.md, limits): it runs under cache_index, as in test_llama. In blocks it cannot
   // (the newest block is kept whole), so there it keeps its original positions.
@@ -380,10 +383,11 @@ Row run_policy(const kvevict::llama_cli::LlamaModel& model, const std::string& p
   std::vector<double> shares;
   std::vector<double> own_shares;
   Row row;
-  row.name = fmt::format("{} ({}{})", policy, kvevict::to_string(kv.position_mode()),
-                         kv.granularity() == kvevict::Granularity::token
-                             ? ""
-                             : ", " + kvevict::to_string(kv.granularity()));
+  row.name = fmt::format(
+      "{} ({}{}){}", policy, kvevict::to_string(kv.position_mode()),
+      kv.granularity() == kvevict::Granularity::token ? ""
+                                                      : ", " + kvevict::to_string(kv.granularity()),
+      options.params.empty() ? "" : fmt::format(" {}", fmt::join(options.params, " ")));
   for (int s = 0; s < options.steps; ++s) {
     const std::int32_t token = stream_token(next++);
     const double policy_before = eviction_seconds(clock);
@@ -838,6 +842,9 @@ int main(int argc, char** argv) {
   app.add_option("--granularity", options.granularity,
                  "token (default) or block:B for every policy run (policies without a block form "
                  "are reported as errors and skipped)");
+  app.add_option("--param", options.params,
+                 "policy parameter KEY=VALUE for every policy run, repeatable (e.g. interval=64 "
+                 "for knorm and keydiff); a policy without it is reported as an error and skipped");
   app.add_option("--steps", options.steps, "timed single-token steps per run")
       ->check(CLI::Range(2, 1 << 20))
       ->capture_default_str();

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <kvevict/detail/key_directions.hpp>
 #include <kvevict/engine.hpp>
 #include <kvevict/error.hpp>
 #include <kvevict/policies/key_scores.hpp>
@@ -83,11 +85,11 @@ class KeyHarness {
   Sequence sequence_;
 };
 
-std::unique_ptr<kvevict::Policy> knorm(int budget, int recent = 0) {
-  return kvevict::make_knorm(KeyScoreConfig{budget, recent});
+std::unique_ptr<kvevict::Policy> knorm(int budget, int recent = 0, int interval = 1) {
+  return kvevict::make_knorm(KeyScoreConfig{budget, recent, interval});
 }
-std::unique_ptr<kvevict::Policy> keydiff(int budget, int recent = 0) {
-  return kvevict::make_keydiff(KeyScoreConfig{budget, recent});
+std::unique_ptr<kvevict::Policy> keydiff(int budget, int recent = 0, int interval = 1) {
+  return kvevict::make_keydiff(KeyScoreConfig{budget, recent, interval});
 }
 
 TEST(KnormPolicy, KeepsTheSmallestKeyNormsAndMayDropTheNewestAtOnce) {
@@ -113,6 +115,31 @@ TEST(KnormPolicy, TheRecentWindowIsKeptInsideTheBudget) {
   // Token 4 (norm 0): recent now; 3 (norm 9) competes and loses against 0 and 1.
   run.feed({{0}});
   EXPECT_EQ(run.kept(), (Positions{0, 1, 4}));
+}
+
+TEST(KnormPolicy, AnIntervalBringsTheUnitBackToItsBudgetOncePerIntervalTokens) {
+  // Budget 2, interval 3: the forward in which the third token since the last such forward arrives
+  // keeps the two smallest norms; the ones between evict nothing. At most 2 + 3 - 1 = 4 tokens
+  // stay after any forward.
+  KeyHarness run(knorm(/*budget=*/2, /*recent=*/0, /*interval=*/3), /*head_dim=*/1);
+  EXPECT_EQ(run.sequence().policy().retained_limit(), 4);
+  run.feed({{5}});
+  run.feed({{1}});
+  EXPECT_EQ(run.kept(), (Positions{0, 1}));
+  // Third token: norms 5, 1, 3, so positions 1 and 2 stay.
+  run.feed({{3}});
+  EXPECT_EQ(run.kept(), (Positions{1, 2}));
+  // Two more (norms 4, 0.5): nothing goes, four held.
+  run.feed({{4}});
+  run.feed({{0.5f}});
+  EXPECT_EQ(run.kept(), (Positions{1, 2, 3, 4}));
+  // The third since (norm 2): of norms 1, 3, 4, 0.5, 2 the two smallest, positions 4 and 1.
+  run.feed({{2}});
+  EXPECT_EQ(run.kept(), (Positions{1, 4}));
+  // A chunk of four (norms 9, 0.1, 7, 8) is due at once: 0.1 (position 7) and 0.5 (position 4).
+  run.feed({{9}, {0.1f}, {7}, {8}});
+  EXPECT_EQ(run.kept(), (Positions{4, 7}));
+  EXPECT_EQ(run.sequence().stats().evicted_slots, 1 + 3 + 4);
 }
 
 TEST(KnormPolicy, EqualNormsGoToTheLowerPosition) {
@@ -175,17 +202,26 @@ TEST(KeyDiffPolicy, NoEvictionNoScoringAndTheRecentWindowIsProtected) {
 // exactly the same tokens.
 class KeyDiffFormulas {
  public:
-  KeyDiffFormulas(int units, int heads, int budget, int recent)
-      : heads_(heads), budget_(budget), recent_(recent), cached_(static_cast<std::size_t>(units)) {}
+  KeyDiffFormulas(int units, int heads, int budget, int recent, int interval)
+      : heads_(heads),
+        budget_(budget),
+        recent_(recent),
+        interval_(interval),
+        cached_(static_cast<std::size_t>(units)) {}
 
   // One forward: keys[unit][token][head] for the chunk's tokens, from original position `first`.
+  // With an interval, units are brought back to the budget only in the forward in which
+  // `interval` tokens have come since the last such forward.
   void forward(const std::vector<std::vector<std::vector<Key>>>& keys, std::int64_t first) {
+    appended_ += static_cast<int>(keys.front().size());
+    const bool due = appended_ >= interval_;
+    if (due) appended_ = 0;
     for (std::size_t unit = 0; unit < cached_.size(); ++unit) {
       std::vector<Cached>& cached = cached_[unit];
       for (std::size_t k = 0; k < keys[unit].size(); ++k) {
         cached.push_back({first + static_cast<std::int64_t>(k), directions(keys[unit][k]), 0.0f});
       }
-      if (static_cast<int>(cached.size()) <= budget_) continue;
+      if (!due || static_cast<int>(cached.size()) <= budget_) continue;
       const std::vector<double> sum = anchor(cached);
       for (Cached& token : cached) token.score = score(token.directions, sum);
       // The newest `recent` stay; of the others, the best budget - recent.
@@ -264,6 +300,8 @@ class KeyDiffFormulas {
   int heads_;
   int budget_;
   int recent_;
+  int interval_;
+  int appended_ = 0;
   std::vector<std::vector<Cached>> cached_;  // [unit] oldest first
 };
 
@@ -271,19 +309,21 @@ class KeyDiffFormulas {
 // scores), isotropic keys (the anchor moves far at every step: most decisions score every key),
 // and keys from a few vectors scaled by powers of two (equal unit vectors: exact ties), some
 // zero; mostly one token a forward, sometimes a few; per KV head and per layer (two heads to a
-// unit), with and without a recent window.
+// unit), with and without a recent window; with a decision after every forward, and once per 7
+// tokens (`interval`).
 TEST(KeyDiffPolicy, DecidesAsIfEveryKeyWereScoredAtEveryEviction) {
   enum class Keys { turning, isotropic, few };
   for (const Keys keys : {Keys::turning, Keys::isotropic, Keys::few}) {
     for (const bool per_layer : {false, true}) {
-      for (const int recent : {0, 5}) {
+      for (const auto& [recent, interval] : {std::pair{0, 1}, std::pair{5, 1}, std::pair{5, 7}}) {
         SCOPED_TRACE("keys " + std::to_string(static_cast<int>(keys)) + ", per layer " +
-                     std::to_string(per_layer) + ", recent " + std::to_string(recent));
+                     std::to_string(per_layer) + ", recent " + std::to_string(recent) +
+                     ", interval " + std::to_string(interval));
         constexpr int kHeadDim = 8;
         constexpr int kLayers = 2;
         constexpr int kKvHeads = 2;
         constexpr int kBudget = 48;
-        auto inner = std::make_unique<kvevict::KeyDiffPolicy>(kBudget - recent);
+        auto inner = std::make_unique<kvevict::KeyDiffPolicy>(kBudget - recent, interval);
         const kvevict::KeyDiffPolicy& policy = *inner;
         std::unique_ptr<kvevict::Policy> outer = std::move(inner);
         if (recent > 0) {
@@ -293,7 +333,7 @@ TEST(KeyDiffPolicy, DecidesAsIfEveryKeyWereScoredAtEveryEviction) {
                        per_layer ? kvevict::Granularity::layer : kvevict::Granularity::head);
         const int units = per_layer ? kLayers : kLayers * kKvHeads;
         const int heads = per_layer ? kKvHeads : 1;
-        KeyDiffFormulas formulas(units, heads, kBudget, recent);
+        KeyDiffFormulas formulas(units, heads, kBudget, recent, interval);
         std::mt19937 rng(17);
         std::normal_distribution<float> normal(0.0f, 1.0f);
         std::uniform_int_distribution<int> pick(0, 4);
@@ -359,16 +399,49 @@ TEST(KeyDiffPolicy, DecidesAsIfEveryKeyWereScoredAtEveryEviction) {
             for (int g = 0; g < kKvHeads; ++g) {
               const int unit = per_layer ? l : l * kKvHeads + g;
               ASSERT_EQ(run.kept(l, g), formulas.kept(unit)) << "after " << fed << " tokens";
+              ASSERT_LE(static_cast<int>(run.kept(l, g).size()), kBudget + interval - 1);
             }
           }
         }
         // The reference decided, a good share of the decisions when the keys share a direction.
-        EXPECT_GT(policy.decisions_from_reference(), 0);
-        if (keys == Keys::turning) {
-          EXPECT_GT(policy.decisions_from_reference() * 3, policy.decisions());
+        // (With an interval each decision evicts several tokens: every key is scored.)
+        if (interval == 1) {
+          EXPECT_GT(policy.decisions_from_reference(), 0);
+          if (keys == Keys::turning) {
+            EXPECT_GT(policy.decisions_from_reference() * 3, policy.decisions());
+          }
         }
       }
     }
+  }
+}
+
+// The anchor's sum rounds each unit-vector component as llround(x * 2^32); to_fixed does it
+// without the call. Every binade of floats (normals and subnormals, both signs, a spread of
+// mantissas), the values exactly halfway between two multiples of 2^-32, and the ends of [-1, 1]
+// with a rounding's overshoot.
+TEST(KeyDirections, FixedPointRoundingIsLlround) {
+  const auto expect_llround = [](float x) {
+    ASSERT_EQ(kvevict::detail::to_fixed(x),
+              std::llround(static_cast<double>(x) * kvevict::detail::kFixedScale))
+        << x;
+  };
+  for (std::uint32_t bits = 0; bits < 0x7f800000u; bits += 4093) {
+    for (const std::uint32_t sign : {0u, 0x80000000u}) {
+      float x = 0.0f;
+      const std::uint32_t pattern = bits | sign;
+      std::memcpy(&x, &pattern, sizeof x);
+      if (std::fabs(x) <= 1.0f + 0x1p-22f) expect_llround(x);
+    }
+  }
+  for (int k = 0; k < 64; ++k) {
+    const float half = (static_cast<float>(k) + 0.5f) * 0x1p-32f;  // k + 1/2 units of 2^-32
+    expect_llround(half);
+    expect_llround(-half);
+  }
+  for (const float x : {0.0f, -0.0f, 1.0f, -1.0f, 1.0f + 0x1p-23f, -1.0f - 0x1p-23f,
+                        std::numeric_limits<float>::denorm_min(), 0x1p-33f, -0x1p-33f}) {
+    expect_llround(x);
   }
 }
 
@@ -380,6 +453,14 @@ TEST(KeyScorePolicies, RegistryNamesParametersAndBudgetMapping) {
     EXPECT_EQ(policy->name(), name);
     EXPECT_TRUE(policy->signals().contains(kvevict::Signal::keys));
     EXPECT_EQ(policy->retained_limit(), 64);
+    EXPECT_TRUE(policy->score_rule().has_value());
+    // kvpress's DecodingPress default: back to the budget every 10 tokens, 64 + 9 held at most;
+    // no rule for an allocation to split (it decides after every forward).
+    kvevict::PolicyParams every_ten = params;
+    every_ten.set("interval", 10);
+    const std::unique_ptr<kvevict::Policy> periodic = kvevict::make_policy(name, every_ten);
+    EXPECT_EQ(periodic->retained_limit(), 73) << name;
+    EXPECT_FALSE(periodic->score_rule().has_value()) << name;
   }
 }
 
@@ -387,6 +468,9 @@ TEST(KeyScorePolicies, BadInputGetsClearErrors) {
   expect_error([] { (void)knorm(0); }, "budget must be positive");
   expect_error([] { (void)keydiff(4, 4); }, "not larger than the protected recent window");
   expect_error([] { (void)knorm(4, -1); }, "recent must be >= 0");
+  expect_error([] { (void)keydiff(4, 0, 0); }, "keydiff: interval must be >= 1");
+  expect_error([] { (void)knorm(std::numeric_limits<int>::max(), 0, 2); },
+               "knorm: budget + interval - 1");
   // A sequence for a key-reading policy without head_dim.
   expect_error(
       [] {

@@ -33,6 +33,14 @@ namespace kvevict::detail {
 /// in size, so 2^28 slots (SlotTable::kMaxCapacity) sum to under 2^61.
 inline constexpr double kFixedScale = 4294967296.0;
 
+/// llround(x * 2^32) (kFixedScale) for a finite float x, without a call: x * 2^32 is exact in a
+/// double, and so is adding 0.5 of x's sign whenever the sum can reach the next integer (a float
+/// has 24 significant bits, a double 53), so truncation rounds half away from zero, as llround.
+[[nodiscard]] inline std::int64_t to_fixed(float x) {
+  const double scaled = static_cast<double>(x) * kFixedScale;
+  return static_cast<std::int64_t>(scaled + std::copysign(0.5, scaled));
+}
+
 /// ||key||^2, summed in double in order.
 [[nodiscard]] inline double squared_norm(std::span<const float> key) {
   double sum = 0.0;
@@ -158,10 +166,8 @@ struct KeyDirections {
       counted_nan += sign;
       return;
     }
-    for (int d = 0; d < head_dim; ++d) {
-      sum[base + static_cast<std::size_t>(d)] +=
-          sign * std::llround(static_cast<double>(piece[d]) * kFixedScale);
-    }
+    std::int64_t* out = sum.data() + base;
+    for (int d = 0; d < head_dim; ++d) out[d] += sign * to_fixed(piece[d]);
   }
 };
 

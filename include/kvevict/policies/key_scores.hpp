@@ -18,6 +18,12 @@
 // Trigger: after every forward, the prompt included (kvpress's DecodingPress with interval 1,
 // extended to the prompt, as ../shared/replay-format.md "Key scores" states; the paper's KeyDiff
 // evicts after each block of the prompt, which is this trigger with block-sized chunks).
+// `interval` I (default 1) is DecodingPress's `compression_steps` (NVIDIA/kvpress,
+// presses/generation/decoding_press.py, default 10): each unit goes back to its budget after the
+// forward in which I tokens have been appended since the last such forward (the count restarts
+// there, evicting or not); between those, only a KV pool's grant evicts. A unit then holds at
+// most budget + I - 1 tokens after any forward (retained_limit()), and one decision scores the
+// keys once per I tokens rather than at every token.
 // Positions: original (keys stored after RoPE, as in kvpress's cache).
 // Granularity: per KV head (kvpress). A coarser unit (layer, token, block) scores a token by the
 // mean over the unit's heads of each head's score (KeyDiff: each head against its own anchor).
@@ -37,6 +43,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -44,6 +51,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kvevict/checked.hpp"
 #include "kvevict/detail/key_directions.hpp"
 #include "kvevict/detail/row_passes.hpp"
 #include "kvevict/error.hpp"
@@ -68,27 +76,41 @@ namespace detail {
 // up to date before its selection, where the score depends on the whole cache (KeyDiff).
 class KeyScoredPolicy : public Policy {
  public:
-  KeyScoredPolicy(int budget, std::string_view name, ScoreTrend trend)
-      : budget_(budget), name_(name), worst_(trend) {
+  KeyScoredPolicy(int budget, int interval, std::string_view name, ScoreTrend trend)
+      : budget_(budget), interval_(interval), name_(name), worst_(trend) {
     KVEVICT_REQUIRE(budget >= 0,
                     std::string(name) + ": budget must be >= 0, got " + std::to_string(budget));
+    KVEVICT_REQUIRE(interval >= 1, std::string(name) +
+                                       ": interval must be >= 1 (1: decide after every forward), "
+                                       "got " +
+                                       std::to_string(interval));
+    (void)checked_int(std::int64_t{budget} + interval - 1,
+                      std::string(name) + ": budget + interval - 1");
   }
 
   [[nodiscard]] std::string_view name() const override { return name_; }
   [[nodiscard]] SignalSet signals() const override { return {Signal::keys}; }
   [[nodiscard]] int score_columns() const override { return 1; }
-  [[nodiscard]] std::optional<int> retained_limit() const override { return budget_; }
+  [[nodiscard]] std::optional<int> retained_limit() const override {
+    return budget_ + interval_ - 1;
+  }
   [[nodiscard]] bool supports_blocks() const override { return true; }
   [[nodiscard]] bool supports_pressure() const override { return true; }
+  /// The rule an allocation splits: only when it decides after every forward (interval 1).
   [[nodiscard]] std::optional<ScoreRule> score_rule() const override {
+    if (interval_ > 1) return std::nullopt;
     return ScoreRule{kScore, budget_, {}};
   }
   void update_scores(SlotTable& slots, int unit) override { score_unit(slots, unit); }
+  void on_append(SlotTable& /*slots*/, const ChunkInfo& chunk) override {
+    appended_ += chunk.size();
+  }
 
   void select(const EvictionContext& context, Decision& decision) override {
     SlotTable& slots = context.slots;
+    const bool due = take_due();
     for (int unit = 0; unit < slots.units(); ++unit) {
-      const int keep = context.keep(unit, budget_);
+      const int keep = keep_now(context, unit, due);
       // Nothing to evict: no scores needed.
       if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
       score_unit(slots, unit);
@@ -101,12 +123,27 @@ class KeyScoredPolicy : public Policy {
   static constexpr int kScore = 0;
 
   [[nodiscard]] int budget() const { return budget_; }
+  [[nodiscard]] int interval() const { return interval_; }
   [[nodiscard]] WorstCandidates& worst() { return worst_; }
+
+  // Whether this decision brings the units back to their budget (`interval` tokens appended since
+  // the last one that did); restarts the count when it does. Once per select().
+  bool take_due() {
+    if (appended_ < interval_) return false;
+    appended_ = 0;
+    return true;
+  }
+  // A unit's keep now: its budget when due, else no limit (a pool's grant alone evicts).
+  [[nodiscard]] int keep_now(const EvictionContext& context, int unit, bool due) const {
+    return due ? context.keep(unit, budget_) : std::numeric_limits<int>::max();
+  }
 
   virtual void score_unit(SlotTable& /*slots*/, int /*unit*/) {}
 
  private:
   int budget_;
+  int interval_;
+  std::int64_t appended_ = 0;  // tokens appended since the last decision that was due
   std::string_view name_;
   WorstCandidates worst_;
 };
@@ -117,7 +154,8 @@ class KeyScoredPolicy : public Policy {
 class KnormPolicy final : public detail::KeyScoredPolicy {
  public:
   // A token's score is written once, with its key.
-  explicit KnormPolicy(int budget) : KeyScoredPolicy(budget, "knorm", ScoreTrend::never_falls) {}
+  explicit KnormPolicy(int budget, int interval = 1)
+      : KeyScoredPolicy(budget, interval, "knorm", ScoreTrend::never_falls) {}
 
   // -||k|| of each new token, averaged over the unit's heads (one head per unit: exactly -||k||).
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
@@ -137,7 +175,8 @@ class KnormPolicy final : public detail::KeyScoredPolicy {
 /// normalised cached keys.
 class KeyDiffPolicy final : public detail::KeyScoredPolicy {
  public:
-  explicit KeyDiffPolicy(int budget) : KeyScoredPolicy(budget, "keydiff", ScoreTrend::any) {}
+  explicit KeyDiffPolicy(int budget, int interval = 1)
+      : KeyScoredPolicy(budget, interval, "keydiff", ScoreTrend::any) {}
 
   // Keeps each new key's unit vector, in the unit's sum (detail/key_directions.hpp).
   void observe_keys(SlotTable& slots, int layer, const KeyRows& keys) override {
@@ -173,8 +212,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
 
   void select(const EvictionContext& context, Decision& decision) override {
     SlotTable& slots = context.slots;
+    const bool due = take_due();
     for (int unit = 0; unit < slots.units(); ++unit) {
-      const int keep = context.keep(unit, budget());
+      const int keep = keep_now(context, unit, due);
       // Nothing to evict: no scores needed.
       if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
       detail::KeyDirections& keys = unit_keys(unit);
@@ -254,8 +294,13 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
     }
     detail::score_rows(keys.rows.data(), keys.row_floats(), every_slot_.data(), limit, keys.heads,
                        keys.head_dim, anchor_.data(), inverse_norms_.data(), scores.data());
-    const StreamOrderPieces order = slots.stream_order_pieces(unit);
     keys.unscored.clear();
+    // With an interval a decision evicts several tokens, which the reference never decides.
+    if (interval() > 1) {
+      keys.has_reference = false;
+      return;
+    }
+    const StreamOrderPieces order = slots.stream_order_pieces(unit);
     keys.lowest_checked = true;
     keys.reference = anchor_;
     keys.reference_inverse_norms = inverse_norms_;
@@ -392,8 +437,9 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
 };
 
 struct KeyScoreConfig {
-  int budget = 0;  ///< tokens kept per unit, recent included, > 0
-  int recent = 0;  ///< newest tokens always kept, 0 <= recent < budget (kvevict's addition)
+  int budget = 0;    ///< tokens kept per unit, recent included, > 0
+  int recent = 0;    ///< newest tokens always kept, 0 <= recent < budget (kvevict's addition)
+  int interval = 1;  ///< tokens between decisions, >= 1 (kvpress DecodingPress's compression_steps)
 };
 
 namespace detail {
@@ -408,7 +454,7 @@ template <class Scored>
                   std::string(name) + ": budget " + std::to_string(config.budget) +
                       " is not larger than the protected recent window (" +
                       std::to_string(config.recent) + "): no slot would be chosen by its keys");
-  auto scored = std::make_unique<Scored>(config.budget - config.recent);
+  auto scored = std::make_unique<Scored>(config.budget - config.recent, config.interval);
   if (config.recent == 0) return scored;
   return std::make_unique<ProtectNewest>(std::move(scored), config.recent, name);
 }
@@ -427,6 +473,10 @@ inline constexpr ParamSpec kKeyScoreParams[] = {
     {"budget", ParamType::integer, "tokens kept, recent included", std::nullopt, 1, kMaxSlotsParam},
     {"recent", ParamType::integer, "newest tokens always kept, inside the budget", 0, 0,
      kMaxSlotsParam},
+    {"interval", ParamType::integer,
+     "back to the budget once per `interval` tokens (kvpress DecodingPress's compression_steps); "
+     "1: after every forward",
+     1, 1, kMaxSlotsParam},
 };
 
 inline constexpr PolicySpec kKnormSpec{
@@ -435,7 +485,8 @@ inline constexpr PolicySpec kKnormSpec{
     kKeyScoreParams,
     [](int budget, int /*sinks*/) { return PolicyParams().set("budget", budget); },
     [](const PolicyParams& params) {
-      return make_knorm({params.get_int("budget"), params.get_int("recent")});
+      return make_knorm(
+          {params.get_int("budget"), params.get_int("recent"), params.get_int("interval")});
     },
 };
 
@@ -445,7 +496,8 @@ inline constexpr PolicySpec kKeyDiffSpec{
     kKeyScoreParams,
     [](int budget, int /*sinks*/) { return PolicyParams().set("budget", budget); },
     [](const PolicyParams& params) {
-      return make_keydiff({params.get_int("budget"), params.get_int("recent")});
+      return make_keydiff(
+          {params.get_int("budget"), params.get_int("recent"), params.get_int("interval")});
     },
 };
 
