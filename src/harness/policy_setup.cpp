@@ -187,8 +187,8 @@ void validate_policy_options(const PolicyOptions& options) {
   if (allocation != Allocation::uniform && !policy->score_rule()) {
     throw Error(fmt::format(
         "--allocation {}: policy '{}' has no keep rule of the form \"protected plus the top k of "
-        "one score column\" to split a budget over (h2o, tova, knorm and keydiff have one; "
-        "pyramidkv and adakv are SnapKV under the two allocations)",
+        "one score column\" to split a budget over (h2o, tova, and knorm and keydiff at interval 1 "
+        "have one; pyramidkv and adakv are SnapKV under the two allocations)",
         options.allocation, options.policy));
   }
   if (!options.granularity.empty() &&

@@ -87,8 +87,9 @@ class Allocated final : public PolicyDecorator {
     KVEVICT_REQUIRE(rule.has_value(),
                     what +
                         " has no keep rule of the form \"protected plus the top k of one score "
-                        "column\" to split a budget over (h2o, tova, knorm and keydiff have "
-                        "one; pyramidkv and adakv are SnapKV under the two allocations)");
+                        "column\" to split a budget over (h2o, tova, and knorm and keydiff at "
+                        "interval 1 have one; pyramidkv and adakv are SnapKV under the two "
+                        "allocations)");
     rule_ = *rule;
     KVEVICT_REQUIRE(rule_.protection.flags == 0,
                     what + " protects anchors, which accumulate beyond any sequence budget");
