@@ -108,36 +108,32 @@ class KeyScoredPolicy : public Policy {
 
   void select(const EvictionContext& context, Decision& decision) override {
     SlotTable& slots = context.slots;
-    const bool due = take_due();
+    // Back to the budget once `interval` tokens have come since the last time (the count restarts
+    // there); otherwise no limit but a pool's grant.
+    const bool due = appended_ >= interval_;
+    if (due) appended_ = 0;
     for (int unit = 0; unit < slots.units(); ++unit) {
-      const int keep = keep_now(context, unit, due);
+      const int keep = due ? context.keep(unit, budget_) : std::numeric_limits<int>::max();
       // Nothing to evict: no scores needed.
       if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
-      score_unit(slots, unit);
-      (void)worst_.evict(slots, unit, context.protection, keep, slots.scores(unit, kScore),
-                         decision, context.max_live);
+      evict_unit(context, unit, keep, decision);
     }
   }
 
  protected:
   static constexpr int kScore = 0;
 
-  [[nodiscard]] int budget() const { return budget_; }
   [[nodiscard]] int interval() const { return interval_; }
   [[nodiscard]] WorstCandidates& worst() { return worst_; }
 
-  // Whether this decision brings the units back to their budget (`interval` tokens appended since
-  // the last one that did); restarts the count when it does. Once per select().
-  bool take_due() {
-    if (appended_ < interval_) return false;
-    appended_ = 0;
-    return true;
+  // One unit over `keep` (or the pool's grant): its scores brought up to date, then the budget
+  // rule.
+  virtual void evict_unit(const EvictionContext& context, int unit, int keep, Decision& decision) {
+    SlotTable& slots = context.slots;
+    score_unit(slots, unit);
+    (void)worst_.evict(slots, unit, context.protection, keep, slots.scores(unit, kScore), decision,
+                       context.max_live);
   }
-  // A unit's keep now: its budget when due, else no limit (a pool's grant alone evicts).
-  [[nodiscard]] int keep_now(const EvictionContext& context, int unit, bool due) const {
-    return due ? context.keep(unit, budget_) : std::numeric_limits<int>::max();
-  }
-
   virtual void score_unit(SlotTable& /*slots*/, int /*unit*/) {}
 
  private:
@@ -210,33 +206,28 @@ class KeyDiffPolicy final : public detail::KeyScoredPolicy {
   [[nodiscard]] std::int64_t decisions() const { return decisions_; }
   [[nodiscard]] std::int64_t decisions_from_reference() const { return decisions_from_reference_; }
 
-  void select(const EvictionContext& context, Decision& decision) override {
+  // From the reference scores when they can tell, else every key scored.
+  void evict_unit(const EvictionContext& context, int unit, int keep, Decision& decision) override {
     SlotTable& slots = context.slots;
-    const bool due = take_due();
-    for (int unit = 0; unit < slots.units(); ++unit) {
-      const int keep = keep_now(context, unit, due);
-      // Nothing to evict: no scores needed.
-      if (slots.live(unit) <= std::min(keep, context.max_live)) continue;
-      detail::KeyDirections& keys = unit_keys(unit);
-      take_anchor(slots, unit, keys);
-      const bool from_reference = evict_from_reference(context, unit, keep, keys, decision);
-      if (!from_reference) {
-        score_every_key(slots, unit, keys);
-        (void)worst().evict(slots, unit, context.protection, keep, slots.scores(unit, kScore),
-                            decision, context.max_live);
-      }
-      // What this decision takes out: the sum drops those keys at the next one.
-      const std::span<const std::int32_t> evicted = decision.evicted(unit);
-      if (!evicted.empty()) {
-        ++decisions_;
-        decisions_from_reference_ += from_reference ? 1 : 0;
-      }
-      keys.decided.assign(evicted.begin(), evicted.end());
-      const std::span<const std::int64_t> originals = slots.original_positions(unit);
-      keys.decided_last = 0;
-      for (const std::int32_t slot : evicted) {
-        keys.decided_last = std::max(keys.decided_last, originals[static_cast<std::size_t>(slot)]);
-      }
+    detail::KeyDirections& keys = unit_keys(unit);
+    take_anchor(slots, unit, keys);
+    const bool from_reference = evict_from_reference(context, unit, keep, keys, decision);
+    if (!from_reference) {
+      score_every_key(slots, unit, keys);
+      (void)worst().evict(slots, unit, context.protection, keep, slots.scores(unit, kScore),
+                          decision, context.max_live);
+    }
+    // What this decision takes out: the sum drops those keys at the next one.
+    const std::span<const std::int32_t> evicted = decision.evicted(unit);
+    if (!evicted.empty()) {
+      ++decisions_;
+      decisions_from_reference_ += from_reference ? 1 : 0;
+    }
+    keys.decided.assign(evicted.begin(), evicted.end());
+    const std::span<const std::int64_t> originals = slots.original_positions(unit);
+    keys.decided_last = 0;
+    for (const std::int32_t slot : evicted) {
+      keys.decided_last = std::max(keys.decided_last, originals[static_cast<std::size_t>(slot)]);
     }
   }
 
