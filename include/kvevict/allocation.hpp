@@ -12,8 +12,8 @@
 //
 // The functions are pure (numbers in, numbers out), so any policy that ranks tokens by a score per
 // unit can take them: SnapKV, PyramidKV and Ada-KV do (policies/prompt_compression.hpp), and the
-// planned `--allocation` decorator (docs/design.md, "Allocation") will hand H2O's and TOVA's score
-// columns to the same functions. Nothing here knows about slots or attention.
+// `Allocated` decorator (policies/allocated.hpp, `--allocation`) hands the score columns of H2O,
+// TOVA, K-norm and KeyDiff to the same functions. Nothing here knows about slots or attention.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +52,13 @@ enum class Allocation : std::uint8_t { uniform, pyramid, adaptive };
   throw Error("unknown allocation '" + std::string(text) +
               "' (expected uniform, pyramid or adaptive)");
 }
+
+/// Why a policy without a score rule (Policy::score_rule) cannot have a budget split over its
+/// units, as every refusal says it after naming the policy.
+inline constexpr std::string_view kNoScoreRule =
+    "has no keep rule of the form \"protected plus the top k of one score column\" to split a "
+    "budget over (h2o, tova, and knorm and keydiff at interval 1 have one; pyramidkv and adakv "
+    "are SnapKV under the two allocations)";
 
 /// `x` (finite, >= 0) rounded to the nearest integer, halves to even (torch.round), whatever the
 /// floating-point rounding mode.

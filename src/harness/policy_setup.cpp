@@ -185,11 +185,8 @@ void validate_policy_options(const PolicyOptions& options) {
   if (options.policy == "anllm" && !params.has("anchor_ids")) return;
   const std::unique_ptr<Policy> policy = spec.make(resolved(spec, params));
   if (allocation != Allocation::uniform && !policy->score_rule()) {
-    throw Error(fmt::format(
-        "--allocation {}: policy '{}' has no keep rule of the form \"protected plus the top k of "
-        "one score column\" to split a budget over (h2o, tova, and knorm and keydiff at interval 1 "
-        "have one; pyramidkv and adakv are SnapKV under the two allocations)",
-        options.allocation, options.policy));
+    throw Error(fmt::format("--allocation {}: policy '{}' {}", options.allocation, options.policy,
+                            kNoScoreRule));
   }
   if (!options.granularity.empty() &&
       parse_granularity(options.granularity).kind() == Granularity::Kind::block &&

@@ -84,12 +84,7 @@ class Allocated final : public PolicyDecorator {
     const std::string what = "allocation " + std::string(to_string(config.allocation)) +
                              ": policy '" + std::string(this->inner().name()) + "'";
     const std::optional<ScoreRule> rule = this->inner().score_rule();
-    KVEVICT_REQUIRE(rule.has_value(),
-                    what +
-                        " has no keep rule of the form \"protected plus the top k of one score "
-                        "column\" to split a budget over (h2o, tova, and knorm and keydiff at "
-                        "interval 1 have one; pyramidkv and adakv are SnapKV under the two "
-                        "allocations)");
+    KVEVICT_REQUIRE(rule.has_value(), what + " " + std::string(kNoScoreRule));
     rule_ = *rule;
     KVEVICT_REQUIRE(rule_.protection.flags == 0,
                     what + " protects anchors, which accumulate beyond any sequence budget");
