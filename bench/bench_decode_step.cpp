@@ -27,7 +27,9 @@
 // The cache is filled before timing by real forwards (chunks of 64) of the stream below, so the
 // policies' scores come from the model's own attention and surprisal. One decoder per
 // (policy, budget) is kept across Google Benchmark's runs of that benchmark (iteration estimation,
-// repetitions): the fill is paid once, and later runs continue the same stream at steady state.
+// repetitions): the fill is paid once, and later runs continue the same stream. The first runs are
+// the first steps after a prompt of N tokens, where H2O's kept heap re-ranks the most
+// (docs/benchmarks.md); later repetitions are further into the generation.
 //
 // `full` is the reference at the same live size: after each step, outside the timing, the token
 // just fed is rolled back (Sequence::roll_back), so that every step attends over N + 1 slots.
